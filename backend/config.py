@@ -1,0 +1,86 @@
+"""The one typed, frozen configuration object, and the one function that reads the environment.
+
+Precedence for every field: ``options=`` > ``mode=`` > ``CGTREES_<NAME>`` env var > default.
+Each field declares whether it changes generated code (``affects_codegen``): the cache key takes
+exactly those fields, and a test fails when a field does not declare it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+MODES: dict[str, dict[str, Any]] = {
+    "default": {},
+    "reduce-overhead": {"cudagraphs": True},
+    "max-autotune": {"cudagraphs": True},
+    "max-autotune-no-cudagraphs": {"cudagraphs": False},
+}
+
+
+def _field(default: Any, *, affects_codegen: bool, doc: str) -> Any:
+    return field(default=default, metadata={"affects_codegen": affects_codegen, "doc": doc})
+
+
+@dataclass(frozen=True)
+class Config:
+    cudagraphs: bool = _field(True, affects_codegen=False, doc="wrap CUDA kernel modules in graph trees")
+    cache: bool = _field(True, affects_codegen=False, doc="use the persistent on-disk cache")
+    max_shapes_per_function: int = _field(8, affects_codegen=False, doc="recordings per distinct shape, then no graphs")
+    max_rerecords_per_function: int = _field(4, affects_codegen=False, doc="re-records for changed static addresses")
+    max_live_branches_per_function: int = _field(4, affects_codegen=False, doc="branches forced by live outputs")
+    cache_size_mb: int = _field(0, affects_codegen=False, doc="cache size cap with LRU eviction (0: no cap)")
+    interpret: bool = _field(False, affects_codegen=True, doc="run Triton kernels through the interpreter (CPU)")
+    debug_dir: str = _field("", affects_codegen=False, doc="write every generated module and graph here")
+    cache_dir: str = _field("", affects_codegen=False, doc="cache directory (default: XDG cache/cgtrees)")
+
+    @classmethod
+    def resolve(cls, mode: str | None = None, options: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> "Config":
+        """Build the config from defaults, env vars, mode and options (in rising precedence)."""
+        environ = os.environ if environ is None else environ
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        for name, f in names.items():
+            raw = environ.get(f"CGTREES_{name.upper()}")
+            if raw is not None and raw != "":
+                values[name] = _parse(name, f.type, raw, source=f"env CGTREES_{name.upper()}")
+        if mode not in (None, "default"):
+            if mode not in MODES:
+                raise ValueError(f"cgtrees: unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+            values.update(MODES[mode])
+        for name, raw in (options or {}).items():
+            if name not in names:
+                raise ValueError(f"cgtrees: unknown option {name!r}; valid options: {', '.join(names)}")
+            values[name] = _parse(name, names[name].type, raw, source="options")
+        return cls(**values)
+
+    def codegen_key(self) -> tuple[tuple[str, Any], ...]:
+        """Exactly the fields that change generated code, for the cache key."""
+        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                     if f.metadata["affects_codegen"])
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _parse(name: str, type_name: Any, raw: Any, *, source: str) -> Any:
+    kind = type_name if isinstance(type_name, str) else type_name.__name__
+    if kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        if str(raw).lower() in _TRUE | _FALSE:
+            return str(raw).lower() in _TRUE
+    elif kind == "int":
+        if isinstance(raw, bool):
+            pass
+        elif isinstance(raw, int):
+            return raw
+        elif isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
+            return int(raw)
+    elif kind == "str":
+        return str(raw)
+    raise ValueError(f"cgtrees: {source}: {name}={raw!r} is not a valid {kind}")

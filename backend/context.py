@@ -1,0 +1,20 @@
+"""What every stage is told about one aten graph: passed explicitly, never read from globals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from backend.config import Config
+
+
+@dataclass(frozen=True)
+class GraphContext:
+    config: Config
+    kind: str  # "forward" | "backward" | "inference"
+    name: str  # stable id for logs, counters and describe(), e.g. "g0_forward"
+    static_input_indices: tuple[int, ...] = ()  # parameters, buffers, marked-static inputs
+    mutated_input_indices: tuple[int, ...] = ()  # inputs the graph writes to (aten.copy_ into a placeholder)
+    # Shared by the forward and backward of one Dynamo graph; the runtime keeps there which tree
+    # manager the forward ran under, so the backward uses it (autograd runs it on another thread).
+    pair: Any = field(default=None, compare=False, hash=False)
