@@ -1,0 +1,21 @@
+"""cgtrees: a torch.compile backend (``torch.compile(model, backend="cgtrees")``).
+
+Dynamo finds it through the ``torch_dynamo_backends`` entry point, which names ``backend:cgtrees``;
+importing this package registers nothing itself (a second registration would fail).
+"""
+
+from __future__ import annotations
+
+from backend.api import CgtreesBackend
+
+__version__ = "0.1.0"
+
+cgtrees = CgtreesBackend()
+
+
+def reset() -> None:
+    """Free every compiled graph's CUDA graph trees and forget logged reasons."""
+    cgtrees.reset()
+
+
+__all__ = ["cgtrees", "reset", "CgtreesBackend", "__version__"]

@@ -1,0 +1,58 @@
+"""Every torch private API the aot stage uses, in one place (torch 2.11 on the GPU, 2.13 in CI)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+import torch.fx
+from torch._functorch.aot_autograd import aot_module_simplified, make_boxed_func
+from torch._functorch.partitioners import _extract_fwd_bwd_modules, default_partition
+from torch.fx.experimental.proxy_tensor import is_sym_node
+
+__all__ = [
+    "aot_module_simplified", "make_boxed_func", "default_partition", "is_sym_node",
+    "extract_fwd_bwd_modules", "forward_static_input_indices", "is_primal", "is_tangent",
+]
+
+_EXTRACT_PARAMS = set(inspect.signature(_extract_fwd_bwd_modules).parameters)
+
+
+def extract_fwd_bwd_modules(joint: torch.fx.GraphModule, saved_values: list[torch.fx.Node],
+                            saved_sym_nodes: list[torch.fx.Node], *, num_fwd_outputs: int,
+                            static_nodes: Any = None) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """Build the forward and backward modules for a chosen saved set.
+
+    Our partitioner decides *what* is saved; torch's helper builds the two graphs, so the saved
+    values keep the order and conventions (version-counter groups, symbol bindings) that
+    AOTAutograd's runtime expects in each torch release.
+    """
+    kwargs: dict[str, Any] = {"num_fwd_outputs": num_fwd_outputs}
+    if "static_lifetime_input_nodes" in _EXTRACT_PARAMS and static_nodes is not None:
+        kwargs["static_lifetime_input_nodes"] = static_nodes
+    return _extract_fwd_bwd_modules(joint, saved_values, saved_sym_nodes, **kwargs)
+
+
+def is_primal(node: torch.fx.Node) -> bool:
+    return node.op == "placeholder" and "tangents" not in str(node.target) and "bwd_seed" not in str(node.target)
+
+
+def is_tangent(node: torch.fx.Node) -> bool:
+    return node.op == "placeholder" and "tangents" in str(node.target)
+
+
+def forward_static_input_indices() -> tuple[int, ...]:
+    """Static inputs (parameters, buffers, marked static) of the graph being compiled now."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None) if context is not None else None
+    return tuple(getattr(meta, "static_input_indices", ()) or ())
+
+
+def boxed(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """Mark ``fn(args: list)`` as taking its inputs boxed (AOTAutograd may then free them early)."""
+    def call(args: list[Any]) -> Any:
+        return fn(args)
+
+    call._boxed_call = True  # type: ignore[attr-defined]
+    return call

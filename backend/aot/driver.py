@@ -1,0 +1,107 @@
+"""aot: drive torch's AOTAutograd over a Dynamo graph and compile each aten graph it hands us.
+
+    Dynamo graph --AOTAutograd (functionalize, decompose, joint trace, OUR partition)--> aten graphs
+    aten graph --codegen.compile_graph--> kernel module --runtime.wrap--> callable
+
+A failure in codegen or the runtime never reaches the user: that aten graph runs directly, and the
+reason is logged once and counted (``graph_fallbacks``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from backend import codegen, counters, runtime
+from backend.aot import compat
+from backend.aot.decompositions import decomposition_table
+from backend.aot.partition import partition
+from backend.config import Config
+from backend.context import GraphContext
+from backend.logs import log, log_once
+
+
+class FunctionPair:
+    """Shared by the forward and backward of one Dynamo graph (the runtime keeps state on it)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
+                         graph_id: int) -> Callable[..., Any]:
+    name = f"g{graph_id}"
+    pair = FunctionPair(name)
+    return compat.aot_module_simplified(
+        gm, example_inputs,
+        fw_compiler=_aten_compiler("forward", name, pair, config),
+        bw_compiler=_aten_compiler("backward", name, pair, config),
+        inference_compiler=_aten_compiler("inference", name, pair, config),
+        partition_fn=partition,
+        decompositions=decomposition_table(),
+        keep_inference_input_mutations=True,
+    )
+
+
+def _aten_compiler(kind: str, name: str, pair: FunctionPair, config: Config) -> Callable[..., Any]:
+    versions = itertools.count()
+
+    def compile_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[[list[Any]], Any]:
+        n = next(versions)  # a graph recompiled for new shapes gets a new name
+        ctx = GraphContext(
+            config=config, kind=kind, name=f"{name}_{kind}" + (f"_{n}" if n else ""),
+            static_input_indices=_static_inputs(kind, gm),
+            mutated_input_indices=mutated_inputs(gm), pair=pair,
+        )
+        return compat.boxed(compile_aten_graph(gm, example_inputs, ctx))
+
+    return compile_aten
+
+
+def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list[Any],
+                       ctx: GraphContext) -> Callable[[list[Any]], Any]:
+    """One aten graph: codegen, then the runtime; aten on any failure."""
+    try:
+        module = codegen.compile_graph(gm, example_inputs, ctx)
+    except Exception as exc:  # noqa: BLE001
+        return _fallback(gm, ctx, "codegen", exc)
+    try:
+        return runtime.wrap(module.call, example_inputs, ctx)
+    except Exception as exc:  # noqa: BLE001
+        _explain(ctx, "runtime", exc)
+        return module.call
+
+
+def _fallback(gm: torch.fx.GraphModule, ctx: GraphContext, stage: str, exc: Exception) -> Callable:
+    _explain(ctx, stage, exc)
+    return codegen.AtenModule(gm).call
+
+
+def _explain(ctx: GraphContext, stage: str, exc: Exception) -> None:
+    counters.bump("graph_fallbacks")
+    log_once(log, f"fallback:{ctx.name}:{stage}",
+             "cgtrees: %s: %s failed (%s: %s); this graph runs through aten", ctx.name, stage,
+             type(exc).__name__, exc)
+
+
+def _static_inputs(kind: str, gm: torch.fx.GraphModule) -> tuple[int, ...]:
+    if kind != "backward":
+        return compat.forward_static_input_indices()
+    saved_static = set(gm.meta.get("cgtrees_saved_static", ()))
+    return tuple(i for i, n in enumerate(gm.graph.find_nodes(op="placeholder")) if n.name in saved_static)
+
+
+def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
+    """Inputs the graph writes to: the targets of in-place ops on placeholders (``aten.copy_``)."""
+    index = {n: i for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))}
+    out = set()
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+            for arg, schema_arg in zip(node.args, target._schema.arguments):
+                if schema_arg.alias_info is not None and schema_arg.alias_info.is_write and arg in index:
+                    out.add(index[arg])
+    return tuple(sorted(out))

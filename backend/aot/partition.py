@@ -1,0 +1,88 @@
+"""Our partitioner: which forward values the backward gets saved, and which it recomputes.
+
+A min cut over the forward part of the joint graph. Each forward value is a pair of vertices
+(in -> out) whose edge costs the bytes it would keep alive; values the backward needs connect to
+the sink; values the backward may not recompute (inputs, matrix products, convolutions, random
+ops) connect to the source. The cheapest cut is the set of values to save; everything between the
+cut and the backward is recomputed there. Parameters cost (almost) nothing to save: they are alive
+anyway.
+
+Callable with AOTAutograd's ``partition_fn`` protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import networkx as nx
+import torch.fx
+
+from backend.aot import compat
+from backend.aot.cost import is_recomputable, saved_bytes
+
+_SOURCE, _SINK = "__source__", "__sink__"
+
+
+def partition(joint_module: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
+              static_lifetime_input_indices: list[int] | None = None,
+              **_: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    graph = joint_module.graph
+    # 1. Which nodes belong to the backward (they depend on a tangent) and which the backward reads.
+    backward = _tangent_dependent(graph)
+    needed = _needed_by_backward(graph, backward, num_fwd_outputs)
+    # 2. The primals whose lifetime is static (parameters, buffers): saving them costs nothing.
+    primals = [n for n in graph.nodes if compat.is_primal(n)]
+    static = {primals[i] for i in (static_lifetime_input_indices or []) if i < len(primals)}
+    # 3. The min cut decides the saved set.
+    saved = _min_cut(graph, backward, needed, static)
+    # 4. Torch's helper builds the two modules in the order AOTAutograd's runtime expects.
+    saved_values = [n for n in saved if not compat.is_sym_node(n)]
+    saved_syms = [n for n in saved if compat.is_sym_node(n)]
+    fw, bw = compat.extract_fwd_bwd_modules(joint_module, saved_values, saved_syms,
+                                            num_fwd_outputs=num_fwd_outputs, static_nodes=static or None)
+    bw.meta["cgtrees_saved_static"] = tuple(n.name for n in saved_values if n in static)
+    return fw, bw
+
+
+def _tangent_dependent(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    out: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if compat.is_tangent(node) or any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _needed_by_backward(graph: torch.fx.Graph, backward: set[torch.fx.Node],
+                        num_fwd_outputs: int) -> set[torch.fx.Node]:
+    """Forward values read by backward nodes, or returned as gradients directly."""
+    output = next(iter(graph.find_nodes(op="output")))
+    grads = [a for a in torch.fx.node.map_arg(output.args[0], lambda n: n)[num_fwd_outputs:]
+             if isinstance(a, torch.fx.Node)]
+    needed = {g for g in grads if g not in backward}
+    for node in backward:
+        needed.update(a for a in node.all_input_nodes if a not in backward)
+    return needed
+
+
+def _min_cut(graph: torch.fx.Graph, backward: set[torch.fx.Node], needed: set[torch.fx.Node],
+             static: set[torch.fx.Node]) -> list[torch.fx.Node]:
+    if not needed:
+        return []
+    net = nx.DiGraph()
+    forward = [n for n in graph.nodes if n not in backward and n.op != "output"]
+    for node in forward:
+        size = saved_bytes(node)
+        if size is None:
+            net.add_edge(("in", node), ("out", node))  # no capacity: infinite, cannot be saved
+        else:
+            # Static inputs cost ~nothing; a tiny epsilon per value prefers fewer saved values.
+            net.add_edge(("in", node), ("out", node), capacity=1 if node in static else size + 1)
+        if node.op == "placeholder" or not is_recomputable(node):
+            net.add_edge(_SOURCE, ("in", node))
+        if node in needed:
+            net.add_edge(("out", node), _SINK)
+        for user in node.users:
+            if user not in backward and user.op != "output":
+                net.add_edge(("out", node), ("in", user))
+    _, (reachable, _) = nx.minimum_cut(net, _SOURCE, _SINK)
+    return [n for n in forward if ("in", n) in reachable and ("out", n) not in reachable]

@@ -1,0 +1,49 @@
+"""The backend callable that Dynamo calls with each captured FX graph."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Mapping
+
+import torch
+
+from backend import counters
+from backend.config import Config
+from backend.logs import forget, log
+
+
+class CgtreesBackend:
+    """``backend(gm, example_inputs, mode=None, options=None) -> callable``.
+
+    torch.compile hands a string backend its ``mode`` (when not "default") and ``options`` as
+    keyword arguments. Bad options are the user's error and raise; a graph we cannot compile is
+    ours, and runs eagerly with the reason logged.
+    """
+
+    def __init__(self) -> None:
+        self._graph_ids = itertools.count()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
+                 options: Mapping[str, Any] | None = None, **unknown: Any) -> Callable[..., Any]:
+        if unknown:
+            raise TypeError(f"cgtrees: unexpected arguments {sorted(unknown)}; it takes mode= and options=")
+        config = Config.resolve(mode, options)
+        graph_id = next(self._graph_ids)
+        try:
+            from backend.aot.driver import compile_dynamo_graph
+
+            compiled = compile_dynamo_graph(gm, example_inputs, config, graph_id)
+        except Exception as exc:  # noqa: BLE001 - the user's program must not die of our bug
+            counters.bump("graph_fallbacks")
+            log.warning("cgtrees: graph g%d could not be compiled (%s: %s); it runs eagerly",
+                        graph_id, type(exc).__name__, exc, exc_info=log.isEnabledFor(10))
+            return gm.forward
+        counters.bump("graphs_compiled")
+        return compiled
+
+    def reset(self) -> None:
+        """Called by ``torch._dynamo.reset()`` (through torch.compile's wrapper) and ``backend.reset()``."""
+        from backend import runtime
+
+        runtime.reset()
+        forget()
