@@ -1,0 +1,104 @@
+"""Timing, memory and error figures, defined as in DESIGN.md ("How figures are defined").
+
+- time to first output(s): wall clock from the first call, synchronising the device after each;
+- per-call time: median over windows of many calls, timed with CUDA events on a GPU
+  (``perf_counter`` on the CPU);
+- peak memory: ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``, which also counts
+  CUDA-graph pools) over the steady-state calls, after ``reset_peak_memory_stats``;
+- error: the largest absolute difference from eager over all compared tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+Step = Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long to measure: small on the CPU smoke run, enough for stable medians on a GPU."""
+
+    warmup_calls: int = 5
+    windows: int = 7
+    window_s: float = 0.05  # aim for windows of about this long...
+    min_calls: int = 10  # ...but never fewer calls than this per window
+    max_calls: int = 2000
+
+
+SMOKE_PLAN = Plan(warmup_calls=1, windows=3, window_s=0.0, min_calls=2, max_calls=2)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def first_outputs(step: Step, device: torch.device, n: int = 3) -> list[float]:
+    """Seconds from the first call until each of the first ``n`` outputs is ready."""
+    start = time.perf_counter()
+    marks = []
+    for _ in range(n):
+        step()
+        sync(device)
+        marks.append(time.perf_counter() - start)
+    return marks
+
+
+def _window(step: Step, calls: int, device: torch.device) -> float:
+    """Seconds per call over one window of ``calls`` back-to-back calls."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        return (time.perf_counter() - start) / calls
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(calls):
+        step()
+    end.record()
+    end.synchronize()
+    return begin.elapsed_time(end) / 1e3 / calls
+
+
+def steady_state(step: Step, device: torch.device, plan: Plan) -> dict:
+    """Per-call seconds (median of windows) and the peak memory over those calls."""
+    for _ in range(plan.warmup_calls):
+        step()
+    sync(device)
+    probe = _window(step, plan.min_calls, device)
+    calls = int(min(plan.max_calls, max(plan.min_calls, plan.window_s / max(probe, 1e-9))))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # cached blocks from compilation are not the workload's memory
+        torch.cuda.reset_peak_memory_stats(device)
+    per_window = [_window(step, calls, device) for _ in range(plan.windows)]
+    figures = {"step_s": statistics.median(per_window), "step_windows_s": per_window,
+               "calls_per_window": calls}
+    if device.type == "cuda":
+        figures["peak_alloc_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        figures["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20
+    return figures
+
+
+def max_error(got: Sequence[torch.Tensor | None], want: Sequence[torch.Tensor | None]) -> float:
+    """Largest absolute difference; ``inf`` where a tensor is missing, mis-shaped or not finite."""
+    if len(got) != len(want):
+        return math.inf
+    worst = 0.0
+    for g, w in zip(got, want, strict=True):
+        if g is None or w is None:
+            if g is not w:
+                return math.inf
+            continue
+        if g.shape != w.shape:
+            return math.inf
+        diff = (g.detach().double().cpu() - w.detach().double().cpu()).abs()
+        if diff.numel():
+            worst = max(worst, diff.nan_to_num(nan=math.inf).max().item())
+    return worst

@@ -1,0 +1,188 @@
+"""Measure one (workload, backend, mode) in this process and print one JSON line.
+
+    python benchmarks/worker.py --workload mlp_small --backend cgtrees --mode infer [--device cuda]
+
+The runner starts one worker per row, in a fresh process, with the cache directories it chose in
+the environment. ``run_row`` is also called in-process by the ``--smoke`` run. A failure is
+reported in the row (``error``), with whatever figures were measured before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Callable
+
+import torch
+
+import measure
+import workloads
+
+GRAPH_BACKENDS = {"reduce-overhead", "cudagraphs", "cgtrees", "raw_graph"}
+BACKENDS = ("eager", "inductor", "reduce-overhead", "cudagraphs", "cgtrees", "raw_graph")
+
+
+def compile_model(model: torch.nn.Module, backend: str) -> Callable:
+    """The model as the backend runs it (raw_graph is built by ``raw_graph_call``)."""
+    if backend == "eager":
+        return model
+    if backend == "inductor":
+        return torch.compile(model)
+    if backend == "reduce-overhead":
+        return torch.compile(model, mode="reduce-overhead")
+    if backend in ("cudagraphs", "cgtrees"):
+        return torch.compile(model, backend=backend)
+    raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+
+
+def raw_graph_call(model: torch.nn.Module, inputs: tuple) -> Callable:
+    """The per-call floor: one ``torch.cuda.CUDAGraph`` of the whole model, replayed.
+
+    The first call warms up on a side stream, captures, and replays; later calls only replay.
+    The inputs never change between calls, so they serve as the graph's static inputs.
+    """
+    state: dict = {}
+
+    def call(*_: object) -> torch.Tensor:
+        if "graph" not in state:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    model(*inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            state["graph"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(state["graph"]):
+                state["out"] = model(*inputs)
+        state["graph"].replay()
+        return state["out"]
+
+    return call
+
+
+def infer_step(fn: Callable, inputs: tuple, mark: bool, keep: list) -> Callable[[], None]:
+    """One inference call; the first output is cloned into ``keep`` for the error check."""
+    def step() -> None:
+        if mark:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad():
+            out = fn(*inputs)
+        if not keep:
+            keep.append(out.detach().clone())
+    return step
+
+
+def train_step(fn: Callable, inputs: tuple, loss_fn: Callable, model: torch.nn.Module,
+               mark: bool, keep: list) -> Callable[[], None]:
+    """Forward, loss, backward, eager SGD step, zero_grad; the first loss and grads go to ``keep``."""
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=1e-3)
+
+    def step() -> None:
+        if mark:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = loss_fn(fn(*inputs))
+        loss.backward()
+        if not keep:
+            keep.extend([loss.detach().clone()] + [_clone(p.grad) for p in params])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
+def make_step(spec: dict, device: torch.device, keep: list) -> Callable[[], None]:
+    """Build the workload (seeded), put it on the device, and wrap one call of it as a step."""
+    model, input_fn, loss_fn = workloads.build(spec["workload"], smoke=spec["smoke"])
+    model.to(device).train(spec["mode"] == "train")
+    inputs = input_fn(device)
+    backend = spec["backend"]
+    if backend == "raw_graph":
+        if spec["mode"] != "infer" or device.type != "cuda":
+            raise RuntimeError("raw_graph is an inference floor and needs CUDA")
+        fn = raw_graph_call(model, inputs)
+    else:
+        fn = compile_model(model, backend)
+    mark = backend in GRAPH_BACKENDS and backend != "raw_graph"
+    if spec["mode"] == "infer":
+        return infer_step(fn, inputs, mark, keep)
+    return train_step(fn, inputs, loss_fn, model, mark, keep)
+
+
+def reference(spec: dict, device: torch.device) -> list:
+    """Eager's first output (infer) or first loss and grads (train), from the same seed."""
+    keep: list = []
+    make_step({**spec, "backend": "eager"}, device, keep)()
+    return keep
+
+
+def environment(device: torch.device) -> dict:
+    import triton  # only for its version
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device_name": name, "torch": torch.__version__, "triton": triton.__version__,
+            "python": sys.version.split()[0]}
+
+
+def _counters() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {"cgtrees": dict(counters.get("cgtrees", {})),
+            "graph_breaks": sum(counters.get("graph_break", {}).values())}
+
+
+def run_row(spec: dict) -> dict:
+    """Measure one row: first outputs, steady state, error vs eager. Never raises."""
+    device = torch.device(spec["device"])
+    plan = measure.SMOKE_PLAN if spec["smoke"] else measure.Plan()
+    row: dict = {**spec, "ok": False, "error": None}
+    phase = "build"
+    try:
+        keep: list = []
+        step = make_step(spec, device, keep)
+        phase = "first calls"
+        marks = measure.first_outputs(step, device)
+        row.update(first_s=marks[0], first3_s=marks[-1])
+        phase = "steady state"
+        row.update(measure.steady_state(step, device, plan))
+        phase = "error vs eager"
+        del step
+        row["max_err"] = measure.max_error(keep, reference(spec, device))
+        row["ok"] = True
+    except Exception as exc:  # the row says what failed; the run goes on
+        row["error"] = f"{phase}: {type(exc).__name__}: {exc}"[:2000]
+        row["traceback"] = traceback.format_exc()[-4000:]
+    row["counters"] = _counters()
+    return row
+
+
+def main() -> None:
+    start = time.perf_counter()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", required=True, choices=sorted(workloads.WORKLOADS))
+    parser.add_argument("--backend", required=True, choices=BACKENDS)
+    parser.add_argument("--mode", required=True, choices=("infer", "train"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--phase", default="cold", help="label only: the runner sets the caches")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    spec = {"workload": args.workload, "backend": args.backend, "mode": args.mode,
+            "device": args.device, "phase": args.phase, "smoke": args.smoke}
+    row = run_row(spec)
+    row.update(environment(torch.device(args.device)))
+    row["worker_s"] = time.perf_counter() - start
+    row["cache_dirs"] = {k: os.environ.get(k) for k in CACHE_VARS}
+    print(json.dumps(row, default=str), flush=True)
+
+
+CACHE_VARS = ("CGTREES_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+if __name__ == "__main__":
+    main()
