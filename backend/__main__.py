@@ -1,0 +1,25 @@
+"""``python -m backend``: the demo; ``python -m backend cache info|clear``: the cache."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m backend", description="cgtrees: demo and cache tools")
+    sub = parser.add_subparsers(dest="command")
+    cache = sub.add_parser("cache", help="inspect or clear the persistent compile cache")
+    cache.add_argument("action", choices=["info", "clear"])
+    args = parser.parse_args(argv)
+    if args.command == "cache":
+        from backend.cache import cli
+
+        return cli.main(args.action)
+    from backend.demo import main as demo
+
+    return demo()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The built-in demo (``python -m backend``): compile a small GPT block, check it against eager,
+and print compile time, steady-state time against eager, and what the cache did."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from backend import counters
+
+
+class DemoBlock(nn.Module):
+    """One GPT-2 style block: causal attention written out, tanh-GELU MLP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        y = torch.softmax(att.masked_fill(~mask, float("-inf")), dim=-1) @ v
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _per_call_us(fn, x: torch.Tensor, device: torch.device, iters: int) -> float:
+    for _ in range(3):
+        fn(x)
+    _sync(device)
+    samples = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn(x)
+        _sync(device)
+        samples.append((time.perf_counter() - start) / iters * 1e6)
+    return sorted(samples)[len(samples) // 2]
+
+
+def main() -> int:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    d, heads = (768, 12) if device.type == "cuda" else (128, 4)
+    shape = (8, 256, d) if device.type == "cuda" else (4, 64, d)
+    model = DemoBlock(d, heads).to(device)
+    x = torch.randn(*shape, device=device)
+    print(f"cgtrees demo on {torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}: "
+          f"GPT block d={d}, heads={heads}, input {tuple(shape)}, torch {torch.__version__}")
+
+    compiled = torch.compile(model, backend="cgtrees")
+    with torch.no_grad():
+        start = time.perf_counter()
+        out = compiled(x)
+        _sync(device)
+        compile_s = time.perf_counter() - start
+        ref = model(x)
+    err = (out - ref).abs().max().item()
+    print(f"inference: compile + first call {compile_s:.2f} s, max |error| vs eager {err:.2e}")
+
+    x_train = x.clone().requires_grad_()
+    loss = compiled(x_train).square().mean()
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    x_ref = x.clone().requires_grad_()
+    model(x_ref).square().mean().backward()
+    grad_err = max((a - p.grad).abs().max().item() for a, p in zip(grads, model.parameters()))
+    print(f"training: max |grad error| vs eager {grad_err:.2e}")
+
+    iters = 50 if device.type == "cuda" else 5
+    with torch.no_grad():
+        eager_us = _per_call_us(model, x, device, iters)
+        ours_us = _per_call_us(compiled, x, device, iters)
+    print(f"steady state per call: eager {eager_us:.0f} us, cgtrees {ours_us:.0f} us "
+          f"({eager_us / ours_us:.2f}x eager)")
+
+    c = counters.snapshot()
+    print("cache: " + ", ".join(f"{k}={c[k]}" for k in ("cache_hit", "cache_miss", "cache_bypass", "cache_corrupt")))
+    print("counters: " + ", ".join(f"{k}={c[k]}" for k in counters.KEYS if not k.startswith("cache")))
+    ok = err < 1e-3 and grad_err < 1e-3 and math.isfinite(err)
+    print("demo " + ("OK: matches eager" if ok else "FAILED: does not match eager"))
+    return 0 if ok else 1

@@ -1,0 +1,24 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def cgtrees_counters():
+    """The cgtrees counters, cleared before the test."""
+    from torch._dynamo.utils import counters
+
+    counters["cgtrees"].clear()
+    return counters["cgtrees"]

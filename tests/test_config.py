@@ -1,0 +1,63 @@
+"""Options, modes and env vars: precedence and errors."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from backend.config import MODES, Config
+
+
+def test_defaults():
+    c = Config.resolve(environ={})
+    assert c.cudagraphs and c.cache and c.max_shapes_per_function > 0
+
+
+def test_env_then_mode_then_options():
+    env = {"CGTREES_CUDAGRAPHS": "0", "CGTREES_MAX_SHAPES_PER_FUNCTION": "3"}
+    assert Config.resolve(environ=env).cudagraphs is False
+    assert Config.resolve(environ=env).max_shapes_per_function == 3
+    assert Config.resolve("reduce-overhead", environ=env).cudagraphs is True
+    assert Config.resolve("reduce-overhead", {"cudagraphs": False}, environ=env).cudagraphs is False
+    assert Config.resolve("max-autotune-no-cudagraphs", environ={}).cudagraphs is False
+
+
+def test_unknown_option_lists_valid_ones():
+    with pytest.raises(ValueError, match="unknown option 'cudagraph'.*cudagraphs.*cache"):
+        Config.resolve(options={"cudagraph": True}, environ={})
+
+
+def test_unknown_mode_lists_valid_ones():
+    with pytest.raises(ValueError, match="unknown mode 'fast'.*reduce-overhead"):
+        Config.resolve("fast", environ={})
+
+
+def test_bad_values_are_errors():
+    with pytest.raises(ValueError, match="cache"):
+        Config.resolve(options={"cache": "maybe"}, environ={})
+    with pytest.raises(ValueError, match="CGTREES_MAX_SHAPES_PER_FUNCTION"):
+        Config.resolve(environ={"CGTREES_MAX_SHAPES_PER_FUNCTION": "many"})
+
+
+def test_every_field_declares_whether_it_affects_codegen():
+    for f in dataclasses.fields(Config):
+        assert isinstance(f.metadata.get("affects_codegen"), bool), f.name
+    assert ("interpret", False) in Config.resolve(environ={}).codegen_key()
+
+
+def test_modes_are_known():
+    assert set(MODES) >= {"default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"}
+
+
+def test_torch_compile_passes_mode_and_options():
+    x = torch.randn(3)
+    f = torch.compile(lambda x: x.cos(), backend="cgtrees", mode="max-autotune-no-cudagraphs")
+    torch.testing.assert_close(f(x), x.cos())
+    g = torch.compile(lambda x: x.sin(), backend="cgtrees", options={"cache": False})
+    torch.testing.assert_close(g(x), x.sin())
+    bad_mode = torch.compile(lambda x: x.cos(), backend="cgtrees", mode="fast")
+    with pytest.raises(Exception, match="unknown mode 'fast'"):
+        bad_mode(x)
+    bad = torch.compile(lambda x: x.cos(), backend="cgtrees", options={"nope": 1})
+    with pytest.raises(Exception, match="unknown option 'nope'"):
+        bad(x)
