@@ -1,0 +1,228 @@
+"""Turn result rows into tables, target checks and docs/benchmarks.md.
+
+A row is what ``worker.run_row`` returns (one workload, backend, mode and phase). Every figure is
+"lower is better". "Best other" is the best backend other than cgtrees and the raw-graph floor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ORDER = ("eager", "inductor", "reduce-overhead", "cudagraphs", "cgtrees", "raw_graph")
+FLOOR = "raw_graph"
+
+
+@dataclass(frozen=True)
+class Figure:
+    label: str
+    key: str
+    phase: str  # which run it comes from: "cold" or "warm"
+    scale: float
+    fmt: str
+    ratio: bool = True  # whether "cgtrees / best other" means anything
+
+
+FIGURES = (
+    Figure("first output, cold (s)", "first_s", "cold", 1.0, "{:.2f}"),
+    Figure("first 3 outputs, cold (s)", "first3_s", "cold", 1.0, "{:.2f}"),
+    Figure("first 3 outputs, warm (s)", "first3_s", "warm", 1.0, "{:.2f}"),
+    Figure("per call (us)", "step_s", "cold", 1e6, "{:.1f}"),
+    Figure("per call, warm process (us)", "step_s", "warm", 1e6, "{:.1f}"),
+    Figure("peak allocated (MB)", "peak_alloc_mb", "cold", 1.0, "{:.1f}"),
+    Figure("peak reserved (MB)", "peak_reserved_mb", "cold", 1.0, "{:.1f}"),
+    Figure("max abs error vs eager", "max_err", "cold", 1.0, "{:.1e}", ratio=False),
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    workload: str
+    mode: str
+    figure: str  # Figure.label it is shown beside
+    text: str  # e.g. "<= 0.5x inductor: 0.31x ok"
+    ok: bool | None  # None: could not be checked (a row missing or failed)
+
+
+def groups(rows: list[dict]) -> list[tuple[str, str]]:
+    """(workload, mode) pairs in the order they were run."""
+    seen: dict[tuple[str, str], None] = {}
+    for row in rows:
+        seen.setdefault((row["workload"], row["mode"]), None)
+    return list(seen)
+
+
+def value(rows: list[dict], workload: str, mode: str, backend: str, fig: Figure) -> float | None:
+    for row in rows:
+        if (row["workload"], row["mode"], row["backend"], row.get("phase", "cold")) == \
+                (workload, mode, backend, fig.phase):
+            v = row.get(fig.key)
+            return None if v is None or not row.get("ok") else v * fig.scale
+    return None
+
+
+def best_other(rows: list[dict], workload: str, mode: str, fig: Figure) -> tuple[str, float] | None:
+    found = [(value(rows, workload, mode, b, fig), b) for b in ORDER if b not in ("cgtrees", FLOOR)]
+    found = [(v, b) for v, b in found if v is not None]
+    return None if not found else min(found)[::-1]
+
+
+def _ratio_check(workload: str, mode: str, fig: Figure, num: float | None, den: float | None,
+                 limit: float, against: str) -> Check:
+    want = f"<= {limit:g}x {against}"
+    if num is None or den is None or den <= 0:
+        missing = "cgtrees" if num is None else against
+        return Check(workload, mode, fig.label, f"{want}: n/a ({missing} missing or failed)", None)
+    ratio = num / den
+    ok = ratio <= limit
+    verdict = "ok" if ok else f"MISS by {ratio / limit:.2f}x"
+    return Check(workload, mode, fig.label, f"{want}: {ratio:.2f}x {verdict}", ok)
+
+
+def ran(rows: list[dict], workload: str, mode: str, backend: str, phase: str = "cold") -> bool:
+    key = (workload, mode, backend, phase)
+    return any((r["workload"], r["mode"], r["backend"], r.get("phase", "cold")) == key for r in rows)
+
+
+FIG = {(f.key, f.phase): f for f in FIGURES}
+
+
+def checks(rows: list[dict]) -> list[Check]:
+    """The targets of issue 6, each read off the rows."""
+    return [c for workload, mode in groups(rows) for c in _group_checks(rows, workload, mode)]
+
+
+def _group_checks(rows: list[dict], workload: str, mode: str) -> list[Check]:
+    """Targets of one (workload, mode); a target whose rows were not run at all is left out."""
+    def compare(key: str, phase: str, limit: float, other: str) -> list[Check]:
+        if not (ran(rows, workload, mode, "cgtrees", phase) and ran(rows, workload, mode, other, phase)):
+            return []
+        fig = FIG[(key, phase)]
+        mine, theirs = (value(rows, workload, mode, b, fig) for b in ("cgtrees", other))
+        return [_ratio_check(workload, mode, fig, mine, theirs, limit, other)]
+
+    out = []
+    step = FIG[("step_s", "cold")]
+    best = best_other(rows, workload, mode, step)
+    if ran(rows, workload, mode, "cgtrees"):
+        out.append(_ratio_check(workload, mode, step, value(rows, workload, mode, "cgtrees", step),
+                                best and best[1], 1.0, f"best other ({best[0]})" if best else "best other"))
+    if (workload, mode) == ("mlp_small", "infer"):
+        out += compare("step_s", "cold", 1.25, FLOOR)
+    out += compare("first3_s", "warm", 0.5, "inductor")
+    out += compare("first3_s", "cold", 0.5, "inductor")
+    out += compare("peak_alloc_mb", "cold", 1.0, "reduce-overhead")
+    return out
+
+
+def _fmt(fig: Figure, v: float | None) -> str:
+    return "-" if v is None else fig.fmt.format(v)
+
+
+def table(rows: list[dict], workload: str, mode: str, all_checks: list[Check]) -> str:
+    """One markdown table: a line per figure, a column per backend, the ratio and the targets."""
+    present = [b for b in ORDER if any(r["backend"] == b and (r["workload"], r["mode"]) == (workload, mode)
+                                       for r in rows)]
+    head = ["figure", *present, "cgtrees / best other", "target"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for fig in FIGURES:
+        cells = [value(rows, workload, mode, b, fig) for b in present]
+        if all(c is None for c in cells):
+            continue
+        best = best_other(rows, workload, mode, fig)
+        mine = value(rows, workload, mode, "cgtrees", fig)
+        ratio = f"{mine / best[1]:.2f}x ({best[0]})" if fig.ratio and best and mine and best[1] > 0 else "-"
+        targets = "; ".join(c.text for c in all_checks
+                            if (c.workload, c.mode, c.figure) == (workload, mode, fig.label))
+        lines.append("| " + " | ".join([fig.label, *(_fmt(fig, c) for c in cells), ratio, targets]) + " |")
+    return "\n".join(lines)
+
+
+def failures(rows: list[dict]) -> list[str]:
+    return [f"{r['workload']}/{r['mode']}/{r['backend']} ({r.get('phase', 'cold')}): {r.get('error')}"
+            for r in rows if not r.get("ok")]
+
+
+def tables(rows: list[dict]) -> str:
+    found = checks(rows)
+    parts = []
+    for workload, mode in groups(rows):
+        parts += [f"### {workload} / {mode}", "", table(rows, workload, mode, found), ""]
+    return "\n".join(parts)
+
+
+def kernel_table(kernels: dict | None) -> str:
+    if not kernels:
+        return ""
+    if kernels.get("error"):
+        return f"Kernel report failed: {kernels['error']}\n"
+    lines = [f"Device copy bandwidth: {kernels['copy_gbps']:.0f} GB/s "
+             f"({kernels['copy_bytes'] / 2**20:.0f} MiB read + written).", "",
+             "| kernel | backend | time (us) | minimal bytes (MiB) | GB/s | % of copy |",
+             "|---|---|---|---|---|---|"]
+    for k in kernels["kernels"]:
+        if k.get("error"):
+            lines.append(f"| {k['name']} | {k['backend']} | failed: {k['error'][:120]} | | | |")
+            continue
+        lines.append(f"| {k['name']} | {k['backend']} | {k['time_s'] * 1e6:.1f} | {k['bytes'] / 2**20:.0f} | "
+                     f"{k['gbps']:.0f} | {k['pct_of_copy']:.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def summary(rows: list[dict], kernels: dict | None = None) -> str:
+    """A few lines: how many targets were met, each miss plainly, each failure."""
+    found = checks(rows)
+    met = sum(c.ok is True for c in found)
+    missed, unknown = sum(c.ok is False for c in found), sum(c.ok is None for c in found)
+    lines = [f"targets met: {met} of {len(found)} ({missed} missed, {unknown} not checkable)"]
+    lines += [f"  MISS {c.workload}/{c.mode} {c.figure}: {c.text}" for c in found if c.ok is False]
+    lines += [f"  n/a  {c.workload}/{c.mode} {c.figure}: {c.text}" for c in found if c.ok is None]
+    fails = failures(rows)
+    lines.append(f"rows: {len(rows)}, failed: {len(fails)}")
+    lines += [f"  FAILED {f[:300]}" for f in fails]
+    if kernels and not kernels.get("error"):
+        for k in kernels["kernels"]:
+            pct = "failed" if k.get("error") else f"{k['pct_of_copy']:.0f}% of copy bandwidth"
+            lines.append(f"  kernel {k['name']} ({k['backend']}): {pct}")
+    return "\n".join(lines)
+
+
+def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
+    env = next((r for r in rows if r.get("torch")), kernels or {})
+    head = [
+        "# Benchmarks",
+        "",
+        "Latest results of the benchmark suite (issue 6), written by `benchmarks/run.py --markdown`.",
+        "",
+        f"- Device: {env.get('device_name', '?')}",
+        f"- torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}, Python {env.get('python', '?')}",
+        f"- Date: {meta.get('date', '?')}",
+        f"- Command: `{meta.get('command', '?')}`",
+        "",
+        "Figures as defined in DESIGN.md: first outputs include compilation, measured from the first "
+        "call in a fresh process (cold: empty cache directories; warm: a second process reusing "
+        "them); per call is the median over windows of many calls (CUDA events); peak allocated is "
+        "`torch.cuda.max_memory_allocated` over the steady-state calls (CUDA-graph pools are not "
+        "counted there, so peak reserved is shown too); error is the largest absolute difference "
+        "from eager (outputs for infer, loss and gradients for train). raw_graph is the per-call "
+        "floor: the model captured as one `torch.cuda.CUDAGraph` and replayed.",
+        "",
+        "Targets (issue 6): per call no slower than the best other backend; mlp_small infer within "
+        "1.25x of raw_graph; first 3 outputs cold and warm at most 0.5x Inductor's; peak memory no "
+        "more than reduce-overhead's.",
+        "",
+        "## Summary",
+        "",
+        "```",
+        summary(rows, kernels),
+        "```",
+        "",
+        "## Results",
+        "",
+        tables(rows),
+    ]
+    fails = failures(rows)
+    if fails:
+        head += ["### Failed rows", "", *(f"- {f[:500]}" for f in fails), ""]
+    if kernels:
+        head += ["## Kernels", "", kernel_table(kernels)]
+    return "\n".join(head).rstrip() + "\n"

@@ -1,0 +1,196 @@
+"""The benchmark suite of issue 6: cgtrees beside eager, Inductor, reduce-overhead and cudagraphs.
+
+    python benchmarks/run.py --models mlp_small,norm_act --modes infer,train \\
+        --backends eager,inductor,reduce-overhead,cudagraphs,cgtrees --cold-warm \\
+        [--kernels] [--out results.json] [--markdown docs/benchmarks.md]
+    python benchmarks/run.py --smoke                  # CPU, tiny sizes, one process (CI)
+    python benchmarks/run.py --from-json a.json,b.json --markdown docs/benchmarks.md
+
+Each (workload, backend, mode) runs in a fresh process (``worker.py``) with fresh cache
+directories (cold); with ``--cold-warm``, backends that keep a compile cache run again in a fresh
+process reusing them (warm). On CUDA, inference also gets the ``raw_graph`` floor row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import report
+import workloads
+
+HERE = Path(__file__).resolve().parent
+ALL_BACKENDS = "eager,inductor,reduce-overhead,cudagraphs,cgtrees"
+CACHED = {"inductor", "reduce-overhead", "cgtrees"}  # eager and cudagraphs keep no compile cache
+CACHE_VARS = {"CGTREES_CACHE_DIR": "cgtrees", "TORCHINDUCTOR_CACHE_DIR": "inductor",
+              "TRITON_CACHE_DIR": "triton"}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(workloads.WORKLOADS))
+    p.add_argument("--modes", default="infer,train")
+    p.add_argument("--backends", default=ALL_BACKENDS)
+    p.add_argument("--cold-warm", action="store_true", help="also a warm run for cached backends")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU, eager and cgtrees, one process")
+    p.add_argument("--kernels", action="store_true", help="also the kernel bandwidth report")
+    p.add_argument("--device", default=None, help="default: cuda if available (cpu for --smoke)")
+    p.add_argument("--no-floor", action="store_true", help="skip the raw_graph rows")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per worker process")
+    p.add_argument("--out", help="write rows (and kernel report) as JSON here")
+    p.add_argument("--markdown", help="write the report here (e.g. docs/benchmarks.md)")
+    p.add_argument("--from-json", help="comma-separated result files to report on, running nothing")
+    return p.parse_args(argv)
+
+
+def plan(args: argparse.Namespace, device: str) -> list[dict]:
+    """Every row to run, in order: per workload, per mode, per backend, cold then warm."""
+    backends = ["eager", "cgtrees"] if args.smoke else args.backends.split(",")
+    specs = []
+    for workload in args.models.split(","):
+        for mode in args.modes.split(","):
+            if mode == "train" and workload in workloads.INFER_ONLY:
+                continue
+            extra = ["raw_graph"] if mode == "infer" and device == "cuda" and not args.no_floor else []
+            for backend in backends + extra:
+                base = {"workload": workload, "backend": backend, "mode": mode, "device": device,
+                        "smoke": args.smoke}
+                specs.append({**base, "phase": "cold"})
+                if args.cold_warm and backend in CACHED and not args.smoke:
+                    specs.append({**base, "phase": "warm"})
+    return specs
+
+
+def cache_env(root: Path, spec: dict) -> dict:
+    """Cache directories of one row: the cold run creates them, the warm run reuses them."""
+    base = root / f"{spec['workload']}-{spec['mode']}-{spec['backend']}"
+    return {var: str(base / sub) for var, sub in CACHE_VARS.items()}
+
+
+def run_worker(spec: dict, env: dict, timeout: float) -> dict:
+    """One row in a fresh process; a crash, a timeout or garbage output becomes the row's error."""
+    cmd = [sys.executable, str(HERE / "worker.py"), "--workload", spec["workload"], "--backend",
+           spec["backend"], "--mode", spec["mode"], "--device", spec["device"], "--phase", spec["phase"]]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**spec, "ok": False, "error": f"worker timed out after {timeout:.0f}s", "wall_s": timeout}
+    wall = time.perf_counter() - start
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return {**json.loads(line), "wall_s": wall}
+    tail = (proc.stderr or proc.stdout)[-1500:]
+    return {**spec, "ok": False, "error": f"worker exited {proc.returncode} without a result: {tail}",
+            "wall_s": wall}
+
+
+def run_smoke(specs: list[dict]) -> list[dict]:
+    """All rows in this process (CI has no time for fresh processes)."""
+    os.environ.setdefault("CGTREES_CACHE_DIR", tempfile.mkdtemp(prefix="cgtrees-smoke-"))
+    import torch
+
+    import worker
+
+    rows = []
+    for spec in specs:
+        torch._dynamo.reset()
+        start = time.perf_counter()
+        row = worker.run_row(spec)
+        rows.append({**row, **worker.environment(torch.device(spec["device"])),
+                     "wall_s": time.perf_counter() - start})
+        progress(rows[-1])
+    return rows
+
+
+def run_kernels(root: Path, timeout: float) -> dict:
+    env = {var: str(root / "kernels" / sub) for var, sub in CACHE_VARS.items()}
+    cmd = [sys.executable, str(HERE / "kernels.py"), "--json"]
+    try:
+        proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"kernel report timed out after {timeout:.0f}s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"error": (proc.stderr or proc.stdout)[-1500:]}
+
+
+def progress(row: dict) -> None:
+    def f(key: str, scale: float, fmt: str) -> str:
+        v = row.get(key)
+        return "-" if v is None else fmt.format(v * scale)
+
+    status = "ok" if row.get("ok") else f"FAILED {str(row.get('error'))[:200]}"
+    print(f"{row['workload']:10} {row['mode']:5} {row['backend']:15} {row.get('phase', 'cold'):4} "
+          f"first3 {f('first3_s', 1, '{:.2f}')}s  per call {f('step_s', 1e6, '{:.1f}')}us  "
+          f"peak {f('peak_alloc_mb', 1, '{:.0f}')}MB  err {f('max_err', 1, '{:.1e}')}  "
+          f"[process {f('wall_s', 1, '{:.1f}')}s] {status}", flush=True)
+
+
+def load(paths: str) -> tuple[list[dict], dict | None, dict]:
+    """Rows, kernel report and meta (date, commands) of earlier runs, merged in order."""
+    rows, kernels, metas = [], None, []
+    for path in paths.split(","):
+        data = json.loads(Path(path).read_text())
+        rows += data["rows"]
+        kernels = data.get("kernels") or kernels
+        metas.append(data.get("meta", {}))
+    meta = {"date": ", ".join(sorted({m.get("date", "?") for m in metas})),
+            "command": "`; `".join(m.get("command", "?") for m in metas)}
+    return rows, kernels, meta
+
+
+def measure_all(args: argparse.Namespace) -> tuple[list[dict], dict | None]:
+    device = "cpu" if args.smoke else (args.device or _default_device())
+    specs = plan(args, device)
+    if args.smoke:
+        return run_smoke(specs), None
+    root = Path(tempfile.mkdtemp(prefix="cgtrees-bench-"))
+    try:
+        rows = []
+        for spec in specs:
+            rows.append(run_worker(spec, cache_env(root, spec), args.timeout))
+            progress(rows[-1])
+        kernels = run_kernels(root, args.timeout) if args.kernels else None
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows, kernels
+
+
+def _default_device() -> str:
+    import torch  # only to ask; the workers do the work
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    if args.from_json:
+        rows, kernels, meta = load(args.from_json)
+    else:
+        rows, kernels = measure_all(args)
+        meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    meta["total_s"] = time.perf_counter() - start
+    print("\n" + report.tables(rows))
+    if kernels:
+        print(report.kernel_table(kernels))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "kernels": kernels}, indent=1,
+                                             default=str))
+    if args.markdown:
+        Path(args.markdown).write_text(report.markdown(rows, kernels, meta))
+    print(f"summary ({meta['total_s']:.0f}s):\n" + report.summary(rows, kernels), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
