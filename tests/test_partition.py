@@ -3,7 +3,7 @@ functorch's min-cut rematerialization, on three models; gradients stay right (te
 
 import pytest
 import torch
-from models import MLP, GPT2, NormAct
+from models import GPT2, MLP, NormAct
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 from backend.aot.measure import measure
