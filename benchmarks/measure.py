@@ -102,3 +102,26 @@ def max_error(got: Sequence[torch.Tensor | None], want: Sequence[torch.Tensor | 
         if diff.numel():
             worst = max(worst, diff.nan_to_num(nan=math.inf).max().item())
     return worst
+
+
+def profile_table(step: Step, device: torch.device, calls: int = 10, rows: int = 15) -> str:
+    """Where the steady-state time goes: the top ops and kernels over ``calls`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            step()
+        sync(device)
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
+    return f"{calls} calls, sorted by {sort_by}\n{table}"
+
+
+def compile_phases() -> dict[str, float]:
+    """Dynamo's own breakdown of compile time in this process (seconds per phase)."""
+    from torch._dynamo.utils import compile_times
+
+    names, seconds = compile_times(repr="csv", aggregate=True)
+    return {name: float(s) for name, s in zip(names, seconds, strict=True)}

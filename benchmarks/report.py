@@ -225,4 +225,8 @@ def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
         head += ["### Failed rows", "", *(f"- {f[:500]}" for f in fails), ""]
     if kernels:
         head += ["## Kernels", "", kernel_table(kernels)]
+    for r in rows:
+        if r.get("profile"):
+            title = f"{r['workload']} / {r['mode']} / {r['backend']}"
+            head += [f"## Profile: {title}", "", "```", r["profile"].rstrip(), "```", ""]
     return "\n".join(head).rstrip() + "\n"

@@ -36,7 +36,7 @@ CACHE_VARS = {"CGTREES_CACHE_DIR": "cgtrees", "TORCHINDUCTOR_CACHE_DIR": "induct
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=",".join(workloads.WORKLOADS))
+    p.add_argument("--models", default=",".join(workloads.WORKLOADS), help="'' with --kernels: kernels only")
     p.add_argument("--modes", default="infer,train")
     p.add_argument("--backends", default=ALL_BACKENDS)
     p.add_argument("--cold-warm", action="store_true", help="also a warm run for cached backends")
@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kernels", action="store_true", help="also the kernel bandwidth report")
     p.add_argument("--device", default=None, help="default: cuda if available (cpu for --smoke)")
     p.add_argument("--no-floor", action="store_true", help="skip the raw_graph rows")
+    p.add_argument("--profile", default="", help="backends whose cold rows also get a profile, e.g. cgtrees")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per worker process")
     p.add_argument("--out", help="write rows (and kernel report) as JSON here")
     p.add_argument("--markdown", help="write the report here (e.g. docs/benchmarks.md)")
@@ -55,15 +56,15 @@ def plan(args: argparse.Namespace, device: str) -> list[dict]:
     """Every row to run, in order: per workload, per mode, per backend, cold then warm."""
     backends = ["eager", "cgtrees"] if args.smoke else args.backends.split(",")
     specs = []
-    for workload in args.models.split(","):
-        for mode in args.modes.split(","):
+    for workload in filter(None, args.models.split(",")):
+        for mode in filter(None, args.modes.split(",")):
             if mode == "train" and workload in workloads.INFER_ONLY:
                 continue
             extra = ["raw_graph"] if mode == "infer" and device == "cuda" and not args.no_floor else []
             for backend in backends + extra:
                 base = {"workload": workload, "backend": backend, "mode": mode, "device": device,
                         "smoke": args.smoke}
-                specs.append({**base, "phase": "cold"})
+                specs.append({**base, "phase": "cold", "profile": backend in args.profile.split(",")})
                 if args.cold_warm and backend in CACHED and not args.smoke:
                     specs.append({**base, "phase": "warm"})
     return specs
@@ -79,6 +80,7 @@ def run_worker(spec: dict, env: dict, timeout: float) -> dict:
     """One row in a fresh process; a crash, a timeout or garbage output becomes the row's error."""
     cmd = [sys.executable, str(HERE / "worker.py"), "--workload", spec["workload"], "--backend",
            spec["backend"], "--mode", spec["mode"], "--device", spec["device"], "--phase", spec["phase"]]
+    cmd += ["--profile"] if spec.get("profile") else []
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)

@@ -152,6 +152,9 @@ def run_row(spec: dict) -> dict:
         row.update(first_s=marks[0], first3_s=marks[-1])
         phase = "steady state"
         row.update(measure.steady_state(step, device, plan))
+        if spec.get("profile"):
+            phase = "profile"
+            row["profile"] = measure.profile_table(step, device)
         phase = "error vs eager"
         del step
         row["max_err"] = measure.max_error(keep, reference(spec, device))
@@ -160,6 +163,7 @@ def run_row(spec: dict) -> dict:
         row["error"] = f"{phase}: {type(exc).__name__}: {exc}"[:2000]
         row["traceback"] = traceback.format_exc()[-4000:]
     row["counters"] = _counters()
+    row["compile_phases"] = measure.compile_phases()
     return row
 
 
@@ -172,9 +176,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--phase", default="cold", help="label only: the runner sets the caches")
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="also profile steady-state calls")
     args = parser.parse_args()
     spec = {"workload": args.workload, "backend": args.backend, "mode": args.mode,
-            "device": args.device, "phase": args.phase, "smoke": args.smoke}
+            "device": args.device, "phase": args.phase, "smoke": args.smoke, "profile": args.profile}
     row = run_row(spec)
     row.update(environment(torch.device(args.device)))
     row["worker_s"] = time.perf_counter() - start
