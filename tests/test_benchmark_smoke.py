@@ -1,0 +1,31 @@
+"""The benchmark suite never rots: `benchmarks/run.py --smoke` runs every workload, both modes,
+eager and cgtrees, at tiny sizes on the CPU, and every row comes back measured and right."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKLOADS = ("mlp_small", "norm_act", "gpt_block", "convnet", "decode")
+
+
+def test_smoke_run_measures_every_row(tmp_path):
+    out = tmp_path / "results.json"
+    env = {**os.environ, "CGTREES_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "benchmarks/run.py", "--smoke", "--out", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "summary" in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+
+    expected = {(w, m, b) for w in WORKLOADS for m in ("infer", "train") for b in ("eager", "cgtrees")
+                if not (w == "decode" and m == "train")}
+    assert {(r["workload"], r["mode"], r["backend"]) for r in rows} == expected
+    for r in rows:
+        name = f"{r['workload']}/{r['mode']}/{r['backend']}"
+        assert r["ok"], f"{name}: {r['error']}\n{r.get('traceback', '')}"
+        for key in ("first_s", "first3_s", "step_s"):
+            assert math.isfinite(r[key]) and r[key] > 0, f"{name}: {key}={r[key]}"
+        assert r["max_err"] < 1e-4, f"{name}: error vs eager {r['max_err']}"
