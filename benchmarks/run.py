@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import report
 import workloads
@@ -95,7 +96,7 @@ def run_worker(spec: dict, env: dict, timeout: float) -> dict:
             "wall_s": wall}
 
 
-def run_smoke(specs: list[dict]) -> list[dict]:
+def run_smoke(specs: list[dict], on_row: Callable[[list[dict]], None]) -> list[dict]:
     """All rows in this process (CI has no time for fresh processes)."""
     os.environ.setdefault("CGTREES_CACHE_DIR", tempfile.mkdtemp(prefix="cgtrees-smoke-"))
     import torch
@@ -109,7 +110,7 @@ def run_smoke(specs: list[dict]) -> list[dict]:
         row = worker.run_row(spec)
         rows.append({**row, **worker.environment(torch.device(spec["device"])),
                      "wall_s": time.perf_counter() - start})
-        progress(rows[-1])
+        on_row(rows)
     return rows
 
 
@@ -149,17 +150,18 @@ def load(paths: str) -> tuple[list[dict], dict | None, dict]:
     return rows, kernels, meta
 
 
-def measure_all(args: argparse.Namespace) -> tuple[list[dict], dict | None]:
+def measure_all(args: argparse.Namespace, on_row: Callable[[list[dict]], None]) -> tuple[list[dict], dict | None]:
+    """Run every planned row (and the kernel report); ``on_row`` sees the rows so far after each."""
     device = "cpu" if args.smoke else (args.device or _default_device())
     specs = plan(args, device)
     if args.smoke:
-        return run_smoke(specs), None
+        return run_smoke(specs, on_row), None
     root = Path(tempfile.mkdtemp(prefix="cgtrees-bench-"))
     try:
-        rows = []
+        rows: list[dict] = []
         for spec in specs:
             rows.append(run_worker(spec, cache_env(root, spec), args.timeout))
-            progress(rows[-1])
+            on_row(rows)
         kernels = run_kernels(root, args.timeout) if args.kernels else None
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -175,19 +177,27 @@ def _default_device() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+
+    def save(rows: list[dict], kernels: dict | None = None) -> None:
+        if args.out:  # after every row, so a run cut short still leaves its results
+            data = {"meta": meta, "rows": rows, "kernels": kernels}
+            Path(args.out).write_text(json.dumps(data, indent=1, default=str))
+
+    def on_row(rows: list[dict]) -> None:
+        progress(rows[-1])
+        save(rows)
+
     if args.from_json:
         rows, kernels, meta = load(args.from_json)
     else:
-        rows, kernels = measure_all(args)
-        meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+        rows, kernels = measure_all(args, on_row)
     meta["total_s"] = time.perf_counter() - start
+    save(rows, kernels)
     print("\n" + report.tables(rows))
     if kernels:
         print(report.kernel_table(kernels))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows, "kernels": kernels}, indent=1,
-                                             default=str))
     if args.markdown:
         Path(args.markdown).write_text(report.markdown(rows, kernels, meta))
     print(f"summary ({meta['total_s']:.0f}s):\n" + report.summary(rows, kernels), flush=True)
