@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from backend import codegen, counters, runtime
+from backend import cache, codegen, counters, runtime
 from backend.aot import compat
 from backend.aot.decompositions import decomposition_table
 from backend.aot.partition import partition
@@ -35,6 +35,9 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
                          graph_id: int) -> Callable[..., Any]:
     name = f"g{graph_id}"
     pair = FunctionPair(name)
+    cached = cache.load_aot(gm, example_inputs, config, name, pair, wrap=_wrap)  # level 1: a hit skips AOT
+    if cached is not None:
+        return cached
     return compat.aot_module_simplified(
         gm, example_inputs,
         fw_compiler=_aten_compiler("forward", name, pair, config),
@@ -65,19 +68,22 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list[Any],
                        ctx: GraphContext) -> Callable[[list[Any]], Any]:
     """One aten graph: codegen, then the runtime; aten on any failure."""
     try:
-        module = codegen.compile_graph(gm, example_inputs, ctx)
+        module = cache.compile_module(gm, example_inputs, ctx)  # level 2: a hit skips codegen
     except Exception as exc:  # noqa: BLE001
-        return _fallback(gm, ctx, "codegen", exc)
+        _explain(ctx, "codegen", exc)
+        module = codegen.AtenModule(gm)
+        cache.record_module(gm, example_inputs, ctx, module, wrapped=False)
+        return module.call
+    cache.record_module(gm, example_inputs, ctx, module, wrapped=True)  # level 1 keeps it for a warm start
+    return _wrap(module, example_inputs, ctx)
+
+
+def _wrap(module: Any, example_inputs: list[Any], ctx: GraphContext) -> Callable[[list[Any]], Any]:
     try:
         return runtime.wrap(module.call, example_inputs, ctx)
     except Exception as exc:  # noqa: BLE001
         _explain(ctx, "runtime", exc)
         return module.call
-
-
-def _fallback(gm: torch.fx.GraphModule, ctx: GraphContext, stage: str, exc: Exception) -> Callable:
-    _explain(ctx, stage, exc)
-    return codegen.AtenModule(gm).call
 
 
 def _explain(ctx: GraphContext, stage: str, exc: Exception) -> None:

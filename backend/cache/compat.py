@@ -1,0 +1,179 @@
+"""Every torch private API the cache uses, in one place (torch 2.11 on the GPU, 2.13 in CI).
+
+The first cache level replaces AOTAutograd's runtime wrappers with our own, so it must read
+AOTAutograd's metadata (``ViewAndMutationMeta``) at compile time. ``runtime_plan`` turns that
+metadata into a plain, JSON-able plan for the common case, and raises ``Uncacheable`` with a
+reason for everything else: the caller then bypasses the first level. Fields that are missing in
+an older torch read as their neutral value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+__all__ = [
+    "Uncacheable", "fw_metadata", "runtime_plan", "fake_tensors", "storage_id",
+    "increment_version", "view_replay", "saved_tensors_hooks_inlined", "autocast_enabled",
+]
+
+
+class Uncacheable(Exception):
+    """A graph the first cache level does not rebuild; the message is the reason (logged)."""
+
+
+def fw_metadata() -> Any:
+    """AOTAutograd's ViewAndMutationMeta of the graph being compiled now (None outside AOT)."""
+    context = torch._guards.TracingContext.try_get()
+    return getattr(context, "fw_metadata", None) if context is not None else None
+
+
+def _name(enum_value: Any) -> str:
+    return getattr(enum_value, "name", str(enum_value))
+
+
+def _check_common(meta: Any) -> None:
+    """What neither wrapper we rebuild handles: raise Uncacheable with the reason."""
+    from torch._functorch._aot_autograd.schemas import PlainTensorMeta
+
+    checks = [
+        (any(not isinstance(m, PlainTensorMeta) and not isinstance(m, int) for m in meta.subclass_inp_meta),
+         "tensor subclass input"),
+        (any(not isinstance(m, PlainTensorMeta) and not isinstance(m, int) for m in meta.subclass_fw_graph_out_meta),
+         "tensor subclass output"),
+        (bool(getattr(meta, "tokens", None)), "side-effect tokens"),
+        (meta.num_intermediate_bases > 0, "outputs alias intermediates"),
+        (meta.grad_enabled_mutation is not None, "graph changes grad mode"),
+        (bool(getattr(meta, "is_rng_op_functionalized", False)), "functionalized rng"),
+        (getattr(meta, "num_graphsafe_rng_states", 0) > 0, "graph-safe rng states"),
+        (bool(getattr(meta, "dynamic_outputs", False)), "dynamic output shapes"),
+        (bool(getattr(meta, "dynamic_saved_tensors_idxs", None)), "dynamic saved tensors"),
+    ]
+    for bad, reason in checks:
+        if bad:
+            raise Uncacheable(reason)
+    for i, info in enumerate(meta.input_info):
+        mutation = _name(info.mutation_type)
+        if mutation == "MUTATED_OUT_GRAPH":
+            raise Uncacheable(f"input {i} is mutated outside the graph")
+        if info.mutates_metadata or info.mutates_storage_metadata:
+            raise Uncacheable(f"input {i} has a metadata mutation")
+    for i, out in enumerate(meta.output_info):
+        if _name(out.output_type) not in ("non_alias", "unsafe_view_alias"):
+            raise Uncacheable(f"output {i} aliases an input or intermediate ({_name(out.output_type)})")
+        if not (isinstance(out.raw_type, type) and issubclass(out.raw_type, torch.Tensor)):
+            raise Uncacheable(f"output {i} is not a tensor")
+
+
+def _tangent_format(meta: Any) -> dict[str, Any]:
+    fmt = getattr(meta, "memory_format", None)
+    if fmt is None:
+        raise Uncacheable("tangent without a memory format")
+    if fmt.memory_format is not None:
+        return {"memory_format": str(fmt.memory_format).removeprefix("torch.")}
+    return {"size": [int(s) for s in fmt.size], "stride": [int(s) for s in fmt.stride]}
+
+
+def runtime_plan(meta: Any, kind: str) -> dict[str, Any]:
+    """The plain facts our runtime wrapper needs (see ``backend.cache.wrappers``)."""
+    if meta is None:
+        raise Uncacheable("no AOTAutograd metadata")
+    _check_common(meta)
+    plan: dict[str, Any] = {
+        "num_inputs": len(meta.input_info),
+        "num_outputs": len(meta.output_info),
+        # Kept-in-graph mutations autograd must see: AOT bumps their version counters first.
+        "bump_versions": [i for i, info in enumerate(meta.input_info)
+                          if _name(info.mutation_type) == "MUTATED_IN_GRAPH"
+                          and not info.mutations_hidden_from_autograd],
+    }
+    if kind == "inference":
+        return plan
+    if getattr(meta, "num_symints_saved_for_bw", 0):
+        raise Uncacheable("symbolic sizes saved for backward")
+    if getattr(meta, "num_opaque_objects_saved_for_bw", 0):
+        raise Uncacheable("opaque objects saved for backward")
+    if getattr(meta, "indices_of_inputs_that_requires_grad_with_mutations_in_bw", None):
+        raise Uncacheable("backward mutates an input that requires grad")
+    surviving = [i for i, out in enumerate(meta.output_info)
+                 if getattr(out, "requires_grad_for_backward", out.requires_grad)]
+    tangent_metas = list(meta.subclass_tangent_meta)
+    if len(tangent_metas) != len(surviving):
+        raise Uncacheable("tangents do not match differentiable outputs")
+    plan.update({
+        "unsafe_view_outputs": [i for i, out in enumerate(meta.output_info)
+                                if _name(out.output_type) == "unsafe_view_alias"],
+        "non_differentiable_outputs": [i for i, out in enumerate(meta.output_info) if not out.requires_grad],
+        "tangent_outputs": surviving,
+        "tangent_formats": [_tangent_format(m) for m in tangent_metas],
+        "num_saved_no_vc_check": int(getattr(meta, "num_tensors_saved_with_no_vc_check", 0) or 0),
+        "nonleaf_requiring_grad": [i for i, info in enumerate(meta.input_info)
+                                   if info.requires_grad and not info.is_leaf],
+        "any_input_requires_grad": any(info.requires_grad for info in meta.input_info),
+        "deterministic": meta.deterministic,
+    })
+    return plan
+
+
+def fake_tensors(specs: Iterable[dict[str, Any]]) -> list[torch.Tensor]:
+    """Stand-ins for a graph's example inputs on a cache hit (what AOTAutograd would pass)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    out = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for s in specs:
+            out.append(torch.empty_strided(s["size"], s["stride"], dtype=getattr(torch, s["dtype"]),
+                                           device=torch.device(s["device"])))
+    return out
+
+
+def storage_id(t: torch.Tensor) -> Any:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def increment_version(tensors: list[torch.Tensor]) -> None:
+    try:
+        torch.autograd.graph.increment_version(tensors)
+    except TypeError:  # older torch: one tensor at a time
+        for t in tensors:
+            torch.autograd.graph.increment_version(t)
+
+
+class view_replay:  # noqa: N801 - a context manager, named like one
+    """AOTAutograd runs a training graph with view replay on (outputs' views regenerate properly)."""
+
+    def __enter__(self) -> None:
+        self.prev = torch._C._is_view_replay_enabled()
+        if not self.prev:
+            torch._C._set_view_replay_enabled(True)
+
+    def __exit__(self, *exc: Any) -> None:
+        if torch._C._is_view_replay_enabled() != self.prev:
+            torch._C._set_view_replay_enabled(self.prev)
+
+
+def saved_tensors_hooks_inlined() -> bool:
+    """AOTAutograd inlines some saved-tensor hooks into the graphs and disables them at runtime."""
+    utils = torch._functorch._aot_autograd.utils
+    top = getattr(utils, "top_saved_tensors_hooks", None)
+    inlineable = getattr(utils, "saved_tensors_hooks_are_inlineable", None)
+    if top is None or inlineable is None:
+        return False
+    return bool(inlineable(top()))
+
+
+def autocast_enabled() -> bool:
+    return bool(torch._C._is_any_autocast_enabled())
+
+
+def functorch_config_text() -> str:
+    """AOTAutograd's settings (they change the graphs it hands us)."""
+    cfg = torch._functorch.config
+    getter = getattr(cfg, "get_config_copy", None)
+    items = getter() if getter is not None else {}
+    # Callables print their address, which changes every process: key on their name only.
+    return repr(sorted((k, getattr(v, "__qualname__", None) or repr(v)) for k, v in items.items()
+                       if not k.startswith("_")))

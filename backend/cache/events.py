@@ -1,0 +1,33 @@
+"""Counting and explaining what the cache did (``cache_hit``, ``cache_miss``, ``cache_bypass``,
+``cache_corrupt``). A bypass is a warning: one uncacheable graph makes a warm start nearly as slow
+as a cold one, so it must be visible."""
+
+from __future__ import annotations
+
+import logging
+
+from backend import counters
+from backend.logs import log_once
+
+log = logging.getLogger("backend.cache")
+
+
+def hit(level: str, name: str) -> None:
+    counters.bump("cache_hit")
+    log.debug("cgtrees: cache hit (%s) for %s", level, name)
+
+
+def miss(level: str, name: str) -> None:
+    counters.bump("cache_miss")
+    log.debug("cgtrees: cache miss (%s) for %s", level, name)
+
+
+def bypass(level: str, name: str, reason: str) -> None:
+    counters.bump("cache_bypass")
+    log_once(log, f"bypass:{level}:{name}:{reason}", "cgtrees: %s bypasses the %s cache level: %s",
+             name, level, reason)
+
+
+def corrupt(level: str, name: str, why: str) -> None:
+    counters.bump("cache_corrupt")
+    log.warning("cgtrees: bad %s cache entry for %s (%s): removed, recompiling", level, name, why)

@@ -1,0 +1,224 @@
+"""The cache key: an explicit object whose fields print one by one, so a miss can be explained.
+
+A key holds exactly what changes the compiled result: the canonical graph text (ops, targets,
+arguments, shapes, strides, dtypes, devices; node names replaced by their position, so renaming
+does not miss), the graph inputs' metadata, the static-input indices, the config fields marked as
+affecting codegen, a hash of our own source files, torch and Triton versions, and the device.
+Symbolic shapes print in their symbolic form.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from backend.cache.compat import Uncacheable
+from backend.config import Config
+
+
+@dataclass(frozen=True)
+class CacheKey:
+    level: str  # "aot": a Dynamo graph's whole AOT result; "module": one aten graph's kernel module
+    graph: str  # canonical graph text
+    inputs: tuple[str, ...]  # one line per graph input
+    static_inputs: tuple[int, ...]
+    context: tuple[tuple[str, str], ...]  # level-specific state: graph kind, grad mode, AOT config...
+    codegen: tuple[tuple[str, Any], ...]  # Config.codegen_key()
+    backend_source: str
+    torch_version: str
+    triton_version: str
+    device: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        return digest_of(self.as_dict())
+
+    def diff(self, other: "CacheKey | dict[str, Any]") -> list[str]:
+        """The fields that differ, each with a short account of how."""
+        theirs = other if isinstance(other, dict) else other.as_dict()
+        out = []
+        for name, mine in _jsonable(self.as_dict()).items():
+            if theirs.get(name) != mine:
+                out.append(f"{name}: {_first_difference(mine, theirs.get(name))}")
+        return out
+
+    def describe(self) -> str:
+        lines = []
+        for name, value in self.as_dict().items():
+            text = "\n    ".join(value.splitlines()) if isinstance(value, str) else repr(value)
+            lines.append(f"{name}: {text}")
+        return "\n".join(lines)
+
+
+def digest_of(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(_jsonable(fields), sort_keys=True).encode()).hexdigest()
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=repr))
+
+
+def _first_difference(mine: Any, theirs: Any) -> str:
+    if isinstance(mine, str) and isinstance(theirs, str):
+        a, b = mine.splitlines(), theirs.splitlines()
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return f"line {i}: {x!r} != {y!r}"
+        return f"{len(a)} lines != {len(b)} lines"
+    if isinstance(mine, list) and isinstance(theirs, list):
+        for i, (x, y) in enumerate(zip(mine, theirs)):
+            if x != y:
+                return f"item {i}: {x!r} != {y!r}"
+        return f"{len(mine)} items != {len(theirs)} items"
+    return f"{mine!r} != {theirs!r}"
+
+
+# ---- the pieces -------------------------------------------------------------------------------
+
+def make_key(level: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config,
+             static_inputs: Sequence[int], context: Sequence[tuple[str, str]]) -> CacheKey:
+    return CacheKey(
+        level=level,
+        graph=graph_text(gm),
+        inputs=tuple(value_text(x) for x in example_inputs),
+        static_inputs=tuple(static_inputs),
+        context=tuple((k, str(v)) for k, v in context),
+        codegen=config.codegen_key(),
+        backend_source=backend_source_hash(),
+        torch_version=torch.__version__,
+        triton_version=triton_version(),
+        device=device_text(example_inputs),
+    )
+
+
+def graph_text(gm: torch.fx.GraphModule) -> str:
+    """One line per node: position, op, target, arguments and value; names never appear."""
+    index: dict[torch.fx.Node, str] = {}
+    lines = []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = f"%{i}"
+        target = _target_text(gm, node)
+        args = _arg_text(node.args, index)
+        kwargs = _arg_text(node.kwargs, index)
+        value = node.meta.get("val", node.meta.get("example_value"))
+        lines.append(f"%{i} = {node.op} {target} {args} {kwargs} : {value_text(value) if value is not None else '-'}")
+    return "\n".join(lines)
+
+
+def _target_text(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
+    target = node.target
+    if node.op in ("placeholder", "output"):
+        return ""
+    if node.op == "call_method":
+        return str(target)
+    if node.op == "get_attr":
+        return f"attr[{_attr_text(getattr(gm, str(target)))}]"
+    if node.op == "call_module":
+        raise Uncacheable(f"graph calls a module ({target})")
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        return str(target)
+    module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
+    if module is None or name is None or "<" in name:
+        raise Uncacheable(f"call target {target!r} has no stable name")
+    return f"{module}.{name}"
+
+
+def _attr_text(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        if value.numel() * value.element_size() > (1 << 20) or value.device.type == "meta":
+            raise Uncacheable("graph holds a large tensor constant")
+        data = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        return f"{value_text(value)} sha256={hashlib.sha256(data).hexdigest()[:16]}"
+    if isinstance(value, torch.fx.GraphModule):
+        return "graph{" + graph_text(value).replace("\n", "; ") + "}"
+    raise Uncacheable(f"graph holds an attribute of type {type(value).__name__}")
+
+
+def _arg_text(arg: Any, index: dict[torch.fx.Node, str]) -> str:
+    if isinstance(arg, torch.fx.Node):
+        return index[arg]
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(_arg_text(a, index) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner})"
+    if isinstance(arg, dict):
+        return "{" + ", ".join(f"{k}={_arg_text(v, index)}" for k, v in sorted(arg.items(), key=str)) + "}"
+    if isinstance(arg, slice):
+        return f"slice({_arg_text(arg.start, index)}, {_arg_text(arg.stop, index)}, {_arg_text(arg.step, index)})"
+    if arg is None or isinstance(arg, (bool, int, str)):
+        return repr(arg)
+    if isinstance(arg, float):
+        return repr(arg) if math.isfinite(arg) else str(arg)
+    if isinstance(arg, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return str(arg)
+    if isinstance(arg, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"sym({arg})"
+    if type(arg).__name__ == "ellipsis":
+        return "..."
+    raise Uncacheable(f"graph argument of type {type(arg).__name__}")
+
+
+def value_text(value: Any) -> str:
+    """A tensor's type, dtype, sizes, strides, offset, device and autograd flags; other values' repr."""
+    if isinstance(value, torch.Tensor):
+        flags = []
+        if value.requires_grad:
+            flags.append("requires_grad")
+        if isinstance(value, torch.nn.Parameter):
+            flags.append("parameter")
+        static = getattr(value, "_dynamo_static_input_type", None)
+        if static is not None:
+            flags.append(f"static={static}")
+        kind = "" if type(value).__name__ in ("Tensor", "FakeTensor", "Parameter") else f"{type(value).__qualname__} "
+        return (f"{kind}{str(value.dtype).removeprefix('torch.')}{list(value.shape)} stride={list(value.stride())} "
+                f"offset={value.storage_offset()} {value.device} {' '.join(flags)}").rstrip()
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(value_text(v) for v in value) + ")"
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"sym({value})"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    return type(value).__qualname__
+
+
+def device_text(example_inputs: Sequence[Any]) -> str:
+    devices = sorted({str(x.device) for x in example_inputs if isinstance(x, torch.Tensor)})
+    out = []
+    for name in devices:
+        device = torch.device(name)
+        if device.type == "cuda":
+            major, minor = torch.cuda.get_device_capability(device)
+            out.append(f"{name}:{torch.cuda.get_device_name(device)}:sm{major}{minor}")
+        else:
+            out.append(name)
+    return ",".join(out) or "none"
+
+
+@functools.lru_cache(maxsize=1)
+def backend_source_hash() -> str:
+    """Our own source: any change to the backend invalidates every entry."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=1)
+def triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return triton.__version__

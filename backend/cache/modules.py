@@ -1,0 +1,151 @@
+"""Level 2: one kernel module per aten graph, keyed by the aten graph, so two Dynamo graphs that
+lower to the same aten graph share it and a hit skips codegen.
+
+Built on codegen's ``generate(gm, example_inputs, ctx) -> source`` and ``load(source, ctx)``: a
+miss generates, loads (a source that does not load is never stored), then stores. Until codegen
+provides both, this level is a counted bypass and ``codegen.compile_graph`` runs as before.
+
+Also the module *records* of level 1: a module with a source is stored as that source; a graph
+that runs through aten is stored as its FX code, which we load back with a fixed set of globals.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.fx
+
+from backend import codegen
+from backend.cache import events
+from backend.cache.compat import Uncacheable
+from backend.cache.key import CacheKey, make_key
+from backend.cache.store import CorruptEntry, Store
+from backend.config import Config
+from backend.context import GraphContext
+
+LEVEL = "module"
+
+
+def compile_module(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext) -> Any:
+    """The kernel module for one aten graph: from the cache, or codegen (then stored)."""
+    generate, load = getattr(codegen, "generate", None), getattr(codegen, "load", None)
+    if not ctx.config.cache:
+        return codegen.compile_graph(gm, example_inputs, ctx)
+    if generate is None or load is None:
+        events.bypass(LEVEL, ctx.name, "codegen has no generate()/load() yet")
+        return codegen.compile_graph(gm, example_inputs, ctx)
+    store = open_store(ctx.config)
+    try:
+        key = module_key(gm, example_inputs, ctx)
+    except Uncacheable as exc:
+        events.bypass(LEVEL, ctx.name, str(exc))
+        return load(generate(gm, example_inputs, ctx), ctx)
+    if store is None:
+        events.bypass(LEVEL, ctx.name, "no usable cache directory")
+        return load(generate(gm, example_inputs, ctx), ctx)
+    digest = key.digest()
+    module = _try_load(store, digest, ctx, load)
+    if module is not None:
+        events.hit(LEVEL, ctx.name)
+        return module
+    events.miss(LEVEL, ctx.name)
+    source = generate(gm, example_inputs, ctx)
+    module = load(source, ctx)
+    store.write(LEVEL, digest, {"key": key.as_dict(), "source": source}, ctx.config.cache_size_mb)
+    return module
+
+
+def module_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext) -> CacheKey:
+    context = [("kind", ctx.kind), ("mutated_inputs", ctx.mutated_input_indices)]
+    return make_key(LEVEL, gm, example_inputs, ctx.config, ctx.static_input_indices, context)
+
+
+def open_store(config: Config) -> Store | None:
+    store = Store.open(config)
+    if store is not None:
+        point_triton_at(store)
+    return store
+
+
+def point_triton_at(store: Store) -> None:
+    """Keep Triton's compiled binaries with our entries, so a warm start compiles no kernel.
+    Triton reads the variable when it compiles, so this must run before the first kernel loads;
+    a directory the user chose wins."""
+    os.environ.setdefault("TRITON_CACHE_DIR", str(store.triton_dir()))
+
+
+def _try_load(store: Store, digest: str, ctx: GraphContext, load: Any) -> Any:
+    try:
+        payload = store.read(LEVEL, digest)
+        if payload is None:
+            return None
+        return load(payload["source"], ctx)
+    except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
+        events.corrupt(LEVEL, ctx.name, f"{type(exc).__name__}: {exc}")
+        store.remove(LEVEL, digest)
+        return None
+
+
+# ---- module records for level 1 ---------------------------------------------------------------
+
+class FxModule:
+    """An aten graph loaded back from its FX code: ``call(args)`` like a kernel module."""
+
+    source = None
+
+    def __init__(self, code: str, name: str) -> None:
+        namespace = dict(_fx_globals())
+        exec(compile(code, f"<cgtrees cached graph {name}>", "exec"), namespace)  # noqa: S102 - our own entry
+        self._forward = namespace["forward"]
+        self.code = code
+
+    def call(self, args: list[Any]) -> Any:
+        inputs = list(args)
+        args.clear()
+        return self._forward(None, *inputs)
+
+
+def module_record(gm: torch.fx.GraphModule, module: Any) -> dict[str, Any]:
+    """What level 1 stores for one compiled graph (Uncacheable if it cannot be stored)."""
+    source = getattr(module, "source", None)
+    if source is not None:
+        return {"format": "codegen", "source": source}
+    if not isinstance(module, codegen.AtenModule):
+        raise Uncacheable(f"kernel module {type(module).__name__} has no source")
+    return {"format": "fx", "source": fx_code(gm)}
+
+
+def load_record(record: dict[str, Any], ctx: GraphContext) -> Any:
+    if record["format"] == "codegen":
+        return codegen.load(record["source"], ctx)
+    if record["format"] == "fx":
+        return FxModule(record["source"], ctx.name)
+    raise CorruptEntry(f"unknown module format {record['format']!r}")
+
+
+def fx_code(gm: torch.fx.GraphModule) -> str:
+    if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
+        raise Uncacheable("aten graph reads module attributes")
+    code = gm.graph.python_code(root_module="self")
+    allowed = _fx_globals()
+    for name, value in code.globals.items():
+        known = allowed.get(name, _MISSING)
+        same = known is value or (isinstance(value, float) and isinstance(known, float)
+                                  and (known == value or math.isnan(known) and math.isnan(value)))
+        if not same:
+            raise Uncacheable(f"aten graph code needs the global {name!r}")
+    return code.src
+
+
+_MISSING = object()
+
+
+def _fx_globals() -> dict[str, Any]:
+    import torch.fx._pytree as fx_pytree
+    import torch.utils._pytree as pytree
+
+    return {"torch": torch, "inf": math.inf, "nan": math.nan, "NoneType": type(None),
+            "device": torch.device, "fx_pytree": fx_pytree, "pytree": pytree}

@@ -1,0 +1,262 @@
+"""The on-disk store: one file per entry, written atomically under a per-entry file lock.
+
+Invariants:
+- Location: ``config.cache_dir`` (which also reads ``$CGTREES_CACHE_DIR``), else
+  ``$XDG_CACHE_HOME/cgtrees``, else ``~/.cache/cgtrees``; everything lives under ``v<SCHEMA>/``.
+- Directories we create get mode 0700. A directory owned by another user, or writable by group or
+  others, is never read from or written to: an entry is code that we import.
+- An entry is ``MAGIC sha256=<hex> bytes=<n>\\n`` followed by a JSON payload; a reader checks
+  magic, length and checksum, and any mismatch is ``CorruptEntry`` (the caller removes it).
+- A write goes to a temp file in the entry's directory, is fsynced, then renamed over the entry:
+  readers see the old entry, the new one, or none; never a partial one. Concurrent writers of one
+  entry serialise on its lock, and the second finds the first's entry and keeps it.
+- Any OSError (disk full, read-only directory) makes the write a warning, never a failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from filelock import FileLock, Timeout
+
+from backend.config import Config
+from backend.logs import log_once
+
+SCHEMA = 1
+MAGIC = b"cgtrees-cache-entry/1"
+LEVELS = ("aot", "module")
+LOCK_TIMEOUT_S = 120.0
+log = logging.getLogger("backend.cache")
+
+
+class CorruptEntry(Exception):
+    """An entry that is truncated, garbled, fails its checksum, or belongs to another key."""
+
+
+def base_dir(config: Config, environ: Mapping[str, str] | None = None) -> Path:
+    environ = os.environ if environ is None else environ
+    if config.cache_dir:
+        return Path(config.cache_dir).expanduser()
+    if environ.get("XDG_CACHE_HOME"):
+        return Path(environ["XDG_CACHE_HOME"]) / "cgtrees"
+    return Path.home() / ".cache" / "cgtrees"
+
+
+def unsafe_reason(path: Path) -> str | None:
+    """Why ``path`` must not be trusted (another owner, or writable by group/others), or None."""
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        return f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+@dataclass
+class Usage:
+    entries: int
+    bytes: int
+
+
+class Store:
+    def __init__(self, root: Path) -> None:
+        self.root = root  # .../cgtrees/v<SCHEMA>
+
+    @classmethod
+    def open(cls, config: Config) -> "Store | None":
+        """The store for ``config``, or None (with a warning) when it cannot be used safely."""
+        base = base_dir(config)
+        try:
+            root = base / f"v{SCHEMA}"
+            for path in (base, root, *(root / d for d in (*LEVELS, "locks", "triton"))):
+                _mkdir_private(path)
+                reason = unsafe_reason(path)
+                if reason is not None:
+                    log_once(log, f"unsafe:{path}", "cgtrees: cache disabled: %s; compiling uncached", reason)
+                    return None
+        except OSError as exc:
+            log_once(log, f"unusable:{base}", "cgtrees: cache directory %s unusable (%s); compiling uncached",
+                     base, exc)
+            return None
+        return cls(root)
+
+    def path(self, level: str, digest: str) -> Path:
+        return self.root / level / f"{digest}.entry"
+
+    def lock(self, digest: str) -> FileLock:
+        return FileLock(str(self.root / "locks" / f"{digest}.lock"), timeout=LOCK_TIMEOUT_S)
+
+    # ---- reading -------------------------------------------------------------------------
+
+    def read(self, level: str, digest: str) -> dict[str, Any] | None:
+        """The payload, or None when there is no entry; CorruptEntry when it is bad."""
+        path = self.path(level, digest)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        payload = decode(data)
+        if payload.get("digest") != digest or payload.get("level") != level:
+            raise CorruptEntry("entry belongs to another key")
+        try:
+            os.utime(path)  # least recently used = oldest mtime
+        except OSError:
+            pass
+        return payload
+
+    def remove(self, level: str, digest: str) -> None:
+        """Remove a bad entry (under its lock: a writer may be replacing it right now)."""
+        path = self.path(level, digest)
+        try:
+            with self.lock(digest):
+                try:
+                    decode(path.read_bytes())
+                except CorruptEntry:
+                    path.unlink(missing_ok=True)
+        except (OSError, Timeout) as exc:
+            log.warning("cgtrees: could not remove bad cache entry %s: %s", path, exc)
+
+    # ---- writing -------------------------------------------------------------------------
+
+    def write(self, level: str, digest: str, payload: dict[str, Any], size_cap_mb: int = 0) -> bool:
+        """Write an entry unless a good one is there; False (with a warning) when it fails."""
+        path = self.path(level, digest)
+        data = encode({**payload, "level": level, "digest": digest})
+        try:
+            with self.lock(digest):
+                if _is_good(path):
+                    return True
+                _atomic_write(path, data)
+        except (OSError, Timeout) as exc:
+            log_once(log, f"write:{type(exc).__name__}:{getattr(exc, 'errno', '')}",
+                     "cgtrees: could not write cache entry %s (%s); continuing uncached", path, exc)
+            return False
+        if size_cap_mb > 0:
+            self.evict(size_cap_mb << 20)
+        return True
+
+    def evict(self, cap_bytes: int) -> int:
+        """Remove least recently used entries until the store is under ``cap_bytes``."""
+        files = []
+        for path in self.entry_paths():
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            files.append((st.st_mtime, st.st_size, path))
+        total = sum(size for _, size, _ in files)
+        removed = 0
+        for _, size, path in sorted(files, key=lambda f: f[0]):
+            if total <= cap_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size
+            removed += 1
+        return removed
+
+    # ---- inspecting ----------------------------------------------------------------------
+
+    def entry_paths(self) -> list[Path]:
+        return [p for level in LEVELS for p in (self.root / level).glob("*.entry")]
+
+    def usage(self) -> Usage:
+        sizes = []
+        for path in self.entry_paths():
+            try:
+                sizes.append(path.stat().st_size)
+            except FileNotFoundError:
+                pass
+        return Usage(len(sizes), sum(sizes))
+
+    def clear(self) -> int:
+        """Remove every entry, lock and temp file, and Triton's binaries; returns entries removed."""
+        n = len(self.entry_paths())
+        for sub in (*LEVELS, "locks"):
+            for path in (self.root / sub).iterdir():
+                path.unlink(missing_ok=True)
+        shutil.rmtree(self.triton_dir(), ignore_errors=True)
+        _mkdir_private(self.triton_dir())
+        return n
+
+    def triton_dir(self) -> Path:
+        return self.root / "triton"
+
+
+# ---- the file format ---------------------------------------------------------------------------
+
+def encode(payload: dict[str, Any]) -> bytes:
+    body = json.dumps(payload, sort_keys=True).encode()
+    header = MAGIC + b" sha256=" + hashlib.sha256(body).hexdigest().encode() + b" bytes=" + str(len(body)).encode()
+    return header + b"\n" + body
+
+
+def decode(data: bytes) -> dict[str, Any]:
+    header, sep, body = data.partition(b"\n")
+    parts = header.split(b" ")
+    if not sep or len(parts) != 3 or parts[0] != MAGIC:
+        raise CorruptEntry("bad header")
+    try:
+        want_sha = parts[1].removeprefix(b"sha256=").decode()
+        want_len = int(parts[2].removeprefix(b"bytes="))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptEntry(f"bad header ({exc})") from None
+    if len(body) != want_len:
+        raise CorruptEntry(f"truncated: {len(body)} of {want_len} bytes")
+    if hashlib.sha256(body).hexdigest() != want_sha:
+        raise CorruptEntry("checksum mismatch")
+    try:
+        payload = json.loads(body)
+    except ValueError as exc:
+        raise CorruptEntry(f"bad payload ({exc})") from None
+    if not isinstance(payload, dict):
+        raise CorruptEntry("bad payload")
+    return payload
+
+
+def _is_good(path: Path) -> bool:
+    try:
+        decode(path.read_bytes())
+    except (OSError, CorruptEntry):
+        return False
+    return True
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".entry")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:  # make the rename durable too
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError:
+        pass
+
+
+def _mkdir_private(path: Path) -> None:
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        return
+    except FileNotFoundError:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask

@@ -1,0 +1,118 @@
+"""Our own runtime wrappers for a level-1 hit: what AOTAutograd would have built around the
+compiled graphs, for the common case only (``compat.runtime_plan`` says which).
+
+Inference: the inference graph over the flat inputs, with grad mode off.
+Training: an autograd.Function whose forward runs the forward graph and keeps its extra outputs
+(the saved activations) for the backward, and whose backward makes the tangents the layout the
+backward graph was traced with, runs the backward graph, and returns one gradient per input.
+
+Invariants (as AOTAutograd's): outputs that do not require grad are marked non-differentiable;
+saved views are detached; inputs whose gradient the backward never produces are detached before
+the call; kept-in-graph input mutations bump the inputs' version counters; a second-order
+backward through the graph raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from backend.cache import compat
+
+Boxed = Callable[[list[Any]], Any]
+
+
+def inference_function(call: Boxed, plan: dict[str, Any]) -> Callable[..., Any]:
+    bump = plan["bump_versions"]
+
+    def run(*args: Any) -> list[Any]:
+        flat = list(args)
+        if bump:
+            compat.increment_version([flat[i] for i in bump])
+        with torch.no_grad():
+            outs = call(flat)
+        return list(outs)
+
+    return run
+
+
+def training_function(forward: Boxed, backward: Boxed, plan: dict[str, Any],
+                      detach: list[int]) -> Callable[..., Any]:
+    bump = plan["bump_versions"]
+    function = _autograd_function(forward, backward, plan)
+
+    def run(*args: Any) -> list[Any]:
+        flat = list(args)
+        for i in detach:
+            flat[i] = flat[i].detach()
+        if bump:
+            compat.increment_version([flat[i] for i in bump])
+        with compat.view_replay(), torch.enable_grad():
+            outs = function.apply(*flat)
+        return list(outs)
+
+    return run
+
+
+def _autograd_function(forward: Boxed, backward: Boxed, plan: dict[str, Any]) -> type:
+    num_outputs = plan["num_outputs"]
+    no_vc_check = plan["num_saved_no_vc_check"]
+    unsafe_views = plan["unsafe_view_outputs"]
+    non_differentiable = plan["non_differentiable_outputs"]
+    tangents = list(zip(plan["tangent_outputs"], plan["tangent_formats"]))
+
+    class CachedCompiledFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *args: Any) -> tuple[Any, ...]:
+            outs = list(forward(list(args)))
+            user, saved = outs[:num_outputs], outs[num_outputs:]
+            saved = [t.detach() if t._is_view() else t for t in saved]
+            split = len(saved) - no_vc_check
+            ctx.save_for_backward(*saved[:split])
+            ctx.saved_no_vc_check = saved[split:]
+            for i in unsafe_views:
+                user[i] = torch.ops.aten._unsafe_view(user[i], user[i].shape)
+            ctx.mark_non_differentiable(*[user[i] for i in non_differentiable])
+            ctx._materialize_non_diff_grads = False
+            return tuple(user)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+            if plan["deterministic"] is False and torch.are_deterministic_algorithms_enabled():
+                raise RuntimeError("cgtrees: this backward was compiled without deterministic algorithms, "
+                                   "but torch.use_deterministic_algorithms(True) is set now")
+            args = [*ctx.saved_tensors, *ctx.saved_no_vc_check,
+                    *(_as_traced(grads[i], fmt) for i, fmt in tangents)]
+            if torch.is_grad_enabled() and (plan["any_input_requires_grad"] or
+                                            any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
+                return _FirstOrderOnly.apply(lambda: tuple(backward(args)), torch.empty(0, requires_grad=True))
+            return tuple(backward(args))
+
+    return CachedCompiledFunction
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Runs a compiled backward under create_graph=True; differentiating it again raises."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Callable[[], tuple[Any, ...]], _anchor: torch.Tensor) -> tuple[Any, ...]:
+        return run()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> None:
+        raise RuntimeError("cgtrees: double backward through a compiled graph is not supported")
+
+
+def _as_traced(grad: Any, fmt: dict[str, Any]) -> Any:
+    """The tangent in the layout the backward graph was traced with (AOTAutograd does the same)."""
+    if not isinstance(grad, torch.Tensor):
+        return grad
+    if "memory_format" in fmt:
+        memory_format = getattr(torch, fmt["memory_format"])
+        return grad if grad.is_contiguous(memory_format=memory_format) else grad.contiguous(memory_format=memory_format)
+    if list(grad.shape) == fmt["size"] and list(grad.stride()) == fmt["stride"]:
+        return grad
+    out = torch.empty_strided(fmt["size"], fmt["stride"], dtype=grad.dtype, device=grad.device)
+    out.copy_(grad)
+    return out
