@@ -59,9 +59,24 @@ def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config
     except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
         events.corrupt(LEVEL, name, f"{type(exc).__name__}: {exc}")
         store.remove(LEVEL, digest)
-    events.miss(LEVEL, name)
+    events.miss(LEVEL, name, explain=lambda: explain_miss(store, key))
     pair.cache_recorder = Recorder(store, key, digest, config, name, len(example_inputs))
     return None
+
+
+def explain_miss(store: Store, key: CacheKey) -> str:
+    """Which key fields differ from the nearest entry of the same level (for a debug log)."""
+    best: list[str] | None = None
+    for path in store.entry_paths():
+        try:
+            payload = store.read(key.level, path.stem)
+        except CorruptEntry:
+            continue
+        if payload is not None and "key" in payload:
+            diff = key.diff(payload["key"])
+            if best is None or len(diff) < len(best):
+                best = diff
+    return "no entries to compare with" if best is None else "nearest entry differs in " + "; ".join(best)
 
 
 def aot_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config) -> CacheKey:

@@ -5,6 +5,7 @@ as a cold one, so it must be visible."""
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from backend import counters
 from backend.logs import log_once
@@ -17,9 +18,11 @@ def hit(level: str, name: str) -> None:
     log.debug("cgtrees: cache hit (%s) for %s", level, name)
 
 
-def miss(level: str, name: str) -> None:
+def miss(level: str, name: str, explain: Callable[[], str] | None = None) -> None:
+    """``explain`` says why (it reads other entries, so it runs only when debug logging is on)."""
     counters.bump("cache_miss")
-    log.debug("cgtrees: cache miss (%s) for %s", level, name)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("cgtrees: cache miss (%s) for %s%s", level, name, f": {explain()}" if explain else "")
 
 
 def bypass(level: str, name: str, reason: str) -> None:
