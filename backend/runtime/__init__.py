@@ -1,23 +1,59 @@
-"""runtime: wraps kernel modules in tree-managed CUDA graphs (placeholder: no graphs yet)."""
+"""runtime: wraps each kernel module in tree-managed CUDA graphs (R1-R8 of DESIGN.md).
+
+    wrap(call, example_inputs, ctx):
+        reason_to_skip        # CPU / several devices / sparse / uncapturable op -> no graphs (R7)
+        GraphFunction         # warmup -> record -> replay under the tree manager of
+                              # (device, thread of the forward); one pool per manager
+
+Files: ``compat`` (every private torch API), ``liveness`` (live outputs, generation end),
+``node`` (one recorded graph and its replay path), ``manager`` (pool, checkpoints, generations),
+``function`` (one wrapped graph: node choice and limits), ``skips`` (reasons known at wrap time).
+"""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
-from backend import counters
 from backend.context import GraphContext
-from backend.logs import log, log_once
+from backend.runtime import skips
+from backend.runtime.function import GraphFunction, skip
+from backend.runtime.manager import Managers
+
+_managers = Managers()
+_functions: "weakref.WeakSet[GraphFunction]" = weakref.WeakSet()
+_skipped: dict[str, str] = {}  # function name -> reason, for describe()
 
 
 def wrap(call: Callable[[list[Any]], Any], example_inputs: list[Any], ctx: GraphContext) -> Callable[[list[Any]], Any]:
-    log_once(log, f"skip:{ctx.name}", "cgtrees: %s runs without CUDA graphs: graphs not implemented yet", ctx.name)
-    counters.bump("cudagraph_skips")
-    return call
+    """Return ``call`` wrapped in CUDA graph trees, or ``call`` itself where graphs cannot help."""
+    if not ctx.config.cudagraphs:
+        return call
+    gm = skips.graph_of(call)
+    reason, device = skips.reason_to_skip(example_inputs, ctx, gm)
+    if reason is not None:
+        skip(ctx.name, reason)  # one skip per function, logged once
+        _skipped[ctx.name] = reason
+        return call
+    fn = GraphFunction(call, example_inputs, ctx, device, _managers, skips.output_ops(gm))
+    _functions.add(fn)
+    return fn
 
 
 def describe() -> str:
-    return "no CUDA graph trees"
+    """The trees as text: managers, nodes, generations, live outputs, pool bytes; and the skips."""
+    lines = []
+    for manager in _managers.all():
+        lines.append(manager.describe())
+    functions = sorted(_functions, key=lambda f: f.name)
+    lines += [fn.describe() for fn in functions]
+    lines += [f"function {name}: no CUDA graphs: {reason}" for name, reason in sorted(_skipped.items())]
+    return "\n".join(lines) if lines else "no CUDA graph trees"
 
 
 def reset() -> None:
-    pass
+    """Invalidate live outputs (gradients are copied out), drop every graph and pool."""
+    _managers.close_all()
+    for fn in list(_functions):
+        fn.forget()
+    _skipped.clear()

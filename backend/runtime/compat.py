@@ -1,0 +1,118 @@
+"""Every private torch API the runtime uses, in one place, checked against the torch we run.
+
+Invariants:
+- Nothing outside this module touches ``torch._C`` for the runtime. Names differ between releases
+  (torch 2.11 with CUDA on the GPU machine, torch 2.13 CPU-only in CI); each entry below looks the
+  name up once, at import, and ``missing()`` lists what the CUDA graph path needs but lacks.
+- Import never fails on a CPU build: the CUDA-only entries are then ``None`` and ``supported()``
+  is False, so ``wrap`` runs graphs without CUDA graphs.
+- ``mark_step_counter()`` never imports ``torch._inductor.cudagraph_trees`` (about a second): if
+  nobody imported it, nobody called ``torch.compiler.cudagraph_mark_step_begin()``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Sequence
+
+import torch
+
+_C = torch._C
+
+
+def _first(*names: str) -> Any:
+    for name in names:
+        fn = getattr(_C, name, None)
+        if fn is not None:
+            return fn
+    return None
+
+
+# Allocator checkpoints: snapshot a private pool's book-keeping, and put it back later.
+get_checkpoint_state = _first("_cuda_getCheckpointState")
+_set_checkpoint_pool_state = _first("_cuda_setCheckpointPoolState")
+raw_delete = _first("_cuda_cudaCachingAllocator_raw_delete")
+# Storages whose memory the pool owns: build one from a pointer (no deleter), give it one back.
+storage_from_pointer = _first("_construct_storage_from_data_pointer")
+_tensor_from_storage = _first("_construct_CUDA_Tensor_From_Storage_And_Metadata")
+has_standard_deleter = _first("_has_Standard_Deleter")
+free_and_remove_deleter = _first("_free_And_Remove_DeleterFn")
+# Outputs whose memory was reused: every later access raises with our message.
+set_storage_error = _first("_set_storage_data_ptr_access_error_msg")
+storage_use_count = _first("_storage_Use_Count")
+_ptrs_equal = _first("_tensors_data_ptrs_at_indices_equal")
+clear_cublas_workspaces = _first("_cuda_clearCublasWorkspaces")
+
+# What the CUDA graph path cannot do without (the rest has a fallback below).
+_REQUIRED = {
+    "_cuda_getCheckpointState": get_checkpoint_state,
+    "_cuda_setCheckpointPoolState": _set_checkpoint_pool_state,
+    "_cuda_cudaCachingAllocator_raw_delete": raw_delete,
+    "_construct_storage_from_data_pointer": storage_from_pointer,
+    "_has_Standard_Deleter": has_standard_deleter,
+    "_free_And_Remove_DeleterFn": free_and_remove_deleter,
+    "_set_storage_data_ptr_access_error_msg": set_storage_error,
+    "_storage_Use_Count": storage_use_count,
+}
+
+
+def missing() -> list[str]:
+    """Names the CUDA graph path needs that this torch build lacks (empty on a CUDA build)."""
+    return [name for name, fn in _REQUIRED.items() if fn is None]
+
+
+def supported() -> bool:
+    return not missing() and torch.cuda.is_available()
+
+
+def report() -> dict[str, bool]:
+    """Which of the names we know about exist here (printed by the GPU test run)."""
+    names = [*_REQUIRED, "_construct_CUDA_Tensor_From_Storage_And_Metadata",
+             "_tensors_data_ptrs_at_indices_equal", "_cuda_clearCublasWorkspaces",
+             "_cuda_beginAllocateCurrentThreadToPool", "_cuda_beginAllocateCurrentStreamToPool",
+             "_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool", "_cuda_releasePool"]
+    return {name: hasattr(_C, name) for name in names}
+
+
+def restore_checkpoint(device: int, state: Any, give_deleters_to: Sequence[int]) -> None:
+    """Put the pool's book-keeping back to ``state``; the listed storages (StorageImpl pointers,
+    each without a deleter) then own their blocks, so the allocator frees them when they die."""
+    _set_checkpoint_pool_state(device, state, [], list(give_deleters_to))
+
+
+def tensor_from_storage(meta: dict[str, Any], storage: Any) -> torch.Tensor:
+    if _tensor_from_storage is not None:
+        return _tensor_from_storage(meta, storage)
+    out = torch.empty((0,), dtype=meta["dtype"], device=meta["device"])
+    return out.set_(storage, meta["storage_offset"], meta["size"], meta["stride"])
+
+
+def ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -> bool:
+    """``tensors[i].data_ptr() == ptrs[i]`` for every ``i`` in ``indices`` (one C call on CUDA)."""
+    if _ptrs_equal is not None:
+        return _ptrs_equal(tensors, ptrs, indices)
+    return all(tensors[i].data_ptr() == ptrs[i] for i in indices)
+
+
+def mark_step_counter() -> int:
+    """The counter ``torch.compiler.cudagraph_mark_step_begin()`` moves (0 if never called)."""
+    module = sys.modules.get("torch._inductor.cudagraph_trees")
+    if module is None:
+        return 0
+    return module.MarkStepBox.mark_step_counter
+
+
+class StorageRef:
+    """A weak reference to one storage (by its StorageImpl), cheap to test for liveness."""
+
+    __slots__ = ("cdata", "_free")
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.cdata = storage._weak_ref()
+        self._free = torch.UntypedStorage._free_weak_ref  # kept: torch may be gone at shutdown
+
+    def alive(self) -> bool:
+        return storage_use_count(self.cdata) > 0
+
+    def __del__(self) -> None:
+        self._free(self.cdata)

@@ -1,0 +1,193 @@
+"""One wrapped aten graph (forward, backward or inference): warmup, record, replay, and its limits.
+
+Invariants:
+- The first call for each input shape runs eagerly outside the pool (warmup: lazy handles, Triton
+  compilation, autotuning); the next records; later calls replay a node that fits.
+- A node fits when its checked input addresses match and every live pool output is protected by
+  it. Among a function's nodes the first that fits replays; when none does, a new node is recorded,
+  and the reason is counted against a limit:
+  * addresses changed (a static input moved): ``max_rerecords_per_function``, then no graphs, with
+    a warning;
+  * a live output is in the way (R2): ``max_live_branches_per_function``, then the function's new
+    nodes copy their outputs out of the pool, so what the user keeps stays right and nothing more
+    accumulates in the pool;
+  * a new input shape: ``max_shapes_per_function`` shapes, then no graphs, with a warning naming
+    the dimension that kept changing.
+- A function that runs without graphs says why once (log) and counts one ``cudagraph_skips``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+
+from backend import counters
+from backend.context import GraphContext
+from backend.logs import log_once
+from backend.runtime.manager import Managers, TreeManager
+from backend.runtime.node import GraphNode
+
+log = logging.getLogger("backend.runtime")
+
+
+class GraphFunction:
+    def __init__(self, call: Callable[[list[Any]], Any], example_inputs: list[Any], ctx: GraphContext,
+                 device: int, managers: Managers, output_ops: list[str]) -> None:
+        self.call = call
+        self.ctx = ctx
+        self.name = ctx.name
+        self.kind = ctx.kind
+        self.config = ctx.config
+        self.static = frozenset(ctx.static_input_indices)
+        self.mutated = tuple(ctx.mutated_input_indices)
+        self.device = device
+        self.managers = managers
+        self.output_ops = output_ops
+        self.dynamic = _has_symbolic_shapes(example_inputs)
+        self.forget()
+
+    def forget(self) -> None:
+        """Back to the state before the first call (``reset()``)."""
+        self.nodes: dict[Any, list[GraphNode]] = {}
+        self.warmed: set[Any] = set()
+        self.disabled: str | None = None
+        self.rerecords = 0
+        self.live_branches = 0
+        self.copy_out = False
+        self.shape_keys: list[Any] = []
+
+    # ------------------------------------------------------------ the call
+    def __call__(self, args: list[Any]) -> Any:
+        if self.disabled is not None:
+            return self.call(args)
+        manager = self._manager()
+        live = manager.begin_call(self.kind)
+        key = _shape_key(args) if self.dynamic else None
+        nodes = self.nodes.get(key)
+        if nodes is not None:
+            for node in nodes:
+                if not node.fits(args, live):
+                    manager.after_replay(node)
+                    counters.bump("cudagraph_replayed")
+                    return node.replay(args)
+        return self._no_node_fits(args, manager, key, nodes)
+
+    def _manager(self) -> TreeManager:
+        if self.kind == "backward":
+            manager = getattr(self.ctx.pair, "cgtrees_manager", None)
+            if manager is not None and not manager.closed:
+                return manager
+            return self.managers.current(self.device)
+        manager = self.managers.current(self.device)
+        if self.kind == "forward" and self.ctx.pair is not None:
+            self.ctx.pair.cgtrees_manager = manager
+        return manager
+
+    def _no_node_fits(self, args: list[Any], manager: TreeManager, key: Any,
+                      nodes: list[GraphNode] | None) -> Any:
+        if key not in self.warmed:
+            return self._warmup(args, key)
+        if nodes is None:
+            if len(self.nodes) >= self.config.max_shapes_per_function:
+                return self._give_up(args, self._shape_warning(key))
+            nodes = self.nodes[key] = []
+            self.shape_keys.append(key)
+        elif self._why_nodes_fail(args, manager, nodes) == 1:
+            self.rerecords += 1
+            if self.rerecords > self.config.max_rerecords_per_function:
+                return self._give_up(args, f"a static input changed address more than "
+                                     f"max_rerecords_per_function={self.config.max_rerecords_per_function} times")
+        else:
+            self.live_branches += 1
+            if self.live_branches >= self.config.max_live_branches_per_function and not self.copy_out:
+                self.copy_out = True
+                log_once(log, f"copy-out:{self.name}",
+                         "cgtrees: %s: outputs kept alive across calls forced %d recordings "
+                         "(max_live_branches_per_function); its outputs are now copied out of the "
+                         "CUDA graph pool", self.name, self.live_branches, level=logging.INFO)
+            bound = self.config.max_live_branches_per_function + 2
+            if self.live_branches > 2 * bound:
+                return self.call(args)  # every kept output stays right; no more recordings
+        return self._record(args, manager, key, nodes)
+
+    def _why_nodes_fail(self, args: list[Any], manager: TreeManager, nodes: list[GraphNode]) -> int:
+        """1 when every node failed on addresses, 2 when some node failed only on liveness."""
+        reasons = {node.fits(args, manager.live) for node in nodes}
+        return 2 if 2 in reasons else 1
+
+    def _warmup(self, args: list[Any], key: Any) -> Any:
+        self.warmed.add(key)
+        counters.bump("cudagraph_warmup")
+        return self.call(args)
+
+    def _record(self, args: list[Any], manager: TreeManager, key: Any, nodes: list[GraphNode]) -> Any:
+        live = manager.prepare_recording()
+        node = GraphNode(self, manager, manager.last_node, frozenset(e.key for e in live), self.copy_out)
+        node.key = key
+        try:
+            outs = node.record(self.call, args, self.static, self.mutated, {e.key[0] for e in live})
+        except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: run it eagerly
+            node.release()
+            return self._give_up(args, f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+        nodes.append(node)
+        manager.after_recording(node)
+        counters.bump("cudagraph_recorded")
+        args.clear()
+        return outs if node.returns_list else outs[0]
+
+    def _give_up(self, args: list[Any], reason: str) -> Any:
+        self.disabled = reason
+        skip(self.name, reason)
+        for nodes in self.nodes.values():
+            for node in nodes:
+                node.release()
+        self.nodes.clear()
+        return self.call(args)
+
+    def _shape_warning(self, key: Any) -> str:
+        changing = _changing_dims([*self.shape_keys, key])
+        return (f"input shapes changed more than max_shapes_per_function="
+                f"{self.config.max_shapes_per_function} times ({changing} kept changing)")
+
+    # ------------------------------------------------------------ introspection
+    def output_op(self, index: int) -> str:
+        return self.output_ops[index] if index < len(self.output_ops) else "an unknown op"
+
+    def describe(self) -> str:
+        n = sum(len(v) for v in self.nodes.values())
+        state = f"no CUDA graphs: {self.disabled}" if self.disabled else f"{n} nodes, {len(self.nodes)} shapes"
+        return f"function {self.name} ({self.kind}): {state}" + (" copy-out" if self.copy_out else "")
+
+
+def skip(name: str, reason: str) -> None:
+    """R7: count one skip and say why, once per function."""
+    counters.bump("cudagraph_skips")
+    log_once(log, f"skip:{name}:{reason}", "cgtrees: %s runs without CUDA graphs: %s", name, reason)
+
+
+def _has_symbolic_shapes(example_inputs: list[Any]) -> bool:
+    for a in example_inputs:
+        if isinstance(a, torch.SymInt):
+            return True
+        if isinstance(a, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in a.shape):
+            return True
+    return False
+
+
+def _shape_key(args: list[Any]) -> tuple:
+    return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _changing_dims(keys: list[tuple]) -> str:
+    """Name the (input, dimension) pairs whose sizes differ between keys."""
+    found = []
+    for i, column in enumerate(zip(*keys)):
+        if isinstance(column[0], tuple):
+            for d, sizes in enumerate(zip(*[c for c in column if isinstance(c, tuple)])):
+                if len(set(sizes)) > 1:
+                    found.append(f"input {i} dimension {d}")
+        elif len(set(map(repr, column))) > 1:
+            found.append(f"input {i} (a size argument)")
+    return ", ".join(found) or "the input shapes"

@@ -1,0 +1,81 @@
+"""Which pool outputs the user still holds, and what happens to them when a generation ends.
+
+Invariants:
+- Every storage of pool memory we hand out (from a recording or a replay) is tracked by one
+  ``LiveOutput`` holding a weak reference to its StorageImpl. It is *live* while anything (the
+  tensor we returned, a view of it, autograd's saved tensors) keeps the storage alive.
+- A live output is never overwritten (R2): the node chooser replays a graph only if every live
+  output is one that graph was recorded around (``GraphNode.protected``).
+- When a generation ends, each live output is either copied out of the pool in place (the tensors
+  a backward produced, so ``.grad`` survives, R4) or invalidated: its memory goes back to the pool
+  and every later access raises a RuntimeError that names the function, the op and the remedy (R1).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from backend.runtime import compat
+
+if TYPE_CHECKING:
+    from backend.runtime.node import GraphNode
+
+
+class LiveOutput:
+    """One storage of pool memory that we handed out."""
+
+    __slots__ = ("ref", "key", "node", "index", "tensors")
+
+    def __init__(self, ref: compat.StorageRef, key: tuple[int, int], node: "GraphNode", index: int,
+                 tensors: list[weakref.ref] | None) -> None:
+        self.ref = ref
+        self.key = key  # (data pointer, bytes): what a node's ``protected`` set is made of
+        self.node = node
+        self.index = index  # the first output of ``node`` that lives in this storage
+        self.tensors = tensors  # weak refs to the tensors a backward returned (R4), else None
+
+
+def overwritten_message(node: "GraphNode", index: int, why: str) -> str:
+    op = node.output_op(index)
+    return (f"cgtrees: this tensor is output {index} of {node.function_name} (produced by {op}), "
+            f"replayed from a CUDA graph; its memory was reused after {why}. "
+            "Clone it (out.clone()) before the next step if you need it later, or don't keep it "
+            "across steps.")
+
+
+def copy_out_in_place(entry: LiveOutput) -> None:
+    """Move each tensor a backward returned (typically a ``.grad``) out of the pool, in place."""
+    for ref in entry.tensors or ():
+        t = ref()
+        if t is None or t.requires_grad or t._is_view():
+            continue
+        with torch.no_grad():
+            t.set_(t.clone())
+
+
+def invalidate(entry: LiveOutput, why: str) -> None:
+    """Give the storage's memory back to the pool; every later access raises our message."""
+    cdata = entry.ref.cdata
+    if compat.has_standard_deleter(cdata):
+        compat.free_and_remove_deleter(cdata)  # a recording's output: the allocator owns the block
+    compat.set_storage_error(cdata, overwritten_message(entry.node, entry.index, why))
+
+
+def end_generation(live: list[LiveOutput], why: str) -> int:
+    """Copy out what a backward produced, invalidate the rest; return how many were invalidated."""
+    n = 0
+    for entry in live:
+        if entry.tensors and entry.ref.alive():
+            copy_out_in_place(entry)
+        if entry.ref.alive():
+            invalidate(entry, why)
+            n += 1
+    return n
+
+
+def still_alive(live: list[Any]) -> list[Any]:
+    use_count = compat.storage_use_count
+    return [e for e in live if use_count(e.ref.cdata) > 0]

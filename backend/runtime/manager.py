@@ -1,0 +1,160 @@
+"""The tree manager: one per (device, thread of the forward); one memory pool for all its graphs.
+
+Invariants:
+- Every graph a manager records is captured into its one pool, so graphs that never hold memory at
+  the same time share it: after A, the siblings B and B' take max(A+B, A+B'), not the sum.
+- ``live`` lists every pool output the user may still hold (``liveness.LiveOutput``). A node is
+  replayed only if all of them are in its ``protected`` set (R2); otherwise a new node is recorded
+  around them. The node that ran last has every live output in its checkpoint (each was live when
+  it ran: either protected by it or its own output), so before recording after replays the pool's
+  book-keeping is restored to that node's checkpoint (R5): live storages get their blocks back
+  (with a deleter), blocks of storages that died since are freed.
+- ``stale`` is True after a replay: the allocator does not know what the replay wrote, and the
+  next recording must restore a checkpoint first. Right after a recording it is accurate.
+- Generations (R3) end at ``torch.compiler.cudagraph_mark_step_begin()`` and at the first forward
+  after a backward ran; then what a backward produced is copied out of the pool in place (R4) and
+  every other live output is invalidated (R1). In inference nothing needs ending: outputs that die
+  free their memory, outputs that live are protected.
+- A backward runs under the manager of its forward (``ctx.pair``), not its own thread's.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from backend.runtime import compat, liveness
+from backend.runtime.liveness import LiveOutput
+
+if TYPE_CHECKING:
+    from backend.runtime.node import GraphNode
+
+
+class TreeManager:
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.thread = threading.current_thread().name
+        with torch.cuda.device(device):
+            self.pool = torch.cuda.graph_pool_handle()
+            self.stream = torch.cuda.Stream(device)
+        self.live: list[LiveOutput] = []
+        self.stale = False
+        self.last_node: GraphNode | None = None
+        self.nodes: list[GraphNode] = []
+        self.generation = 0
+        self.mark_seen = compat.mark_step_counter()
+        self.backward_ran = False
+        self.closed = False
+        self.invalidated = 0
+
+    # ------------------------------------------------------------ each call
+    def begin_call(self, kind: str) -> list[LiveOutput]:
+        """End the generation where R3 says so; return the live pool outputs."""
+        counter = compat.mark_step_counter()
+        if counter != self.mark_seen:
+            self.mark_seen = counter
+            self.end_generation("torch.compiler.cudagraph_mark_step_begin()")
+        elif kind == "forward" and self.backward_ran:
+            self.end_generation("the next forward began after a backward")
+        if kind == "backward":
+            self.backward_ran = True
+        live = self.live
+        if live:
+            use_count = compat.storage_use_count
+            for entry in live:
+                if use_count(entry.ref.cdata) == 0:
+                    live = self.live = [e for e in live if use_count(e.ref.cdata) > 0]
+                    if not live:
+                        self.generation += 1  # inference: every output of the last step died
+                    break
+        return live
+
+    def end_generation(self, why: str) -> None:
+        live, self.live = self.live, []
+        self.invalidated += liveness.end_generation(live, why)
+        self.generation += 1
+        self.backward_ran = False
+
+    def after_replay(self, node: "GraphNode") -> None:
+        self.stale = True
+        self.last_node = node
+
+    # ------------------------------------------------------------ recording
+    def prepare_recording(self) -> list[LiveOutput]:
+        """Make the allocator's book-keeping for the pool true again (R5); return the live outputs."""
+        gc.collect()  # settle deaths now, not between the restore and the capture
+        live = self.live = liveness.still_alive(self.live)
+        if self.stale and self.last_node is not None:
+            node = self.last_node
+            without_deleter = [e.ref.cdata for e in live if not compat.has_standard_deleter(e.ref.cdata)]
+            compat.restore_checkpoint(self.device, node.checkpoint, without_deleter)
+            live_ptrs = {e.key[0] for e in live}
+            for ptr in node.checkpoint_ptrs:
+                if ptr not in live_ptrs:
+                    compat.raw_delete(ptr)  # live at the checkpoint, dead now
+        self.stale = False
+        return live
+
+    def after_recording(self, node: "GraphNode") -> None:
+        self.nodes.append(node)
+        self.last_node = node
+        self.stale = False
+
+    # ------------------------------------------------------------ reset / describe
+    def close(self) -> None:
+        """Invalidate what is live (copying out gradients), drop every graph (the pool goes with them)."""
+        self.end_generation("cgtrees reset()")
+        for node in self.nodes:
+            node.release()
+        self.nodes.clear()
+        self.last_node = None
+        self.closed = True
+
+    def pool_bytes(self) -> int:
+        try:
+            segments = torch.cuda.memory_snapshot()
+        except Exception:  # noqa: BLE001 - introspection only
+            return -1
+        pool = tuple(self.pool)
+        return sum(s.get("total_size", 0) for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
+
+    def describe(self) -> str:
+        lines = [f"tree cuda:{self.device} thread={self.thread} generation={self.generation} "
+                 f"nodes={len(self.nodes)} live_outputs={len(liveness.still_alive(self.live))} "
+                 f"pool_bytes={self.pool_bytes()} invalidated={self.invalidated}"]
+        lines += ["  " + node.describe() for node in self.nodes]
+        return "\n".join(lines)
+
+
+class Managers:
+    """Managers by (device, thread); the hot path finds its own through a thread-local dict."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._all: list[TreeManager] = []
+        self._local = threading.local()
+
+    def current(self, device: int) -> TreeManager:
+        mine = getattr(self._local, "by_device", None)
+        if mine is None:
+            mine = self._local.by_device = {}
+        manager = mine.get(device)
+        if manager is None or manager.closed:
+            manager = mine[device] = TreeManager(device)
+            with self._lock:
+                self._all.append(manager)
+        return manager
+
+    def all(self) -> list[TreeManager]:
+        with self._lock:
+            return [m for m in self._all if not m.closed]
+
+    def close_all(self) -> None:
+        with self._lock:
+            managers, self._all = self._all, []
+        for manager in managers:
+            if not manager.closed:
+                manager.close()

@@ -1,0 +1,263 @@
+"""One recorded CUDA graph (a node of a tree): how it was recorded, and its replay path.
+
+Invariants:
+- ``protected`` is the set of pool storages (data pointer, bytes) that were live when the graph was
+  captured. The allocator never handed their blocks to the capture, so every byte the graph writes
+  lies outside them: replaying is safe exactly when every live pool output is in ``protected``.
+- Inputs are read in one of two ways, fixed at record time: *checked* inputs (static inputs and
+  inputs that already live in the pool) are read where they are, and the replay only compares their
+  addresses (one C call); every other tensor input is *copied* into the node's own input slot
+  (allocated outside the pool, so no recording can reuse it). Mutated copied inputs are written back.
+- Outputs are rebuilt on every replay as fresh tensors over the same pool memory (storages without
+  a deleter: the pool, not the tensor, owns the memory); outputs that alias an input are rebuilt as
+  views of that input; non-tensor outputs are constants of the recording.
+- The allocator checkpoint is taken right after the first replay, while the outputs and every
+  protected storage are alive: restoring it gives back exactly those blocks (R5).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from backend.runtime import compat
+from backend.runtime.liveness import LiveOutput
+
+if TYPE_CHECKING:
+    from backend.runtime.function import GraphFunction
+    from backend.runtime.manager import TreeManager
+
+_POOL, _INPUT, _CONST = 0, 1, 2
+_ids = itertools.count()
+
+
+def _meta(t: torch.Tensor) -> dict[str, Any]:
+    return {"size": t.size(), "stride": t.stride(), "storage_offset": t.storage_offset(),
+            "dtype": t.dtype, "device": t.device, "nbytes": t.untyped_storage().nbytes(),
+            "data_ptr": t.untyped_storage().data_ptr()}
+
+
+def _unexpanded(t: torch.Tensor) -> tuple | None:
+    """Index that keeps one element along each broadcast (stride-0) dimension, or None."""
+    if all(st != 0 or sz <= 1 for sz, st in zip(t.shape, t.stride())):
+        return None
+    return tuple(slice(0, 1) if (st == 0 and sz > 1) else slice(None) for sz, st in zip(t.shape, t.stride()))
+
+
+class GraphNode:
+    """A recorded graph of one function, for one input shape, around one set of live outputs."""
+
+    def __init__(self, fn: "GraphFunction", manager: "TreeManager", parent: "GraphNode | None",
+                 protected: frozenset[tuple[int, int]], copy_out: bool) -> None:
+        self.id = next(_ids)
+        self.fn = fn
+        self.function_name = fn.name
+        self.manager = manager
+        self.parent_id = None if parent is None else parent.id
+        self.protected = protected
+        self.copy_out = copy_out  # outputs are cloned out of the pool (R2's bound was reached)
+        self.generation = manager.generation
+        self.device = torch.device("cuda", manager.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.replays = 0
+        self.key: Any = None
+
+    # ---------------------------------------------------------------- record
+    def record(self, call: Any, args: list[Any], static: frozenset[int], mutated: tuple[int, ...],
+               live_ptrs: set[int]) -> list[Any]:
+        """Capture ``call`` on ``args``, replay it once, checkpoint; returns this call's outputs."""
+        self._plan_inputs(args, static, live_ptrs, mutated)  # which inputs are copied, which checked
+        capture_args = list(args)
+        for i, slot in zip(self.copy_index, self.slots):
+            capture_args[i] = slot
+        self._copy_in(args)
+        outs = self._capture(call, capture_args)  # the graph; outputs are pool tensors
+        self.graph.replay()  # this call's results
+        self._write_back(args)
+        self._plan_outputs(outs, args)  # how each output is rebuilt on replay
+        self.checkpoint = compat.get_checkpoint_state(self.manager.device, self.manager.pool)
+        self.checkpoint_ptrs = tuple(dict.fromkeys([p for p, _ in self.protected]
+                                                   + [p for p, _ in self.pool_storages]))
+        return self._first_outputs(outs, args)
+
+    def _plan_inputs(self, args: list[Any], static: frozenset[int], live_ptrs: set[int],
+                     mutated: tuple[int, ...]) -> None:
+        self.check_index: list[int] = []
+        self.check_ptrs: list[int | None] = [None] * len(args)
+        self.copy_index: list[int] = []
+        self.slots: list[torch.Tensor] = []
+        self.copy_dst: list[torch.Tensor] = []
+        self.copy_src: list[tuple[int, tuple | None]] = []
+        self.input_storages: dict[int, tuple[int, int]] = {}  # storage pointer -> (input, offset)
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                continue
+            in_place = (i in static or isinstance(a, torch.nn.Parameter)
+                        or getattr(a, "_dynamo_static_input_type", None) is not None
+                        or a.untyped_storage().data_ptr() in live_ptrs)
+            if in_place:
+                self.check_index.append(i)
+                self.check_ptrs[i] = a.data_ptr()
+                self.input_storages.setdefault(a.untyped_storage().data_ptr(), (i, a.storage_offset()))
+                continue
+            slot = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+            index = _unexpanded(a)
+            self.copy_index.append(i)
+            self.slots.append(slot)
+            self.copy_dst.append(slot if index is None else slot[index])
+            self.copy_src.append((i, index))
+            self.input_storages.setdefault(slot.untyped_storage().data_ptr(), (i, slot.storage_offset()))
+        # the cheapest copy for the common case of one plain input
+        single = len(self.copy_src) == 1 and self.copy_src[0][1] is None
+        self.single_index = self.copy_src[0][0] if single else -1
+        self.single_slot = self.copy_dst[0] if single else None
+        self.write_back = [(i, self.slots[self.copy_index.index(i)]) for i in mutated if i in self.copy_index]
+
+    def _copy_in(self, args: list[Any]) -> None:
+        if self.single_slot is not None:
+            self.single_slot.copy_(args[self.single_index])
+        elif self.copy_dst:
+            srcs = [args[i] if index is None else args[i][index] for i, index in self.copy_src]
+            torch._foreach_copy_(self.copy_dst, srcs)
+
+    def _write_back(self, args: list[Any]) -> None:
+        for i, slot in self.write_back:
+            args[i].copy_(slot)
+
+    def _capture(self, call: Any, capture_args: list[Any]) -> list[Any]:
+        manager = self.manager
+        torch.cuda.synchronize(manager.device)
+        # cuBLAS keeps a workspace per stream; allocated inside the capture, it is graph scratch
+        if compat.clear_cublas_workspaces is not None:
+            compat.clear_cublas_workspaces()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.device(manager.device), torch.cuda.graph(
+                graph, pool=manager.pool, stream=manager.stream, capture_error_mode="thread_local"):
+            outs = call(capture_args)
+        if compat.clear_cublas_workspaces is not None:
+            compat.clear_cublas_workspaces()
+        self.graph = graph
+        self.returns_list = isinstance(outs, (list, tuple))
+        return list(outs) if self.returns_list else [outs]
+
+    def _plan_outputs(self, outs: list[Any], args: list[Any]) -> None:
+        self.out_plan: list[tuple[int, Any, Any]] = []
+        self.pool_storages: list[tuple[int, int]] = []
+        self.metas: list[dict[str, Any]] = []
+        storage_index: dict[int, int] = {}
+        for o in outs:
+            if not isinstance(o, torch.Tensor) or o.untyped_storage().data_ptr() == 0:
+                self.out_plan.append((_CONST, o, None))
+                continue
+            ptr = o.untyped_storage().data_ptr()
+            if ptr in self.input_storages:  # a view of an input: rebuilt from that input
+                i, base_offset = self.input_storages[ptr]
+                self.out_plan.append((_INPUT, i, (o.size(), o.stride(), o.storage_offset() - base_offset)))
+                continue
+            if ptr not in storage_index:
+                storage_index[ptr] = len(self.pool_storages)
+                self.pool_storages.append((ptr, o.untyped_storage().nbytes()))
+            self.out_plan.append((_POOL, storage_index[ptr], _meta(o)))
+            self.metas.append(_meta(o))
+        # the fast path: every output owns one pool storage, in order
+        self.simple = (all(kind == _POOL for kind, _, _ in self.out_plan)
+                       and len(self.pool_storages) == len(self.out_plan))
+        self.first_output_of = {}
+        for j, (kind, s, _) in enumerate(self.out_plan):
+            if kind == _POOL:
+                self.first_output_of.setdefault(s, j)
+
+    def _first_outputs(self, outs: list[Any], args: list[Any]) -> list[Any]:
+        result = []
+        for o, (kind, a, b) in zip(outs, self.out_plan):
+            if kind == _INPUT:
+                base = args[a]
+                o = base.as_strided(b[0], b[1], base.storage_offset() + b[2])
+            result.append(o)
+        if self.copy_out:
+            return [o.clone() if kind == _POOL else o for o, (kind, _, _) in zip(result, self.out_plan)]
+        storages: dict[int, torch.UntypedStorage] = {}
+        for o, (kind, s, _) in zip(result, self.out_plan):
+            if kind == _POOL:
+                storages.setdefault(s, o.untyped_storage())
+        self._track([storages[s] for s in range(len(self.pool_storages))], result)
+        return result
+
+    # ---------------------------------------------------------------- replay
+    def fits(self, args: list[Any], live: list[LiveOutput]) -> int:
+        """0 when this node may replay now; 1 when an address changed; 2 when a live output
+        lies in memory this graph writes."""
+        if self.check_index and not compat.ptrs_equal(args, self.check_ptrs, self.check_index):
+            return 1
+        protected = self.protected
+        for entry in live:
+            if entry.key not in protected:
+                return 2
+        return 0
+
+    def replay(self, args: list[Any]) -> Any:
+        """The hot path: copy inputs, replay, rebuild outputs. Everything else was precomputed."""
+        if self.single_slot is not None:
+            self.single_slot.copy_(args[self.single_index])
+        elif self.copy_dst:
+            self._copy_in(args)
+        self.graph.replay()
+        if self.write_back:
+            self._write_back(args)
+        self.replays += 1
+        device = self.device
+        storages = [compat.storage_from_pointer(p, device, n) for p, n in self.pool_storages]
+        if self.simple:
+            tensor_from_storage = compat.tensor_from_storage
+            outs = [tensor_from_storage(m, s) for m, s in zip(self.metas, storages)]
+        else:
+            outs = self._rebuild(args, storages)
+        if self.copy_out:
+            outs = [o.clone() if kind == _POOL else o for o, (kind, _, _) in zip(outs, self.out_plan)]
+        else:
+            self._track(storages, outs)
+        args.clear()
+        return outs if self.returns_list else outs[0]
+
+    def _rebuild(self, args: list[Any], storages: list[Any]) -> list[Any]:
+        outs = []
+        for kind, a, b in self.out_plan:
+            if kind == _POOL:
+                outs.append(compat.tensor_from_storage(b, storages[a]))
+            elif kind == _INPUT:
+                base = args[a]
+                outs.append(base.as_strided(b[0], b[1], base.storage_offset() + b[2]))
+            else:
+                outs.append(a)
+        return outs
+
+    def _track(self, storages: list[Any], outs: list[Any]) -> None:
+        backward = self.fn.kind == "backward"
+        live = self.manager.live
+        for s, (storage, key) in enumerate(zip(storages, self.pool_storages)):
+            j = self.first_output_of[s]
+            tensors = None
+            if backward:
+                tensors = [weakref.ref(o) for o, (kind, si, _) in zip(outs, self.out_plan)
+                           if kind == _POOL and si == s]
+            live.append(LiveOutput(compat.StorageRef(storage), key, self, j, tensors))
+
+    # ---------------------------------------------------------------- introspection
+    def output_op(self, index: int) -> str:
+        return self.fn.output_op(index)
+
+    def describe(self) -> str:
+        copied = len(self.copy_index)
+        return (f"node {self.id} {self.function_name} parent={self.parent_id} gen={self.generation} "
+                f"key={self.key} replays={self.replays} inputs copied={copied} checked={len(self.check_index)} "
+                f"outputs={len(self.out_plan)} pool_bytes={sum(n for _, n in self.pool_storages)} "
+                f"protected={len(self.protected)}" + (" copy-out" if self.copy_out else ""))
+
+    def release(self) -> None:
+        self.graph = None
+        self.checkpoint = None
+        self.slots = self.copy_dst = []
+        self.single_slot = None
