@@ -111,6 +111,7 @@ def _group_checks(rows: list[dict], workload: str, mode: str) -> list[Check]:
     out += compare("first3_s", "warm", 0.5, "inductor")
     out += compare("first3_s", "cold", 0.5, "inductor")
     out += compare("peak_alloc_mb", "cold", 1.0, "reduce-overhead")
+    out += compare("peak_reserved_mb", "cold", 1.0, "reduce-overhead")  # counts graph pools too
     return out
 
 
@@ -197,6 +198,7 @@ def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
         f"- torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}, Python {env.get('python', '?')}",
         f"- Date: {meta.get('date', '?')}",
         f"- Command: `{meta.get('command', '?')}`",
+        *([f"- Note: {meta['note']}"] if meta.get("note") else []),
         "",
         "Figures as defined in DESIGN.md: first outputs include compilation, measured from the first "
         "call in a fresh process (cold: empty cache directories; warm: a second process reusing "
@@ -209,6 +211,15 @@ def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
         "Targets (issue 6): per call no slower than the best other backend; mlp_small infer within "
         "1.25x of raw_graph; first 3 outputs cold and warm at most 0.5x Inductor's; peak memory no "
         "more than reduce-overhead's.",
+        "",
+        "How to run (on the GPU machine, one workload per 10-minute call; then merge):",
+        "",
+        "```",
+        "python benchmarks/run.py --models gpt_block --modes infer,train --cold-warm --out gpt_block.json",
+        "python benchmarks/run.py --models decode --modes infer --cold-warm --kernels --out decode.json",
+        "python benchmarks/run.py --from-json mlp_small.json,...,decode.json --markdown docs/benchmarks.md",
+        "python benchmarks/run.py --smoke   # CPU, tiny sizes, eager and cgtrees, one process (CI)",
+        "```",
         "",
         "## Summary",
         "",

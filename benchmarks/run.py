@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per worker process")
     p.add_argument("--out", help="write rows (and kernel report) as JSON here")
     p.add_argument("--markdown", help="write the report here (e.g. docs/benchmarks.md)")
+    p.add_argument("--note", default="", help="a line for the markdown report (e.g. what is partial)")
     p.add_argument("--from-json", help="comma-separated result files to report on, running nothing")
     return p.parse_args(argv)
 
@@ -78,22 +80,47 @@ def cache_env(root: Path, spec: dict) -> dict:
 
 
 def run_worker(spec: dict, env: dict, timeout: float) -> dict:
-    """One row in a fresh process; a crash, a timeout or garbage output becomes the row's error."""
-    cmd = [sys.executable, str(HERE / "worker.py"), "--workload", spec["workload"], "--backend",
-           spec["backend"], "--mode", spec["mode"], "--device", spec["device"], "--phase", spec["phase"]]
-    cmd += ["--profile"] if spec.get("profile") else []
-    start = time.perf_counter()
+    """One row in a fresh process; a crash, a timeout or a missing result becomes the row's error."""
+    with tempfile.TemporaryDirectory(prefix="cgtrees-row-") as tmp:
+        result, log = Path(tmp) / "row.json", Path(tmp) / "log.txt"
+        cmd = [sys.executable, str(HERE / "worker.py"), "--workload", spec["workload"], "--backend",
+               spec["backend"], "--mode", spec["mode"], "--device", spec["device"], "--phase", spec["phase"],
+               "--result", str(result), "--launched", str(time.time())] + (["--profile"] if spec.get("profile") else [])
+        start = time.perf_counter()
+        with open(log, "w") as out:
+            proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            rc = wait_for_result(proc, result, timeout)
+            stop_group(proc)
+        wall = time.perf_counter() - start
+        if result.exists():
+            return {**json.loads(result.read_text()), "wall_s": wall}
+        why = f"timed out after {timeout:.0f}s" if rc is None else f"exited {rc} without a result"
+        return {**spec, "ok": False, "error": f"worker {why}: {log.read_text()[-1500:]}", "wall_s": wall}
+
+
+def wait_for_result(proc: subprocess.Popen, result: Path, timeout: float) -> int | None:
+    """0 once the result file exists, the exit status if the worker died first, None on timeout."""
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        if result.exists():
+            return 0
+        if proc.poll() is not None:
+            return proc.returncode
+        time.sleep(0.05)
+    return None
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Kill the worker and what it started (Inductor's compile pool takes seconds to shut down).
+
+    Its results and caches are already on disk: the worker writes its result file last.
+    """
     try:
-        proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**spec, "ok": False, "error": f"worker timed out after {timeout:.0f}s", "wall_s": timeout}
-    wall = time.perf_counter() - start
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            return {**json.loads(line), "wall_s": wall}
-    tail = (proc.stderr or proc.stdout)[-1500:]
-    return {**spec, "ok": False, "error": f"worker exited {proc.returncode} without a result: {tail}",
-            "wall_s": wall}
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def run_smoke(specs: list[dict], on_row: Callable[[list[dict]], None]) -> list[dict]:
@@ -194,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows, kernels = measure_all(args, on_row)
     meta["total_s"] = time.perf_counter() - start
+    meta["note"] = args.note or meta.get("note", "")
     save(rows, kernels)
     print("\n" + report.tables(rows))
     if kernels:

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -138,37 +139,52 @@ def _counters() -> dict:
             "graph_breaks": sum(counters.get("graph_break", {}).values())}
 
 
+class Phases:
+    """Names the phase under way (for errors) and how long each took (for planning runs)."""
+
+    def __init__(self) -> None:
+        self.name, self.seconds, self._t = "build", {}, time.perf_counter()
+
+    def next(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[self.name] = now - self._t
+        self.name, self._t = name, now
+
+
 def run_row(spec: dict) -> dict:
     """Measure one row: first outputs, steady state, error vs eager. Never raises."""
     device = torch.device(spec["device"])
     plan = measure.SMOKE_PLAN if spec["smoke"] else measure.Plan()
     row: dict = {**spec, "ok": False, "error": None}
-    phase = "build"
+    phases = Phases()
     try:
         keep: list = []
         step = make_step(spec, device, keep)
-        phase = "first calls"
+        phases.next("first calls")
         marks = measure.first_outputs(step, device)
         row.update(first_s=marks[0], first3_s=marks[-1])
-        phase = "steady state"
+        phases.next("steady state")
         row.update(measure.steady_state(step, device, plan))
         if spec.get("profile"):
-            phase = "profile"
+            phases.next("profile")
             row["profile"] = measure.profile_table(step, device)
-        phase = "error vs eager"
+        phases.next("error vs eager")
         del step
         row["max_err"] = measure.max_error(keep, reference(spec, device))
         row["ok"] = True
     except Exception as exc:  # the row says what failed; the run goes on
-        row["error"] = f"{phase}: {type(exc).__name__}: {exc}"[:2000]
+        row["error"] = f"{phases.name}: {type(exc).__name__}: {exc}"[:2000]
         row["traceback"] = traceback.format_exc()[-4000:]
+    phases.next("counters")
     row["counters"] = _counters()
     row["compile_phases"] = measure.compile_phases()
+    phases.next("done")
+    row["phase_s"] = phases.seconds
     return row
 
 
 def main() -> None:
-    start = time.perf_counter()
+    start = time.time()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", required=True, choices=sorted(workloads.WORKLOADS))
     parser.add_argument("--backend", required=True, choices=BACKENDS)
@@ -177,14 +193,21 @@ def main() -> None:
     parser.add_argument("--phase", default="cold", help="label only: the runner sets the caches")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--profile", action="store_true", help="also profile steady-state calls")
+    parser.add_argument("--launched", type=float, help="time.time() when the runner started this process")
+    parser.add_argument("--result", help="also write the row here (atomically, as the very last step)")
     args = parser.parse_args()
     spec = {"workload": args.workload, "backend": args.backend, "mode": args.mode,
             "device": args.device, "phase": args.phase, "smoke": args.smoke, "profile": args.profile}
     row = run_row(spec)
     row.update(environment(torch.device(args.device)))
-    row["worker_s"] = time.perf_counter() - start
+    row["startup_s"] = start - args.launched if args.launched else None  # interpreter + imports
+    row["worker_s"] = time.time() - start
     row["cache_dirs"] = {k: os.environ.get(k) for k in CACHE_VARS}
-    print(json.dumps(row, default=str), flush=True)
+    line = json.dumps(row, default=str)
+    print(line, flush=True)
+    if args.result:
+        Path(args.result + ".tmp").write_text(line)
+        os.replace(args.result + ".tmp", args.result)
 
 
 CACHE_VARS = ("CGTREES_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
