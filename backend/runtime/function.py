@@ -30,6 +30,7 @@ from backend.runtime.manager import Managers, TreeManager
 from backend.runtime.node import GraphNode
 
 log = logging.getLogger("backend.runtime")
+_STATIC_MOVED, _LIVE, _PARENT = 1, 2, 3
 
 
 class GraphFunction:
@@ -94,28 +95,36 @@ class GraphFunction:
                 return self._give_up(args, self._shape_warning(key))
             nodes = self.nodes[key] = []
             self.shape_keys.append(key)
-        elif self._why_nodes_fail(args, manager, nodes) == 1:
-            self.rerecords += 1
-            if self.rerecords > self.config.max_rerecords_per_function:
-                return self._give_up(args, f"a static input changed address more than "
-                                     f"max_rerecords_per_function={self.config.max_rerecords_per_function} times")
         else:
-            self.live_branches += 1
-            if self.live_branches >= self.config.max_live_branches_per_function and not self.copy_out:
-                self.copy_out = True
-                log_once(log, f"copy-out:{self.name}",
-                         "cgtrees: %s: outputs kept alive across calls forced %d recordings "
-                         "(max_live_branches_per_function); its outputs are now copied out of the "
-                         "CUDA graph pool", self.name, self.live_branches, level=logging.INFO)
-            bound = self.config.max_live_branches_per_function + 2
-            if self.live_branches > 2 * bound:
-                return self.call(args)  # every kept output stays right; no more recordings
+            why = self._why_nodes_fail(args, manager, nodes)
+            if why == _STATIC_MOVED:
+                self.rerecords += 1
+                if self.rerecords > self.config.max_rerecords_per_function:
+                    return self._give_up(args, "a static input changed address more than "
+                                         f"max_rerecords_per_function={self.config.max_rerecords_per_function} times")
+            elif why == _LIVE:
+                self.live_branches += 1
+                if self.live_branches >= self.config.max_live_branches_per_function and not self.copy_out:
+                    self.copy_out = True
+                    log_once(log, f"copy-out:{self.name}",
+                             "cgtrees: %s: outputs kept alive across calls forced %d recordings "
+                             "(max_live_branches_per_function); its new recordings copy their outputs "
+                             "out of the CUDA graph pool", self.name, self.live_branches, level=logging.INFO)
+            if len(nodes) >= self._max_nodes_per_shape():
+                return self.call(args)  # kept outputs stay right; no more recordings for this shape
         return self._record(args, manager, key, nodes)
 
+    def _max_nodes_per_shape(self) -> int:
+        c = self.config
+        return 2 * (c.max_live_branches_per_function + c.max_rerecords_per_function + 2)
+
     def _why_nodes_fail(self, args: list[Any], manager: TreeManager, nodes: list[GraphNode]) -> int:
-        """1 when every node failed on addresses, 2 when some node failed only on liveness."""
-        reasons = {node.fits(args, manager.live) for node in nodes}
-        return 2 if 2 in reasons else 1
+        """_STATIC_MOVED when a static input moved for every node; _LIVE when some node with
+        matching addresses failed only on liveness; _PARENT otherwise (pool inputs elsewhere: the
+        function runs after a node it has not run after before)."""
+        if all(node.static_moved(args) for node in nodes):
+            return _STATIC_MOVED
+        return _LIVE if any(node.fits(args, manager.live) == 2 for node in nodes) else _PARENT
 
     def _warmup(self, args: list[Any], key: Any) -> Any:
         self.warmed.add(key)

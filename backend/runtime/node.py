@@ -18,6 +18,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 
 _POOL, _INPUT, _CONST = 0, 1, 2
 _ids = itertools.count()
+# One capture at a time in the process: a capture's synchronize/empty_cache must not meet another's.
+_capture_lock = threading.Lock()
 
 
 def _meta(t: torch.Tensor) -> dict[str, Any]:
@@ -86,6 +89,7 @@ class GraphNode:
     def _plan_inputs(self, args: list[Any], static: frozenset[int], live_ptrs: set[int],
                      mutated: tuple[int, ...]) -> None:
         self.check_index: list[int] = []
+        self.static_index: list[int] = []  # the checked inputs that are not pool outputs
         self.check_ptrs: list[int | None] = [None] * len(args)
         self.copy_index: list[int] = []
         self.slots: list[torch.Tensor] = []
@@ -99,6 +103,8 @@ class GraphNode:
                         or getattr(a, "_dynamo_static_input_type", None) is not None
                         or a.untyped_storage().data_ptr() in live_ptrs)
             if in_place:
+                if a.untyped_storage().data_ptr() not in live_ptrs:
+                    self.static_index.append(i)
                 self.check_index.append(i)
                 self.check_ptrs[i] = a.data_ptr()
                 self.input_storages.setdefault(a.untyped_storage().data_ptr(), (i, a.storage_offset()))
@@ -134,7 +140,7 @@ class GraphNode:
         if compat.clear_cublas_workspaces is not None:
             compat.clear_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(manager.device), torch.cuda.graph(
+        with _capture_lock, torch.cuda.device(manager.device), torch.cuda.graph(
                 graph, pool=manager.pool, stream=manager.stream, capture_error_mode="thread_local"):
             outs = call(capture_args)
         if compat.clear_cublas_workspaces is not None:
@@ -197,6 +203,10 @@ class GraphNode:
             if entry.key not in protected:
                 return 2
         return 0
+
+    def static_moved(self, args: list[Any]) -> bool:
+        """Whether a static input (not a pool output) is at another address than when recorded."""
+        return bool(self.static_index) and not compat.ptrs_equal(args, self.check_ptrs, self.static_index)
 
     def replay(self, args: list[Any]) -> Any:
         """The hot path: copy inputs, replay, rebuild outputs. Everything else was precomputed."""
