@@ -119,6 +119,19 @@ def profile_table(step: Step, device: torch.device, calls: int = 10, rows: int =
     return f"{calls} calls, sorted by {sort_by}\n{table}"
 
 
+def profiled(fn: Callable, *args: object, rows: int = 40) -> tuple[object, str]:
+    """``fn(*args)`` under cProfile: its result and the top functions by cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    result = prof.runcall(fn, *args)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(rows)
+    return result, text.getvalue()
+
+
 def compile_phases() -> dict[str, float]:
     """Dynamo's own breakdown of compile time in this process (seconds per phase)."""
     from torch._dynamo.utils import compile_times

@@ -138,6 +138,35 @@ def table(rows: list[dict], workload: str, mode: str, all_checks: list[Check]) -
     return "\n".join(lines)
 
 
+# Dynamo's compile-time phases shown in the start-up breakdown (seconds, summed over all frames).
+START_PHASES = (("Dynamo total", "_compile.compile_inner"), ("tracing", "bytecode_tracing"),
+                ("backend compiler", "OutputGraph.call_user_compiler"),
+                ("AOTAutograd", "create_aot_dispatcher_function"), ("guards", "build_guards"))
+
+
+OUTSIDE_DYNAMO = ("Phases are Dynamo's own compile-time counters, summed over all frames. \"Outside Dynamo\" "
+                  "is the rest of the first 3 outputs: lazy imports, the backward's compile (it runs at the first "
+                  "backward, after Dynamo returns), first runs, CUDA-graph warmup and recording.")
+
+
+def startup_table(rows: list[dict]) -> str:
+    """Where the time to first 3 outputs goes, for the compiling backends (see OUTSIDE_DYNAMO)."""
+    head = ["workload / mode", "backend", "run", "first 3 (s)", *(n for n, _ in START_PHASES), "outside Dynamo"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        phases = r.get("compile_phases") or {}
+        if not r.get("ok") or not phases or r.get("first3_s") is None:
+            continue
+        cells = [phases.get(key) for _, key in START_PHASES]
+        outside = r["first3_s"] - (cells[0] or 0.0)
+        profiled = " (under cProfile)" if r.get("start_profile") else ""
+        lines.append("| " + " | ".join([f"{r['workload']} / {r['mode']}", r["backend"], r.get("phase", "cold"),
+                                        f"{r['first3_s']:.2f}{profiled}",
+                                        *("-" if c is None else f"{c:.2f}" for c in cells),
+                                        f"{outside:.2f}"]) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def failures(rows: list[dict]) -> list[str]:
     return [f"{r['workload']}/{r['mode']}/{r['backend']} ({r.get('phase', 'cold')}): {r.get('error')}"
             for r in rows if not r.get("ok")]
@@ -236,8 +265,13 @@ def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
         head += ["### Failed rows", "", *(f"- {f[:500]}" for f in fails), ""]
     if kernels:
         head += ["## Kernels", "", kernel_table(kernels)]
+    startup = startup_table(rows)
+    if startup:
+        head += ["## Where start-up time goes", "", OUTSIDE_DYNAMO, "", startup, ""]
     for r in rows:
+        title = f"{r['workload']} / {r['mode']} / {r['backend']}"
         if r.get("profile"):
-            title = f"{r['workload']} / {r['mode']} / {r['backend']}"
-            head += [f"## Profile: {title}", "", "```", r["profile"].rstrip(), "```", ""]
+            head += [f"## Profile of steady state: {title}", "", "```", r["profile"].rstrip(), "```", ""]
+        if r.get("start_profile"):
+            head += [f"## Profile of the first 3 calls: {title}", "", "```", r["start_profile"].rstrip(), "```", ""]
     return "\n".join(head).rstrip() + "\n"

@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda if available (cpu for --smoke)")
     p.add_argument("--no-floor", action="store_true", help="skip the raw_graph rows")
     p.add_argument("--profile", default="", help="backends whose cold rows also get a profile, e.g. cgtrees")
+    p.add_argument("--profile-start", default="",
+                   help="backends whose cold rows run their first calls under cProfile (slows them)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per worker process")
     p.add_argument("--out", help="write rows (and kernel report) as JSON here")
     p.add_argument("--markdown", help="write the report here (e.g. docs/benchmarks.md)")
@@ -67,7 +69,8 @@ def plan(args: argparse.Namespace, device: str) -> list[dict]:
             for backend in backends + extra:
                 base = {"workload": workload, "backend": backend, "mode": mode, "device": device,
                         "smoke": args.smoke}
-                specs.append({**base, "phase": "cold", "profile": backend in args.profile.split(",")})
+                specs.append({**base, "phase": "cold", "profile": backend in args.profile.split(","),
+                              "profile_start": backend in args.profile_start.split(",")})
                 if args.cold_warm and backend in CACHED and not args.smoke:
                     specs.append({**base, "phase": "warm"})
     return specs
@@ -85,7 +88,8 @@ def run_worker(spec: dict, env: dict, timeout: float) -> dict:
         result, log = Path(tmp) / "row.json", Path(tmp) / "log.txt"
         cmd = [sys.executable, str(HERE / "worker.py"), "--workload", spec["workload"], "--backend",
                spec["backend"], "--mode", spec["mode"], "--device", spec["device"], "--phase", spec["phase"],
-               "--result", str(result), "--launched", str(time.time())] + (["--profile"] if spec.get("profile") else [])
+               "--result", str(result), "--launched", str(time.time())]
+        cmd += [f"--{flag.replace('_', '-')}" for flag in ("profile", "profile_start") if spec.get(flag)]
         start = time.perf_counter()
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
