@@ -1,21 +1,45 @@
 """codegen: lower one aten graph to a kernel module with ``call(args) -> outputs``.
 
-Placeholder until the Triton codegen lands: the aten graph runs as it is.
+    generate(gm, example_inputs, ctx) -> source     the module text (readable, runs on its own)
+    load(source, ctx, path=None) -> KernelModule    import it (from a file, so Triton can read it)
+    compile_graph(gm, example_inputs, ctx)          load(generate(...)); CGTREES_DEBUG_DIR keeps a copy
+
+The steps of ``generate``: lower the FX graph to IR (``graph``), group steps into kernels
+(``scheduler``), write kernels and the ``call`` wrapper (``kernel``, ``wrapper``). CPU graphs
+without the interpreter become a module of aten calls only (still cacheable as source). Nothing
+here crashes the user's program: an op that cannot be lowered becomes an aten call, a graph that
+cannot be generated runs through aten, and a kernel that fails to compile switches its module to
+the aten path (``call_aten``) with the reason and the source path logged.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import itertools
+import logging
+import os
+import sys
+import tempfile
 from typing import Any
 
+import torch
 import torch.fx
 
+from backend import counters
 from backend.context import GraphContext
+from backend.logs import log_once
+
+log = logging.getLogger("backend.codegen")
+
+__all__ = ["generate", "load", "compile_graph", "KernelModule", "AtenModule", "graph_hash"]
 
 
 class AtenModule:
-    """Runs the aten graph directly (CPU without the interpreter, or a graph codegen gave up on)."""
+    """Runs the aten graph directly (a graph codegen gave up on)."""
 
     source = None
+    graph_hash = None
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm
@@ -26,5 +50,172 @@ class AtenModule:
         return outputs
 
 
-def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: GraphContext) -> AtenModule:
-    return AtenModule(gm)
+# ----------------------------------------------------------------------------------------- generate
+def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) -> str:
+    """The full source of the kernel module for ``gm``."""
+    from backend.codegen import wrapper
+
+    _ensure_meta(gm, example_inputs)  # shapes/strides/dtypes of every node
+    digest = graph_hash(gm, ctx)
+    header = _header(ctx, digest)
+    if not _uses_triton(gm, ctx):  # CPU without the interpreter: aten calls only
+        return "\n".join([*header, "import math", "import operator", "", "import torch", "", "aten = torch.ops.aten",
+                          "", "", *wrapper.aten_call(gm), "", "", "call = call_aten", ""])
+    from backend.codegen.graph import GraphLowerer
+    from backend.codegen.scheduler import schedule
+
+    program = GraphLowerer(gm, ctx.config.interpret).run()  # aten nodes -> IR steps (fallbacks as aten calls)
+    items = schedule(program)  # steps -> fused kernels, aten calls, views
+    source, n_kernels = wrapper.module_source(header, program, items, gm, ctx.config.interpret)  # text
+    counters.bump("kernels_generated", n_kernels)
+    return source
+
+
+def _header(ctx: GraphContext, digest: str) -> list[str]:
+    import triton
+
+    return [
+        f"# cgtrees kernel module for {ctx.name} ({ctx.kind})",
+        f"# graph hash: {digest}",
+        f"# versions: torch {torch.__version__}, triton {triton.__version__}",
+        f'GRAPH_HASH = "{digest}"',
+    ]
+
+
+def graph_hash(gm: torch.fx.GraphModule, ctx: GraphContext) -> str:
+    """A hash of the graph's text: ops, arguments, and each value's shape, strides and dtype."""
+    parts = [repr(ctx.config.codegen_key())]
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        meta = _describe_val(val)
+        parts.append(f"{node.op}|{node.name}|{node.target}|{node.args}|{sorted(node.kwargs.items())}|{meta}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def _describe_val(val: Any) -> str:
+    if isinstance(val, torch.Tensor):
+        return f"{val.dtype}{tuple(val.shape)}{val.stride()}+{val.storage_offset()}@{val.device}"
+    if isinstance(val, (list, tuple)):
+        return "(" + ",".join(_describe_val(v) for v in val) + ")"
+    return repr(val)
+
+
+def _uses_triton(gm: torch.fx.GraphModule, ctx: GraphContext) -> bool:
+    devices = set()
+    for node in gm.graph.nodes:
+        vals = node.meta.get("val")
+        for v in vals if isinstance(vals, (list, tuple)) else [vals]:
+            if isinstance(v, torch.Tensor):
+                devices.add(v.device.type)
+    if len(devices) > 1:
+        log_once(log, f"devices:{ctx.name}", "cgtrees codegen: %s mixes devices %s; it runs through aten",
+                 ctx.name, sorted(devices), level=logging.INFO)
+        return False
+    return devices == {"cuda"} or bool(ctx.config.interpret)
+
+
+def _ensure_meta(gm: torch.fx.GraphModule, example_inputs: list) -> None:
+    if all("val" in n.meta for n in gm.graph.nodes if n.op in ("placeholder", "call_function")):
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, mode).propagate(*example_inputs)
+
+
+# --------------------------------------------------------------------------------------------- load
+_counter = itertools.count()
+
+
+class KernelModule:
+    """A loaded kernel module. ``call(args)`` runs it. If the generated code fails on its first call
+    (or a Triton kernel fails to compile on a later one: new shapes are new specializations), the
+    reason and the source path are logged and the module's aten path runs from then on."""
+
+    def __init__(self, module: Any, source: str, path: str, name: str) -> None:
+        self.module = module
+        self.source = source
+        self.path = path
+        self.name = name
+        self.graph_hash = getattr(module, "GRAPH_HASH", None)
+        self._run = module.call
+        self._aten = module.call_aten
+        self._verified = module.call is module.call_aten  # nothing to compile: no guard needed
+        self._ran_once = False
+        self.failure: str | None = None  # why the module switched to its aten path, if it did
+
+    def call(self, args: list[Any]) -> Any:
+        if self._verified:
+            return self._run(args)
+        saved = list(args)
+        try:
+            out = self._run(args)
+        except Exception as exc:  # noqa: BLE001  (a kernel failure must not reach the user)
+            if self._ran_once and not _from_triton(exc):
+                raise
+            log_once(log, f"kernelfail:{self.path}", "cgtrees codegen: %s: generated code failed (%s: %s); "
+                     "source: %s; this graph runs through aten from now on", self.name, type(exc).__name__,
+                     str(exc)[:2000], self.path)
+            counters.bump("graph_fallbacks")
+            self.failure = f"{type(exc).__name__}: {exc}"
+            self._run, self._verified = self._aten, True
+            return self._aten(saved)  # an error of the user's own program raises again here
+        self._ran_once = True
+        return out
+
+
+def _from_triton(exc: BaseException) -> bool:
+    """Raised while compiling or launching a Triton kernel (a new specialization, say)."""
+    if (type(exc).__module__ or "").startswith("triton"):
+        return True
+    tb = exc.__traceback__
+    while tb is not None:
+        if f"{os.sep}triton{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def load(source: str, ctx: GraphContext, path: str | None = None) -> KernelModule:
+    """Import ``source`` (written to ``path``, or to a fresh temporary file) as a kernel module."""
+    if ctx.config.interpret:
+        # Triton decides interpreted or compiled when a kernel is decorated: set before importing.
+        from backend.codegen import interp
+
+        interp.enable()
+    if path is None:
+        directory = tempfile.mkdtemp(prefix="cgtrees_kernels_")
+        path = os.path.join(directory, f"{_safe(ctx.name)}.py")
+    if not os.path.exists(path) or open(path).read() != source:
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(source)
+        os.replace(tmp, path)
+    name = f"cgtrees_kernels_{_safe(ctx.name)}_{next(_counter)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # Triton looks kernels' globals up through their module
+    spec.loader.exec_module(module)
+    return KernelModule(module, source, path, ctx.name)
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in name)
+
+
+# ------------------------------------------------------------------------------------ compile_graph
+def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) -> KernelModule | AtenModule:
+    """``load(generate(...))``; a graph that cannot be generated runs through aten (reason logged)."""
+    try:
+        source = generate(gm, example_inputs, ctx)
+    except Exception as exc:  # noqa: BLE001
+        counters.bump("graph_fallbacks")
+        log_once(log, f"generate:{ctx.name}:{type(exc).__name__}", "cgtrees codegen: %s could not be generated "
+                 "(%s: %s); it runs through aten", ctx.name, type(exc).__name__, exc)
+        return AtenModule(gm)
+    path = None
+    if ctx.config.debug_dir:
+        os.makedirs(ctx.config.debug_dir, exist_ok=True)
+        path = os.path.join(ctx.config.debug_dir, f"{_safe(ctx.name)}_{graph_hash(gm, ctx)[:12]}.py")
+    return load(source, ctx, path=path)

@@ -1,0 +1,347 @@
+"""Lower an aten FX graph to an ``ir.Program``: one method per node kind, values freed of FX.
+
+Pointwise values stay lazy (expressions inlined into their users) until something needs memory:
+a graph output, an aten call, a value used more than once, a reshape that is not an index remap.
+Reductions always write a buffer; the scheduler later fuses what shares an index space.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+
+from backend import counters
+from backend.codegen import ir, lower_pointwise, lower_reductions, lower_views, ops  # noqa: F401  (register lowerings)
+from backend.codegen.lowering import (
+    LOWERINGS,
+    CannotLower,
+    LowerCtx,
+    TensorValue,
+    load_buffer,
+    meta_layout,
+    sym,
+    why_not_lowered,
+)
+from backend.logs import log_once
+
+log = logging.getLogger("backend.codegen")
+aten = torch.ops.aten
+
+INLINE_LIMIT = 120  # expression nodes; a bigger lazy value is materialized rather than inlined again
+
+
+class ExternTuple:
+    """The value of an aten call that returns several tensors (``getitem`` picks one)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def describe_node(node: torch.fx.Node) -> str:
+    """``name = aten.op.overload(arg, ...)``: one line per aten node above the kernel it went into."""
+    target = _target_name(node.target)
+
+    def fmt(a: Any) -> str:
+        if isinstance(a, torch.fx.Node):
+            return a.name
+        if isinstance(a, (list, tuple)):
+            inner = ", ".join(fmt(x) for x in a)
+            return f"[{inner}]"
+        return repr(a)
+
+    args = [fmt(a) for a in node.args] + [f"{k}={fmt(v)}" for k, v in node.kwargs.items()]
+    return f"{node.name} = {target}({', '.join(args)})"
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        prefix = "aten" if target.namespace == "aten" else f"torch.ops.{target.namespace}"
+        return f"{prefix}.{target.__name__}"
+    return getattr(target, "__name__", str(target))
+
+
+class GraphLowerer:
+    def __init__(self, gm: torch.fx.GraphModule, interpret: bool) -> None:
+        self.gm = gm
+        self.interpret = interpret
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.steps: list[ir.Step] = []
+        self.inputs: list[ir.Input] = []
+        self.layouts: dict[str, ir.Layout] = {}  # every buffer's own layout (offset 0)
+        self.meta_offsets: dict[str, sympy.Expr] = {}
+        self.origins: dict[torch.fx.Node, tuple[str, ...]] = {}
+        self.names: set[str] = {n.name for n in gm.graph.nodes}
+        self.used_names: set[str] = set()
+        self.described: dict[str, str] = {}
+        self.fallbacks: list[tuple[str, str]] = []
+        self.ctx = LowerCtx(interpret, self)
+        self._current_origins: tuple[str, ...] = ()
+
+    # ------------------------------------------------------------------------------------ entry
+    def run(self) -> ir.Program:
+        for node in self.gm.graph.nodes:
+            self.described[node.name] = describe_node(node) if node.op == "call_function" else node.name
+            getattr(self, f"_{node.op}")(node)
+        return ir.Program(tuple(self.inputs), tuple(self.steps), self.outputs, self.device(), self.symbol_bindings(),
+                          tuple(self.described.items()))
+
+    # ----------------------------------------------------------------------------- node kinds
+    def _placeholder(self, node: torch.fx.Node) -> None:
+        val = node.meta.get("val")
+        name = self._claim(node.name)
+        if isinstance(val, torch.Tensor):
+            layout = meta_layout(val)
+            self.inputs.append(ir.Input(name, "tensor", layout, val.dtype))
+            self.layouts[name] = layout
+            self.meta_offsets[name] = sym(val.storage_offset())
+            self.env[node] = load_buffer(name, layout, val.dtype)
+        elif isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            self.inputs.append(ir.Input(name, "symint"))
+            self.env[node] = val.node.expr
+        else:
+            self.inputs.append(ir.Input(name, "other"))
+            self.env[node] = val
+
+    def _get_attr(self, node: torch.fx.Node) -> None:
+        raise NotImplementedError(f"get_attr {node.target}: graph constants are not generated")
+
+    def _call_module(self, node: torch.fx.Node) -> None:
+        raise NotImplementedError(f"call_module {node.target}")
+
+    def _call_method(self, node: torch.fx.Node) -> None:
+        raise NotImplementedError(f"call_method {node.target}")
+
+    def _call_function(self, node: torch.fx.Node) -> None:
+        if node.target is operator.getitem and isinstance(self.env.get(node.args[0]), (tuple, list, ExternTuple)):
+            self.env[node] = self._getitem(node)
+            return
+        if not isinstance(node.target, torch._ops.OpOverload):
+            self.env[node] = self._python_scalar(node)
+            return
+        if node.target is aten.copy_.default and node.args[0].op == "placeholder":
+            self.env[node] = self._copy_into_input(node)
+            return
+        reason = why_not_lowered(node, self.ctx)
+        if reason is None:
+            try:
+                self.env[node] = self._lower(node)
+                return
+            except CannotLower as exc:
+                reason = str(exc)
+            except Exception as exc:  # noqa: BLE001  (a bug in one lowering must not sink the graph)
+                reason = f"lowering failed: {type(exc).__name__}: {exc}"
+        self.env[node] = self._fallback(node, reason)
+
+    def _output(self, node: torch.fx.Node) -> None:
+        outs = []
+        results = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
+        for arg in results:
+            if isinstance(arg, torch.fx.Node) and isinstance(self.env.get(arg), TensorValue):
+                outs.append(self.materialize(arg))
+            elif isinstance(arg, torch.fx.Node):
+                outs.append(self.env[arg])
+            else:
+                outs.append(arg)
+        self.outputs = tuple(outs)
+
+    # ------------------------------------------------------------------------------------ lowering
+    def _lower(self, node: torch.fx.Node) -> Any:
+        self.ctx.node = node
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.env[n])
+        lazy_origins = [self.origins.get(n, ()) for n in node.all_input_nodes if self._is_lazy(n)]
+        self._current_origins = tuple(dict.fromkeys([o for group in lazy_origins for o in group] + [node.name]))
+        steps_before = len(self.steps)
+        try:
+            result = LOWERINGS[node.target].fn(self.ctx, *args, **kwargs)
+            for value in result if isinstance(result, tuple) else (result,):
+                self._check_templates(value)
+        except Exception:
+            del self.steps[steps_before:]  # drop half-built steps of a lowering that gave up
+            raise
+        self.origins[node] = self._current_origins
+        if isinstance(result, TensorValue) and self._should_realize(node, result):
+            result = self.realize(result, node)
+        return result
+
+    def _is_lazy(self, node: torch.fx.Node) -> bool:
+        value = self.env.get(node)
+        return isinstance(value, TensorValue) and value.view is None
+
+    def _should_realize(self, node: torch.fx.Node, value: TensorValue) -> bool:
+        if value.view is not None or isinstance(value.body, (ir.Load, ir.Const)):
+            return False
+        return len(node.users) > 1 or ir.size_of(value.body) > INLINE_LIMIT
+
+    def _check_templates(self, value: Any) -> None:
+        if not isinstance(value, TensorValue):
+            return
+
+        def walk(e: ir.Expr) -> None:
+            if isinstance(e, ir.Op):
+                if ops.template(e.name, self.interpret) is None:
+                    raise CannotLower(f"op {e.name!r} has no {'interpreter' if self.interpret else 'Triton'} form")
+                for a in e.args:
+                    walk(a)
+
+        walk(value.body)
+
+    # ------------------------------------------------------------------------------ buffers
+    def _claim(self, base: str) -> str:
+        name, i = base, 0
+        while name in self.used_names or (name != base and name in self.names):
+            i += 1
+            name = f"{base}_{i}"
+        self.used_names.add(name)
+        return name
+
+    def realize(self, value: TensorValue, node: torch.fx.Node, suffix: str = "") -> TensorValue:
+        """Write ``value`` (the value of ``node``, or of one of its inputs) into a new buffer."""
+        if value.view is not None:
+            return value
+        name = self._claim(node.name + suffix)
+        meta = node.meta.get("val")
+        if suffix == "" and isinstance(meta, torch.Tensor) and tuple(sym(s) for s in meta.shape) == value.size:
+            layout = meta_layout(meta)
+        else:
+            layout = ir.Layout(value.size, ir.contiguous_strides(value.size))
+        origins = self.origins.get(node, self._current_origins) if suffix == "" else self._current_origins
+        self.steps.append(ir.Compute(name, layout, value.dtype, value.size, value.body, origins=origins))
+        self.layouts[name] = layout
+        self.meta_offsets[name] = sym(meta.storage_offset()) if suffix == "" and isinstance(meta, torch.Tensor) \
+            else sympy.Integer(0)
+        return load_buffer(name, layout, value.dtype)
+
+    def add_reduction(self, name: str, layout: ir.Layout, dtype: torch.dtype, ranges: tuple, reduced: tuple,
+                      kind: ir.Reduce, body: ir.Expr, node: torch.fx.Node) -> TensorValue:
+        name = self._claim(name)
+        self.steps.append(ir.Compute(name, layout, dtype, ranges, body, tuple(reduced), kind,
+                                     origins=self._current_origins))
+        self.layouts[name] = layout
+        self.meta_offsets[name] = sympy.Integer(0)
+        return load_buffer(name, layout, dtype)
+
+    def materialize(self, node: torch.fx.Node) -> str:
+        """The name of a tensor holding ``node``'s value (realizing it, or aliasing a view)."""
+        value = self.env[node]
+        if value.view is None:
+            value = self.realize(value, node)
+            self.env[node] = value
+        buf, layout = value.view
+        if layout == self.layouts[buf]:
+            return buf
+        name = self._claim(node.name + "_view") if node.name in self.used_names else self._claim(node.name)
+        self.steps.append(ir.Alias(name, buf, layout))
+        self.layouts[name] = ir.Layout(layout.size, layout.stride)
+        self.meta_offsets[name] = self.meta_offsets[buf] + layout.offset
+        self.env[node] = load_buffer(name, self.layouts[name], value.dtype)
+        return name
+
+    # ------------------------------------------------------------------------------ special nodes
+    def _getitem(self, node: torch.fx.Node) -> Any:
+        source, index = self.env[node.args[0]], node.args[1]
+        if not isinstance(source, ExternTuple):
+            return source[index]
+        val = node.meta.get("val")
+        name = self._claim(node.name)
+        layout = meta_layout(val) if isinstance(val, torch.Tensor) else None
+        self.steps.append(ir.Alias(name, source.name, layout, item=index))
+        if layout is None:
+            return None
+        self.layouts[name] = layout
+        self.meta_offsets[name] = sym(val.storage_offset())
+        return load_buffer(name, layout, val.dtype)
+
+    def _python_scalar(self, node: torch.fx.Node) -> Any:
+        """``operator.mul`` on SymInts and friends: their meta value is already the expression."""
+        val = node.meta.get("val")
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return val.node.expr
+        if isinstance(val, (int, float, bool)):
+            return val
+        raise NotImplementedError(f"call_function {node.target} with value {type(val).__name__}")
+
+    def _copy_into_input(self, node: torch.fx.Node) -> TensorValue:
+        """``aten.copy_(input, value)``: the graph mutates an input; write the value into it."""
+        dst_node, src_node = node.args[0], node.args[1]
+        dst = self.env[dst_node]
+        name = dst.view[0]
+        src = self.env[src_node] if isinstance(src_node, torch.fx.Node) else src_node
+        self.ctx.node = node
+        self._current_origins = (*self.origins.get(src_node, ()), node.name) if self._is_lazy(src_node) \
+            else (node.name,)
+        from backend.codegen.lowering import broadcast
+        body = broadcast(src, dst.size, dst.dtype)
+        if any(ld.buf == name and ld.index != dst.body.index for ld in ir.loads(body)):
+            src = self.realize(src, src_node)  # reads the input elsewhere: compute it fully first
+            body = broadcast(src, dst.size, dst.dtype)
+        self.steps.append(ir.Compute(name, self.layouts[name], dst.dtype, dst.size, body,
+                                     origins=self._current_origins, writes_input=True))
+        return dst
+
+    def _fallback(self, node: torch.fx.Node, reason: str) -> Any:
+        if node.target in (aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
+                           aten.sym_storage_offset.default):
+            return self._python_scalar(node)
+        counters.bump("aten_fallbacks")
+        self.fallbacks.append((node.name, reason))
+        log_once(log, f"fallback:{node.target}:{reason}", "cgtrees codegen: %s runs through aten (%s)",
+                 node.target, reason, level=logging.INFO)
+
+        def arg(a: Any) -> Any:
+            if isinstance(a, torch.fx.Node):
+                value = self.env[a]
+                if isinstance(value, TensorValue):
+                    return ir.BufRef(self.materialize(a))
+                return value
+            return a
+
+        args = tuple(_map(arg, node.args))
+        kwargs = tuple((k, _map(arg, v)) for k, v in node.kwargs.items())
+        name = self._claim(node.name)
+        view = any(r.alias_info is not None for r in node.target._schema.returns)
+        self.steps.append(ir.Extern(name, _target_name(node.target), args, kwargs, (node.name,), view))
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            self.layouts[name] = meta_layout(val)
+            self.meta_offsets[name] = sym(val.storage_offset())
+            return load_buffer(name, self.layouts[name], val.dtype)
+        if isinstance(val, (tuple, list)):
+            return ExternTuple(name)
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            return val.node.expr
+        return val
+
+    # ---------------------------------------------------------------------------- program facts
+    def device(self) -> str:
+        for node in self.gm.graph.nodes:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                return str(val.device)
+        return "cpu"
+
+    def symbol_bindings(self) -> tuple[tuple[str, str], ...]:
+        """How each size symbol is read from the inputs in ``call``: ``s0 = arg0_1.size(0)``."""
+        bound: dict[str, str] = {}
+        for inp in self.inputs:
+            node = next(n for n in self.gm.graph.nodes if n.op == "placeholder" and n.name == inp.name)
+            if inp.kind == "symint" and isinstance(self.env[node], sympy.Symbol):
+                bound.setdefault(str(self.env[node]), inp.name)
+        for inp in self.inputs:
+            if inp.kind != "tensor":
+                continue
+            for kind, exprs in (("size", inp.layout.size), ("stride", inp.layout.stride)):
+                for d, e in enumerate(exprs):
+                    if isinstance(e, sympy.Symbol):
+                        bound.setdefault(str(e), f"{inp.name}.{kind}({d})")
+        return tuple(bound.items())
+
+
+def _map(fn: Any, value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return (list if isinstance(value, list) else tuple)(_map(fn, v) for v in value)
+    return fn(value)

@@ -1,0 +1,222 @@
+"""The codegen IR: frozen dataclasses, no closures, so a program is printable, hashable and picklable.
+
+Two layers:
+
+- *Values* (``Expr`` subclasses) describe how ONE element is computed, as a tree over index symbols
+  ``x0, x1, ...`` (one per dimension of the iteration space). ``Load`` reads a buffer at a sympy
+  index, ``Const`` is a scalar, ``IndexValue`` is an index expression used as data (``arange``),
+  ``Op`` applies an entry of ``backend.codegen.ops.OPS``.
+- *Steps* (``Compute``, ``Extern``, ``Alias``) form the straight-line program that ``call(args)``
+  runs: a ``Compute`` fills a buffer (pointwise, or a reduction over some dimensions), an ``Extern``
+  calls an aten op, an ``Alias`` is a strided view of an existing buffer.
+
+Index and size expressions are sympy expressions; symbolic sizes (``s0``...) stay symbolic.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Union
+
+import sympy
+import torch
+
+Index = sympy.Expr
+
+
+def index_symbol(i: int, prefix: str = "x") -> sympy.Symbol:
+    """The symbol of dimension ``i`` of an iteration space (integer, non-negative)."""
+    return sympy.Symbol(f"{prefix}{i}", integer=True, nonnegative=True)
+
+
+def index_symbols(n: int, prefix: str = "x") -> tuple[sympy.Symbol, ...]:
+    return tuple(index_symbol(i, prefix) for i in range(n))
+
+
+# ---------------------------------------------------------------------------------------- values
+@dataclass(frozen=True)
+class Load:
+    buf: str
+    index: Index
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Const:
+    value: Any  # bool | int | float | sympy.Expr (a symbolic size used as data)
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class IndexValue:
+    index: Index
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str  # a key of backend.codegen.ops.OPS
+    args: tuple["Expr", ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Inside a fused kernel: the per-row value of another member (a reduction result)."""
+
+    name: str
+    dtype: torch.dtype
+
+
+Expr = Union[Load, Const, IndexValue, Op, Ref]
+
+
+def map_indices(expr: Expr, subs: dict) -> Expr:
+    """Substitute index symbols in every index expression of ``expr`` (views, broadcasting)."""
+    if isinstance(expr, Load):
+        return Load(expr.buf, sympy.expand(sympy.sympify(expr.index).xreplace(subs)), expr.dtype)
+    if isinstance(expr, IndexValue):
+        return IndexValue(sympy.expand(sympy.sympify(expr.index).xreplace(subs)), expr.dtype)
+    if isinstance(expr, Op):
+        return Op(expr.name, tuple(map_indices(a, subs) for a in expr.args), expr.dtype)
+    return expr
+
+
+def loads(expr: Expr) -> list[Load]:
+    """Every ``Load`` in ``expr``, in first-use order (duplicates kept once)."""
+    out: dict[Load, None] = {}
+
+    def walk(e: Expr) -> None:
+        if isinstance(e, Load):
+            out[e] = None
+        elif isinstance(e, Op):
+            for a in e.args:
+                walk(a)
+
+    walk(expr)
+    return list(out)
+
+
+def size_of(expr: Expr) -> int:
+    """Number of nodes in the expression tree (used to decide when to stop inlining)."""
+    if isinstance(expr, Op):
+        return 1 + sum(size_of(a) for a in expr.args)
+    return 1
+
+
+# ---------------------------------------------------------------------------------------- buffers
+@dataclass(frozen=True)
+class Layout:
+    size: tuple[Index, ...]
+    stride: tuple[Index, ...]
+    offset: Index = sympy.Integer(0)
+
+    def index(self, syms: tuple[sympy.Expr, ...]) -> Index:
+        """Flat element offset of the element at ``syms`` (size-1 dims never contribute)."""
+        terms = [s * st for s, st, n in zip(syms, self.stride, self.size) if n != 1]
+        return sympy.expand(sympy.Add(self.offset, *terms))
+
+
+def contiguous_strides(size: tuple[Index, ...]) -> tuple[Index, ...]:
+    strides, acc = [], sympy.Integer(1)
+    for n in reversed(size):
+        strides.append(acc)
+        acc = acc * sympy.Max(n, 1) if not isinstance(n, (int, sympy.Integer)) else acc * max(int(n), 1)
+    return tuple(reversed(strides))
+
+
+class Reduce(enum.Enum):
+    SUM = "sum"
+    PROD = "prod"
+    MAX = "max"
+    MIN = "min"
+    ARGMAX = "argmax"
+    ARGMIN = "argmin"
+    ANY = "any"
+
+
+# ------------------------------------------------------------------------------------------ steps
+@dataclass(frozen=True)
+class Compute:
+    """Fill buffer ``name`` (layout ``layout``) by evaluating ``body`` over ``ranges``.
+
+    Pointwise: ``reduced`` is empty and ``ranges == layout.size``. Reduction: the dimensions in
+    ``reduced`` are combined with ``reduction``; the layout is the result with those dimensions
+    either kept as size 1 (keepdim) or removed.
+    """
+
+    name: str
+    layout: Layout
+    dtype: torch.dtype
+    ranges: tuple[Index, ...]
+    body: Expr
+    reduced: tuple[int, ...] = ()
+    reduction: Reduce | None = None
+    origins: tuple[str, ...] = ()  # the aten nodes it came from, for the comment above the kernel
+    writes_input: bool = False  # an ``aten.copy_`` into a graph input: the buffer is that input
+
+    @property
+    def is_reduction(self) -> bool:
+        return self.reduction is not None
+
+    def store_index(self, syms: tuple[sympy.Expr, ...]) -> Index:
+        """Where the element computed at ``syms`` (symbols of ``ranges``) is stored."""
+        if not self.is_reduction:
+            return self.layout.index(syms)
+        kept = [s for d, s in enumerate(syms) if d not in self.reduced]
+        if len(self.layout.size) == len(self.ranges):  # keepdim
+            kept = [sympy.Integer(0) if d in self.reduced else s for d, s in enumerate(syms)]
+        return self.layout.index(tuple(kept))
+
+
+@dataclass(frozen=True)
+class BufRef:
+    """A buffer (or graph input) used as an argument of an ``Extern`` call."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Extern:
+    """``name = target(*args, **kwargs)`` through aten; args hold ``BufRef``s and plain values."""
+
+    name: str
+    target: str  # e.g. "aten.mm.default"
+    args: tuple
+    kwargs: tuple[tuple[str, Any], ...]
+    origins: tuple[str, ...] = ()
+    returns_view: bool = False  # the result may share memory with an argument (never reuse those)
+
+
+@dataclass(frozen=True)
+class Alias:
+    """``name`` is a strided view of buffer ``base`` (offset relative to ``base``'s own offset)."""
+
+    name: str
+    base: str
+    layout: Layout
+    item: int | None = None  # ``base[item]`` of an extern that returns a tuple, instead of a view
+
+
+Step = Union[Compute, Extern, Alias]
+
+
+@dataclass(frozen=True)
+class Input:
+    name: str
+    kind: str  # "tensor" | "symint" | "other"
+    layout: Layout | None = None
+    dtype: torch.dtype | None = None
+
+
+@dataclass(frozen=True)
+class Program:
+    """What one aten graph lowers to, before scheduling."""
+
+    inputs: tuple[Input, ...]
+    steps: tuple[Step, ...]
+    outputs: tuple[Any, ...]  # buffer names, or plain values (None, ints, sympy)
+    device: str
+    symbols: tuple[tuple[str, str], ...]  # (symbol, python expression reading it from the inputs)
+    described: tuple[tuple[str, str], ...] = ()  # (node name, "name = aten.op(args)") for comments

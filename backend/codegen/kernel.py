@@ -1,0 +1,423 @@
+"""Write one scheduled ``Kernel`` as a ``@triton.jit`` function.
+
+Every kernel reads: program id -> offsets -> masks -> loads -> compute -> store (the Triton
+tutorials' shape). Pointwise kernels are 1-D over ``xnumel`` elements. Reduction kernels are 2-D
+blocks ``[XBLOCK rows, RBLOCK columns]``; a persistent one holds its whole row in registers, a looped
+one walks the row in one loop per dependent reduction (softmax: max, then sum of exp; the output
+is written in a last loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+
+from backend.codegen import heuristics, ir, ops, printer
+from backend.codegen.scheduler import Kernel, Member
+from backend.codegen.simplify import merge_dims
+
+INT32_LIMIT = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class KernelCode:
+    name: str
+    source: str
+    args: tuple[str, ...]  # call-site argument expressions, in parameter order
+    xnumel: sympy.Expr
+    rnumel: sympy.Expr | None
+    config: heuristics.Config
+    helpers: frozenset[str]
+    libdevice: bool
+
+
+@dataclass
+class _Scope:
+    parent: "_Scope | None"
+    indent: str
+    lines: list[str] = field(default_factory=list)
+    cache: dict = field(default_factory=dict)
+
+    def find(self, key: object) -> str | None:
+        scope: _Scope | None = self
+        while scope is not None:
+            if key in scope.cache:
+                return scope.cache[key]
+            scope = scope.parent
+        return None
+
+
+HELPERS = {
+    "_max_nan": "@triton.jit\ndef _max_nan(a, b):\n    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)\n",
+    "_min_nan": "@triton.jit\ndef _min_nan(a, b):\n    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)\n",
+    "_prod": "@triton.jit\ndef _prod(a, b):\n    return a * b\n",
+}
+
+
+class KernelWriter:
+    def __init__(self, kernel: Kernel, name: str, interpret: bool) -> None:
+        self.kernel = kernel
+        self.name = name
+        self.interpret = interpret
+        self.members = {m.name: m for m in kernel.members}
+        self.tmp = 0
+        self.ptrs: dict[str, str] = {}
+        self.row_vars: dict[str, str] = {}
+        self.helpers: set[str] = set()
+        self.libdevice = False
+        self.two_d = kernel.is_reduction
+
+    # -------------------------------------------------------------------------------------- entry
+    def write(self) -> KernelCode:
+        bodies, stores = self._resolve()  # member loads -> registers / inlined expressions
+        bodies, stores, dims = self._simplify(bodies, stores)  # merge dims, name x*/r* symbols
+        self.dims = dims
+        xnumel = sympy.Mul(*[n for _, n, red in dims if not red])
+        rnumel = sympy.Mul(*[n for _, n, red in dims if red]) if self.two_d else None
+        inner = bool(dims) and dims[-1][2]
+        cfg = (heuristics.reduction(xnumel, rnumel, inner, self.interpret) if self.two_d
+               else heuristics.pointwise(xnumel, self.interpret))
+        self.cfg = cfg
+        self.int64 = self._needs_int64(bodies, stores, dims)
+        outer = _Scope(None, "    ")
+        self._prologue(outer)
+        if not self.two_d or cfg.persistent:
+            self._emit_flat(outer, bodies, stores)
+        else:
+            self._emit_looped(outer, bodies, stores)
+        return self._finish(outer, xnumel, rnumel)
+
+    # ------------------------------------------------------------------------------- preparation
+    def _resolve(self) -> tuple[dict[str, ir.Expr], dict[str, sympy.Expr]]:
+        resolved: dict[str, ir.Expr] = {}
+        bodies: dict[str, ir.Expr] = {}
+        seen: set[str] = set()
+        for m in self.kernel.members:
+            body = self._replace(m.body(), seen, resolved)
+            bodies[m.name] = body
+            if m.role == "full":
+                resolved[m.name] = _cast(body, m.step.dtype)
+            seen.add(m.name)
+        stores = {m.name: m.store_index() for m in self.kernel.members if m.name in self.kernel.stored}
+        return bodies, stores
+
+    def _replace(self, e: ir.Expr, seen: set[str], resolved: dict[str, ir.Expr]) -> ir.Expr:
+        if isinstance(e, ir.Load) and e.buf in seen:
+            member = self.members[e.buf]
+            return resolved[e.buf] if member.role == "full" else ir.Ref(e.buf, member.step.dtype)
+        if isinstance(e, ir.Op):
+            return ir.Op(e.name, tuple(self._replace(a, seen, resolved) for a in e.args), e.dtype)
+        return e
+
+    def _simplify(self, bodies: dict, stores: dict) -> tuple[dict, dict, list]:
+        indices = [ld.index for b in bodies.values() for ld in ir.loads(b)]
+        indices += [iv.index for b in bodies.values() for iv in _index_values(b)]
+        indices += list(stores.values())
+        dims, subs = merge_dims(self.kernel.ranges, self.kernel.reduced, indices)
+        bodies = {k: ir.map_indices(b, subs) for k, b in bodies.items()}
+        stores = {k: sympy.expand(sympy.sympify(i).xreplace(subs)) for k, i in stores.items()}
+        return bodies, stores, dims
+
+    def _needs_int64(self, bodies: dict, stores: dict, dims: list) -> bool:
+        maxes = {}
+        for s, n, _ in dims:
+            if not sympy.sympify(n).is_number:
+                return True
+            maxes[s] = max(int(n) - 1, 0)
+        if sympy.Mul(*[n for _, n, _ in dims]) > INT32_LIMIT:
+            return True
+        indices = [ld.index for b in bodies.values() for ld in ir.loads(b)] + list(stores.values())
+        for index in indices:
+            bound = sum(abs(t.xreplace(maxes)) for t in sympy.Add.make_args(sympy.expand(index)))
+            if not sympy.sympify(bound).is_number or bound > INT32_LIMIT:
+                return True
+        return False
+
+    # ---------------------------------------------------------------------------------- prologue
+    def _prologue(self, scope: _Scope) -> None:
+        pid = "tl.program_id(0).to(tl.int64)" if self.int64 else "tl.program_id(0)"
+        shape = "[:, None]" if self.two_d else ""
+        scope.lines += [f"xoffset = {pid} * XBLOCK", f"xindex = xoffset + tl.arange(0, XBLOCK){shape}",
+                        "xmask = xindex < xnumel"]
+        scope.lines += self._decompose("x", "xindex")
+        if self.two_d:
+            base = "tl.arange(0, RBLOCK)[None, :]"
+            scope.lines.append(f"rbase = {base}.to(tl.int64)" if self.int64 else f"rbase = {base}")
+
+    def _decompose(self, kind: str, flat: str) -> list[str]:
+        dims = [(s, n) for s, n, red in self.dims if red == (kind == "r")]
+        lines, stride = [], sympy.Integer(1)
+        for i, (s, n) in enumerate(reversed(dims)):
+            outer = i == len(dims) - 1
+            div = printer.expr(stride)
+            q = flat if stride == 1 else f"({flat} // {div})"
+            lines.append(f"{s.name} = {q}" if outer else f"{s.name} = {q} % {printer.expr(n)}")
+            stride = stride * n
+        return list(reversed(lines))
+
+    def _row_loop_header(self, scope: _Scope, looped: bool) -> None:
+        if looped:
+            scope.lines += ["rindex = roffset + rbase"]
+        else:
+            scope.lines += ["rindex = rbase"]
+        scope.lines += ["rmask = rindex < rnumel"] + self._decompose("r", "rindex")
+
+    # ---------------------------------------------------------------------------------- emission
+    def _emit_flat(self, scope: _Scope, bodies: dict, stores: dict) -> None:
+        if self.two_d:
+            self._row_loop_header(scope, looped=False)
+        for m in self.kernel.members:
+            if m.role == "reduce":
+                value = self._full_value(bodies[m.name], scope)
+                masked = self._var(scope, f"tl.where(xmask & rmask, {value}, {self._identity(m)})")
+                self._finish_reduction(m, self._reduce_text(m, masked), scope, stores)
+            elif m.role == "row":
+                self._emit_row(m, bodies, stores, scope)
+            elif m.name in stores:
+                self._store(m, self.value(bodies[m.name], scope), stores[m.name], scope, full=True)
+
+    def _emit_looped(self, outer: _Scope, bodies: dict, stores: dict) -> None:
+        loop_of, avail = {}, {}
+        for m in self.kernel.members:
+            level = max((avail[r] for r in _refs(bodies[m.name])), default=0)
+            if m.role == "row":
+                avail[m.name] = level
+            else:
+                loop_of[m.name] = level
+                if m.role == "reduce":
+                    avail[m.name] = level + 1
+        loops = max(loop_of.values(), default=0) + 1
+        for loop in range(loops):
+            for m in self.kernel.members:
+                if m.role == "row" and avail[m.name] == loop:
+                    self._emit_row(m, bodies, stores, outer)
+            accs = {}
+            for m in self.kernel.members:
+                if m.role == "reduce" and loop_of[m.name] == loop:
+                    accs[m.name] = self._var(outer, f"tl.full([XBLOCK, RBLOCK], {self._identity(m)}, "
+                                                    f"{printer.TRITON_DTYPES[m.step.body.dtype]})", prefix="acc")
+            outer.lines.append("for roffset in range(0, rnumel, RBLOCK):")
+            inner = _Scope(outer, outer.indent + "    ")
+            self._row_loop_header(inner, looped=True)
+            for m in self.kernel.members:
+                if loop_of.get(m.name) != loop:
+                    continue
+                if m.role == "reduce":
+                    value = self._full_value(bodies[m.name], inner)
+                    acc = accs[m.name]
+                    inner.lines.append(f"{acc} = tl.where(xmask & rmask, {self._combine(m, acc, value)}, {acc})")
+                elif m.name in stores:
+                    self._store(m, self.value(bodies[m.name], inner), stores[m.name], inner, full=True)
+            outer.lines += [inner.indent[len(outer.indent):] + line for line in inner.lines]
+            for name, acc in accs.items():
+                self._finish_reduction(self.members[name], self._reduce_text(self.members[name], acc), outer, stores)
+        for m in self.kernel.members:
+            if m.role == "row" and avail[m.name] == loops:
+                self._emit_row(m, bodies, stores, outer)
+
+    def _emit_row(self, m: Member, bodies: dict, stores: dict, scope: _Scope) -> None:
+        value = self.value(bodies[m.name], scope)
+        self.row_vars[m.name] = self._var(scope, _cast_text(value, bodies[m.name].dtype, m.step.dtype))
+        if m.name in stores:
+            self._store(m, self.row_vars[m.name], stores[m.name], scope, full=False)
+
+    def _finish_reduction(self, m: Member, text: str, scope: _Scope, stores: dict) -> None:
+        var = self._var(scope, text)
+        result_dtype = torch.int32 if m.step.reduction in (ir.Reduce.ARGMAX, ir.Reduce.ARGMIN) else m.step.body.dtype
+        self.row_vars[m.name] = self._var(scope, _cast_text(var, result_dtype, m.step.dtype)) \
+            if result_dtype != m.step.dtype else var
+        if m.name in stores:
+            self._store(m, self.row_vars[m.name], stores[m.name], scope, full=False)
+
+    def _store(self, m: Member, value: str, index: sympy.Expr, scope: _Scope, full: bool) -> None:
+        shape = ("[XBLOCK, RBLOCK]" if full else "[XBLOCK, 1]") if self.two_d else "[XBLOCK]"
+        mask = "xmask & rmask" if (self.two_d and full) else "xmask"
+        dtype = printer.TRITON_DTYPES[m.step.dtype]
+        if _is_literal(value):
+            value = f"tl.full({shape}, {value}, {dtype})"
+        else:
+            value = f"tl.broadcast_to({value}, {shape})"
+        ptr = self._ptr(m.name)
+        scope.lines.append(f"tl.store({ptr} + ({printer.expr(index, triton=True)}), {value}, {mask})")
+
+    # ----------------------------------------------------------------------------- reductions
+    def _full_value(self, body: ir.Expr, scope: _Scope) -> str:
+        value = self.value(body, scope)
+        dtype = printer.TRITON_DTYPES[body.dtype]
+        if _is_literal(value):
+            return self._var(scope, f"tl.full([XBLOCK, RBLOCK], {value}, {dtype})")
+        return self._var(scope, f"tl.broadcast_to({value}, [XBLOCK, RBLOCK])")
+
+    def _identity(self, m: Member) -> str:
+        dtype = m.step.body.dtype
+        kind = m.step.reduction
+        if kind == ir.Reduce.SUM:
+            return "0"
+        if kind == ir.Reduce.PROD:
+            return "1"
+        high = kind in (ir.Reduce.MIN, ir.Reduce.ARGMIN)
+        if m.step.dtype == torch.bool:
+            return "1" if high else "0"
+        if dtype.is_floating_point:
+            return 'float("inf")' if high else 'float("-inf")'
+        info = torch.iinfo(dtype)
+        return str(info.max if high else info.min)
+
+    def _combine(self, m: Member, acc: str, value: str) -> str:
+        kind, is_float = m.step.reduction, m.step.body.dtype.is_floating_point
+        if kind == ir.Reduce.SUM:
+            return f"{acc} + {value}"
+        if kind == ir.Reduce.PROD:
+            return f"{acc} * {value}"
+        fn = "tl.maximum" if kind == ir.Reduce.MAX else "tl.minimum"
+        nan = ", propagate_nan=tl.PropagateNan.ALL" if is_float else ""
+        return f"{fn}({acc}, {value}{nan})"
+
+    def _reduce_text(self, m: Member, value: str) -> str:
+        kind, is_float = m.step.reduction, m.step.body.dtype.is_floating_point
+        if kind == ir.Reduce.SUM:
+            return f"tl.sum({value}, 1)[:, None]"
+        if kind == ir.Reduce.PROD:
+            self.helpers.add("_prod")
+            return f"tl.reduce({value}, 1, _prod)[:, None]"
+        if kind in (ir.Reduce.MAX, ir.Reduce.MIN):
+            if is_float and self.interpret:  # custom combine functions are per-element Python there
+                fn = "tl.max" if kind == ir.Reduce.MAX else "tl.min"
+                nans = f"tl.sum(({value} != {value}).to(tl.int32), 1)[:, None] > 0"
+                return f"tl.where({nans}, float(\"nan\"), {fn}({value}, 1)[:, None])"
+            if is_float:
+                helper = "_max_nan" if kind == ir.Reduce.MAX else "_min_nan"
+                self.helpers.add(helper)
+                return f"tl.reduce({value}, 1, {helper})[:, None]"
+            return f"tl.{'max' if kind == ir.Reduce.MAX else 'min'}({value}, 1)[:, None]"
+        fn = "tl.argmax" if kind == ir.Reduce.ARGMAX else "tl.argmin"
+        if is_float and not self.interpret:  # eager treats NaN as the extreme value (numpy does too)
+            extreme = 'float("inf")' if kind == ir.Reduce.ARGMAX else 'float("-inf")'
+            value = f"tl.where({value} != {value}, {extreme}, {value})"
+        return f"{fn}({value}, 1)[:, None]"
+
+    # ---------------------------------------------------------------------------------- values
+    def value(self, e: ir.Expr, scope: _Scope) -> str:
+        if isinstance(e, ir.Const):
+            if isinstance(e.value, sympy.Expr):
+                return printer.expr(e.value, triton=True)
+            return printer.literal(e.value)
+        if isinstance(e, ir.Ref):
+            return self.row_vars[e.name]
+        hit = scope.find(e)
+        if hit is not None:
+            return hit
+        if isinstance(e, ir.Load):
+            text = self._load_text(e)
+        elif isinstance(e, ir.IndexValue):
+            index = printer.expr(e.index, triton=True)
+            text = f"({index})" if e.index.free_symbols else f"tl.full([1], {index}, tl.int64)"
+            text += f".to({printer.TRITON_DTYPES[e.dtype]})"
+        else:
+            text = self._op_text(e, scope)
+        var = self._var(scope, text)
+        scope.cache[e] = var
+        return var
+
+    def _load_text(self, e: ir.Load) -> str:
+        ptr = self._ptr(e.buf)
+        index = printer.expr(e.index, triton=True)
+        names = {s.name[0] for s in sympy.sympify(e.index).free_symbols if s.name[0] in "xr" and s.name[1:].isdigit()}
+        if not names:
+            return f"tl.load({ptr} + {index})"
+        mask = "xmask & rmask" if "r" in names else "xmask"
+        return f"tl.load({ptr} + ({index}), {mask}, other=0)"
+
+    def _op_text(self, e: ir.Op, scope: _Scope) -> str:
+        args = [self.value(a, scope) for a in e.args]
+        if e.name == "cast":
+            return _cast_text(args[0], e.args[0].dtype, e.dtype)
+        text = ops.template(e.name, self.interpret)
+        if ops.uses_libdevice(text):
+            self.libdevice = True
+        return text.format(*args)
+
+    def _var(self, scope: _Scope, text: str, prefix: str = "tmp") -> str:
+        name = f"{prefix}{self.tmp}"
+        self.tmp += 1
+        scope.lines.append(f"{name} = {text}")
+        return name
+
+    def _ptr(self, buf: str) -> str:
+        return self.ptrs.setdefault(buf, f"{buf}_ptr")
+
+    # ----------------------------------------------------------------------------------- finish
+    def _finish(self, body: _Scope, xnumel: sympy.Expr, rnumel: sympy.Expr | None) -> KernelCode:
+        sizes = sorted({s.name for s in _size_symbols(self.kernel, xnumel, rnumel)})
+        # The interpreter cannot use a runtime int as a loop bound (numpy 2 refuses ``int()`` of a
+        # 1-element array), so there the row length is a constexpr; compiled kernels keep it dynamic.
+        rnumel_param = "rnumel: tl.constexpr" if self.interpret else "rnumel"
+        params = list(self.ptrs.values()) + sizes + ["xnumel"] + ([rnumel_param] if self.two_d else [])
+        params += ["XBLOCK: tl.constexpr"] + (["RBLOCK: tl.constexpr"] if self.two_d else [])
+        lines = ["@triton.jit", f"def {self.name}({', '.join(params)}):"]
+        lines += [body.indent + line for line in body.lines]
+        args = tuple(self.ptrs) + tuple(sizes) + (printer.expr(xnumel),) + \
+            ((printer.expr(rnumel),) if self.two_d else ())
+        return KernelCode(self.name, "\n".join(lines) + "\n", args, xnumel, rnumel, self.cfg,
+                          frozenset(self.helpers), self.libdevice)
+
+
+def _size_symbols(kernel: Kernel, xnumel: sympy.Expr, rnumel: sympy.Expr | None) -> set[sympy.Symbol]:
+    out: set[sympy.Symbol] = set()
+    for e in [*kernel.ranges, xnumel, rnumel or 0]:
+        out |= sympy.sympify(e).free_symbols
+    for m in kernel.members:
+        for ld in ir.loads(m.step.body):
+            out |= sympy.sympify(ld.index).free_symbols
+        for c in _consts(m.step.body):
+            out |= c.value.free_symbols
+        out |= sympy.sympify(m.step.layout.index(ir.index_symbols(len(m.step.layout.size)))).free_symbols
+    return {s for s in out if not (s.name[0] in "xr" and s.name[1:].isdigit())}
+
+
+def _consts(e: ir.Expr) -> list[ir.Const]:
+    if isinstance(e, ir.Const) and isinstance(e.value, sympy.Expr):
+        return [e]
+    if isinstance(e, ir.Op):
+        return [c for a in e.args for c in _consts(a)]
+    return []
+
+
+def _index_values(e: ir.Expr) -> list[ir.IndexValue]:
+    if isinstance(e, ir.IndexValue):
+        return [e]
+    if isinstance(e, ir.Op):
+        return [v for a in e.args for v in _index_values(a)]
+    return []
+
+
+def _refs(e: ir.Expr) -> set[str]:
+    if isinstance(e, ir.Ref):
+        return {e.name}
+    if isinstance(e, ir.Op):
+        return set().union(*(_refs(a) for a in e.args)) if e.args else set()
+    return set()
+
+
+def _cast(e: ir.Expr, dtype: torch.dtype) -> ir.Expr:
+    return e if e.dtype == dtype else ir.Op("cast", (e,), dtype)
+
+
+def _cast_text(value: str, src: torch.dtype, dst: torch.dtype) -> str:
+    if src == dst:
+        return value
+    if _is_literal(value):
+        value = f"tl.full([1], {value}, {printer.TRITON_DTYPES[src]})"
+    if dst == torch.bool:
+        return f"({value} != 0)"
+    return f"{value}.to({printer.TRITON_DTYPES[dst]})"
+
+
+def _is_literal(text: str) -> bool:
+    return text[:1].isdigit() or text.startswith(("-", "float(", "True", "False"))
+
+
+def write_kernel(kernel: Kernel, name: str, interpret: bool) -> KernelCode:
+    return KernelWriter(kernel, name, interpret).write()

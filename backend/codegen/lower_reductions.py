@@ -1,0 +1,206 @@
+"""Lowerings of reductions: sum, mean, prod, amax, amin, argmax, argmin, any/all, var, var_mean.
+
+Each reduction becomes a ``Compute`` step over the input's index space with some dimensions
+reduced; float inputs accumulate in float32 (half types) or their own type. ``mean`` is a sum
+followed by a pointwise division; ``var``/``var_mean`` are two passes (the mean, then the sum of
+squared deviations), which the scheduler puts in one kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+import torch
+
+from backend.codegen import ir
+from backend.codegen.ir import Op
+from backend.codegen.lowering import (
+    CannotLower,
+    LowerCtx,
+    TensorValue,
+    broadcast,
+    cast,
+    compute_dtype,
+    lowering,
+    meta_layout,
+    meta_size,
+)
+
+aten = torch.ops.aten
+
+# A reduction whose row does not fit this many elements loops; argmax/argmin only exist unlooped.
+ARG_REDUCTION_LIMIT = 4096
+
+
+def _dims(x: TensorValue, dims: Any) -> tuple[int, ...]:
+    n = len(x.size)
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        return tuple(range(n))
+    if isinstance(dims, int):
+        dims = [dims]
+    return tuple(sorted({(d + n if d < 0 else d) if n else 0 for d in dims}))
+
+
+def _reduce(ctx: LowerCtx, x: TensorValue, dims: tuple[int, ...], kind: ir.Reduce, acc: torch.dtype,
+            layout: ir.Layout, name: str, out: torch.dtype) -> TensorValue:
+    if not x.size:  # a 0-d tensor reduces to itself
+        return TensorValue((), out, cast(x.body, out))
+    body = cast(x.body, acc)
+    return ctx.add_reduction(name, layout, out, x.size, dims, kind, body)
+
+
+def _keepdim_layout(x: TensorValue, dims: tuple[int, ...]) -> ir.Layout:
+    size = tuple(sympy.Integer(1) if d in dims else n for d, n in enumerate(x.size))
+    return ir.Layout(size, ir.contiguous_strides(size))
+
+
+def _acc_dtype(dtype: torch.dtype, out: torch.dtype) -> torch.dtype:
+    return compute_dtype(out) if out.is_floating_point else out
+
+
+@lowering(aten.sum.dim_IntList, aten.sum.default)
+def _sum(ctx: LowerCtx, x: TensorValue, dims: Any = None, keepdim: bool = False, *,
+         dtype: torch.dtype | None = None) -> TensorValue:
+    meta = ctx.out_meta()
+    return _reduce(ctx, x, _dims(x, dims), ir.Reduce.SUM, _acc_dtype(x.dtype, meta.dtype), meta_layout(meta),
+                   ctx.node.name, meta.dtype)
+
+
+@lowering(aten.prod.dim_int, aten.prod.default)
+def _prod(ctx: LowerCtx, x: TensorValue, dim: Any = None, keepdim: bool = False, *,
+          dtype: torch.dtype | None = None) -> TensorValue:
+    meta = ctx.out_meta()
+    return _reduce(ctx, x, _dims(x, dim), ir.Reduce.PROD, _acc_dtype(x.dtype, meta.dtype), meta_layout(meta),
+                   ctx.node.name, meta.dtype)
+
+
+def _extreme(kind: ir.Reduce):
+    def lower(ctx: LowerCtx, x: TensorValue, dims: Any = None, keepdim: bool = False) -> TensorValue:
+        meta = ctx.out_meta()
+        acc = compute_dtype(meta.dtype) if meta.dtype != torch.bool else torch.int8
+        return _reduce(ctx, x, _dims(x, dims), kind, acc, meta_layout(meta), ctx.node.name, meta.dtype)
+
+    return lower
+
+
+def _nonempty(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
+    if node.args[0].meta["val"].numel() == 0:
+        return "max/min over an empty tensor (eager raises)"
+    return None
+
+
+lowering(aten.amax.default, can_lower=_nonempty)(_extreme(ir.Reduce.MAX))
+lowering(aten.amin.default, can_lower=_nonempty)(_extreme(ir.Reduce.MIN))
+
+
+def _arg_fits(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
+    x = node.args[0].meta["val"]
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    n = x.numel() if dim is None or x.dim() == 0 else x.shape[dim]
+    if not isinstance(n, int) or n > ARG_REDUCTION_LIMIT or n == 0:
+        return f"argmax/argmin over {n} elements (only rows of at most {ARG_REDUCTION_LIMIT} are generated)"
+    return None
+
+
+def _arg(kind: ir.Reduce):
+    def lower(ctx: LowerCtx, x: TensorValue, dim: Any = None, keepdim: bool = False) -> TensorValue:
+        meta = ctx.out_meta()
+        acc = compute_dtype(x.dtype) if x.dtype != torch.bool else torch.int8
+        return _reduce(ctx, x, _dims(x, dim), kind, acc, meta_layout(meta), ctx.node.name, meta.dtype)
+
+    return lower
+
+
+lowering(aten.argmax.default, can_lower=_arg_fits)(_arg(ir.Reduce.ARGMAX))
+lowering(aten.argmin.default, can_lower=_arg_fits)(_arg(ir.Reduce.ARGMIN))
+
+
+def _truth(x: TensorValue) -> TensorValue:
+    if x.dtype == torch.bool:
+        return x
+    return TensorValue(x.size, torch.bool, Op("ne", (x.body, broadcast(0, (), x.dtype)), torch.bool))
+
+
+@lowering(aten.any.default, aten.any.dim, aten.any.dims)
+def _any(ctx: LowerCtx, x: TensorValue, dims: Any = None, keepdim: bool = False) -> TensorValue:
+    meta = ctx.out_meta()
+    return _reduce(ctx, _truth(x), _dims(x, dims), ir.Reduce.MAX, torch.int8, meta_layout(meta), ctx.node.name,
+                   meta.dtype)
+
+
+@lowering(aten.all.default, aten.all.dim, aten.all.dims)
+def _all(ctx: LowerCtx, x: TensorValue, dims: Any = None, keepdim: bool = False) -> TensorValue:
+    meta = ctx.out_meta()
+    return _reduce(ctx, _truth(x), _dims(x, dims), ir.Reduce.MIN, torch.int8, meta_layout(meta), ctx.node.name,
+                   meta.dtype)
+
+
+def _float_input(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
+    if not node.args[0].meta["val"].is_floating_point():
+        return "mean/var of a non-float tensor"
+    return None
+
+
+def _count(x: TensorValue, dims: tuple[int, ...]) -> sympy.Expr:
+    n = sympy.Integer(1)
+    for d in dims:
+        n = n * x.size[d]
+    return n
+
+
+def _row_mean(ctx: LowerCtx, x: TensorValue, dims: tuple[int, ...], acc: torch.dtype, name: str) -> TensorValue:
+    """The mean of ``x`` over ``dims`` as a keepdim value (a sum buffer divided by the count)."""
+    total = _reduce(ctx, x, dims, ir.Reduce.SUM, acc, _keepdim_layout(x, dims), name, acc)
+    count = broadcast(_count(x, dims), (), acc)
+    return TensorValue(total.size, acc, Op("truediv", (total.body, count), acc))
+
+
+def _from_keepdim(value: TensorValue, meta: torch.Tensor, dims: tuple[int, ...], out: torch.dtype) -> TensorValue:
+    """A keepdim value as the node's result (dims dropped when the op was not keepdim)."""
+    size = meta_size(meta)
+    if len(size) == len(value.size):
+        return TensorValue(size, out, cast(value.body, out))
+    kept = [d for d in range(len(value.size)) if d not in dims]
+    subs = {ir.index_symbol(d): sympy.Integer(0) for d in dims}
+    subs.update({ir.index_symbol(d): ir.index_symbol(i) for i, d in enumerate(kept)})
+    return TensorValue(size, out, cast(ir.map_indices(value.body, subs), out))
+
+
+@lowering(aten.mean.dim, aten.mean.default, can_lower=_float_input)
+def _mean(ctx: LowerCtx, x: TensorValue, dims: Any = None, keepdim: bool = False, *,
+          dtype: torch.dtype | None = None) -> TensorValue:
+    meta = ctx.out_meta()
+    dims = _dims(x, dims)
+    acc = compute_dtype(meta.dtype)
+    if not x.size:
+        return TensorValue((), meta.dtype, cast(x.body, meta.dtype))
+    return _from_keepdim(_row_mean(ctx, x, dims, acc, ctx.node.name + "_sum"), meta, dims, meta.dtype)
+
+
+def _variance(ctx: LowerCtx, x: TensorValue, dims: tuple[int, ...], correction: Any, acc: torch.dtype,
+              name: str) -> tuple[TensorValue, TensorValue]:
+    mean = _row_mean(ctx, x, dims, acc, name + "_sum")
+    diff = Op("sub", (cast(x.body, acc), broadcast(mean, x.size, acc)), acc)
+    sq = TensorValue(x.size, acc, Op("mul", (diff, diff), acc))
+    m2 = _reduce(ctx, sq, dims, ir.Reduce.SUM, acc, _keepdim_layout(x, dims), name + "_m2", acc)
+    correction = 1 if correction is None else correction
+    denom = Op("fmax", (Op("sub", (broadcast(_count(x, dims), (), acc), broadcast(correction, (), acc)), acc),
+                        broadcast(0, (), acc)), acc)
+    var = TensorValue(m2.size, acc, Op("truediv", (m2.body, denom), acc))
+    return var, mean
+
+
+@lowering(aten.var_mean.correction, aten.var.correction, can_lower=_float_input)
+def _var_mean(ctx: LowerCtx, x: TensorValue, dims: Any = None, *, correction: Any = None,
+              keepdim: bool = False) -> Any:
+    if not x.size:
+        raise CannotLower("var of a 0-d tensor")
+    dims = _dims(x, dims)
+    metas = ctx.out_meta()
+    metas = metas if isinstance(metas, (tuple, list)) else (metas,)
+    acc = compute_dtype(metas[0].dtype)
+    var, mean = _variance(ctx, x, dims, correction, acc, ctx.node.name)
+    if ctx.node.target == aten.var.correction:
+        return _from_keepdim(var, metas[0], dims, metas[0].dtype)
+    return (_from_keepdim(var, metas[0], dims, metas[0].dtype), _from_keepdim(mean, metas[1], dims, metas[1].dtype))

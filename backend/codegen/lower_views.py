@@ -1,0 +1,146 @@
+"""Lowerings of view ops.
+
+A view of a materialized buffer is exact and free: its size, strides and storage offset come from
+the node's meta (which matches the buffer, since every buffer we allocate follows its node's meta),
+so any view op works, ``as_strided`` included. A view of a value that is not materialized remaps
+the index symbols (permute, expand, unsqueeze, squeeze, select, slice, transpose, and reshapes that
+only add or drop size-1 dimensions); other reshapes of such values realize the value first.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+import torch
+
+from backend.codegen import ir
+from backend.codegen.lowering import LowerCtx, TensorValue, lowering, meta_layout, meta_size, sym
+
+aten = torch.ops.aten
+
+
+def _buffer_view(ctx: LowerCtx, x: TensorValue, meta: torch.Tensor) -> TensorValue:
+    buf, _ = x.view
+    layout = meta_layout(meta)
+    offset = sym(meta.storage_offset()) - ctx.meta_offset(buf)
+    layout = ir.Layout(layout.size, layout.stride, sympy.expand(offset))
+    syms = ir.index_symbols(len(layout.size))
+    return TensorValue(layout.size, meta.dtype, ir.Load(buf, layout.index(syms), meta.dtype), view=(buf, layout))
+
+
+def _remap(x: TensorValue, size: tuple, subs: dict) -> TensorValue:
+    """``subs`` maps each input symbol to an expression of the output symbols."""
+    return TensorValue(size, x.dtype, ir.map_indices(x.body, subs))
+
+
+def view_op(remap):
+    """Wrap a lazy remap: buffers take the exact meta view, lazy values remap or realize."""
+
+    def lower(ctx: LowerCtx, x: TensorValue, *args: Any, **kwargs: Any) -> TensorValue:
+        meta = ctx.out_meta()
+        if x.view is not None:
+            return _buffer_view(ctx, x, meta)
+        subs = remap(x, meta_size(meta), *args, **kwargs)
+        if subs is None:  # not a pure index remap: materialize, then view the buffer
+            return _buffer_view(ctx, ctx.realize_input(x), meta)
+        return _remap(x, meta_size(meta), subs)
+
+    return lower
+
+
+def _xs(n: int) -> tuple[sympy.Symbol, ...]:
+    return ir.index_symbols(n)
+
+
+def _dim(d: int, n: int) -> int:
+    return d + n if d < 0 else d
+
+
+@lowering(aten.permute.default)
+@view_op
+def _permute(x: TensorValue, size: tuple, dims: list[int]) -> dict:
+    ys = _xs(len(size))
+    return {ir.index_symbol(_dim(d, len(size))): ys[i] for i, d in enumerate(dims)}
+
+
+@lowering(aten.transpose.int)
+@view_op
+def _transpose(x: TensorValue, size: tuple, d0: int, d1: int) -> dict:
+    n = len(size)
+    order = list(range(n))
+    a, b = _dim(d0, n), _dim(d1, n)
+    order[a], order[b] = order[b], order[a]
+    return {ir.index_symbol(order[i]): _xs(n)[i] for i in range(n)}
+
+
+@lowering(aten.t.default)
+@view_op
+def _t(x: TensorValue, size: tuple) -> dict:
+    ys = _xs(len(size))
+    return {ir.index_symbol(i): ys[len(size) - 1 - i] for i in range(len(size))}
+
+
+@lowering(aten.expand.default)
+@view_op
+def _expand(x: TensorValue, size: tuple, *args: Any, **kwargs: Any) -> dict:
+    ys = _xs(len(size))
+    lead = len(size) - len(x.size)
+    return {ir.index_symbol(j): (sympy.Integer(0) if n == 1 and size[lead + j] != 1 else ys[lead + j])
+            for j, n in enumerate(x.size)}
+
+
+@lowering(aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
+          aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+@view_op
+def _reshape_ones(x: TensorValue, size: tuple, *args: Any, **kwargs: Any) -> dict | None:
+    """Reshapes that only insert or drop size-1 dimensions."""
+    src = [(j, n) for j, n in enumerate(x.size) if n != 1]
+    dst = [(i, n) for i, n in enumerate(size) if n != 1]
+    if [n for _, n in src] != [n for _, n in dst]:
+        return None
+    ys = _xs(len(size))
+    subs = {ir.index_symbol(j): sympy.Integer(0) for j, n in enumerate(x.size) if n == 1}
+    subs.update({ir.index_symbol(j): ys[i] for (j, _), (i, _) in zip(src, dst)})
+    return subs
+
+
+@lowering(aten.select.int)
+@view_op
+def _select(x: TensorValue, size: tuple, dim: int, index: Any) -> dict:
+    n = len(x.size)
+    dim = _dim(dim, n)
+    index = sym(index)
+    if index.is_number and index < 0:
+        index = index + x.size[dim]
+    ys = _xs(len(size))
+    subs = {}
+    for j in range(n):
+        subs[ir.index_symbol(j)] = index if j == dim else ys[j if j < dim else j - 1]
+    return subs
+
+
+@lowering(aten.slice.Tensor)
+@view_op
+def _slice(x: TensorValue, size: tuple, dim: int = 0, start: Any = None, end: Any = None, step: int = 1) -> dict:
+    n = len(x.size)
+    dim = _dim(dim, n)
+    length = x.size[dim]
+    start = sympy.Integer(0) if start is None else sym(start)
+    if start.is_number and length.is_number:
+        start = sympy.Integer(min(max(int(start) + (int(length) if start < 0 else 0), 0), int(length)))
+    ys = _xs(n)
+    return {ir.index_symbol(j): (start + int(step) * ys[j] if j == dim else ys[j]) for j in range(n)}
+
+
+def _realize_first(x: TensorValue, size: tuple, *args: Any, **kwargs: Any) -> None:
+    return None  # no remap: realize the input, then take the exact view of the buffer
+
+
+lowering(aten.as_strided.default, aten.diagonal.default, aten.unfold.default)(view_op(_realize_first))
+
+
+@lowering(aten.split_with_sizes.default, aten.split.Tensor, aten.unbind.int)
+def _split(ctx: LowerCtx, x: TensorValue, *args: Any, **kwargs: Any) -> tuple[TensorValue, ...]:
+    x = ctx.realize_input(x)
+    return tuple(_buffer_view(ctx, x, meta) for meta in ctx.out_meta())

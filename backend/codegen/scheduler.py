@@ -1,0 +1,199 @@
+"""Group ``Compute`` steps into kernels.
+
+A kernel iterates over one index space ``ranges`` with some dimensions ``reduced`` (none for a
+pointwise kernel). Its members take one of three roles:
+
+- ``full``: a pointwise step over all of ``ranges`` (one value per element),
+- ``reduce``: a reduction of ``ranges`` over ``reduced`` (one value per row),
+- ``row``: a pointwise step over the rows (``ranges`` without the reduced dimensions, or with
+  them as size 1), e.g. ``rsqrt(var + eps)`` between two reductions.
+
+A step joins the open kernel when its role fits and every value it reads from a member is read at
+exactly the element that member computes (so it can stay in registers); otherwise the kernel is
+closed and the step opens the next one. Aten calls that do not read the open kernel's buffers
+run before it, so an aten call between two fusable steps does not split them. Softmax,
+log_softmax, layer norm forward and backward each end up as one kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+
+from backend.codegen import ir
+
+
+@dataclass(frozen=True)
+class Member:
+    step: ir.Compute
+    role: str  # "full" | "reduce" | "row"
+    subs: tuple[tuple[sympy.Symbol, sympy.Expr], ...]  # the step's own index symbols -> kernel symbols
+
+    @property
+    def name(self) -> str:
+        return self.step.name
+
+    def body(self) -> ir.Expr:
+        return ir.map_indices(self.step.body, dict(self.subs))
+
+    def store_index(self) -> sympy.Expr:
+        own = ir.index_symbols(len(self.step.ranges))
+        if self.role == "reduce":
+            return self.step.store_index(own).xreplace(dict(self.subs))
+        return self.step.layout.index(own).xreplace(dict(self.subs))
+
+
+@dataclass(frozen=True)
+class Kernel:
+    ranges: tuple[sympy.Expr, ...]
+    reduced: tuple[int, ...]
+    members: tuple[Member, ...]
+    stored: frozenset[str] = frozenset()
+
+    @property
+    def is_reduction(self) -> bool:
+        return bool(self.reduced)
+
+
+Item = ir.Extern | ir.Alias | Kernel
+
+
+@dataclass
+class _Open:
+    ranges: tuple[sympy.Expr, ...]
+    reduced: tuple[int, ...] = ()
+    members: list[Member] = field(default_factory=list)
+    deferred: list[ir.Alias] = field(default_factory=list)  # views of members, valid after the kernel
+
+    def names(self) -> set[str]:
+        return {m.name for m in self.members} | {a.name for a in self.deferred}
+
+    def close(self) -> list[Item]:
+        return [Kernel(self.ranges, self.reduced, tuple(self.members)), *self.deferred]
+
+    # ---------------------------------------------------------------------------------- joining
+    def role_of(self, step: ir.Compute) -> tuple[str, dict] | None:
+        own = ir.index_symbols(len(step.ranges))
+        kernel = ir.index_symbols(len(self.ranges))
+        identity = dict(zip(own, kernel))
+        if step.is_reduction:
+            if step.ranges == self.ranges and (not self.reduced or step.reduced == self.reduced):
+                return "reduce", identity
+            return None
+        if step.ranges == self.ranges:
+            return "full", identity
+        if not self.reduced:
+            return None
+        keep = tuple(sympy.Integer(1) if d in self.reduced else n for d, n in enumerate(self.ranges))
+        if step.ranges == keep:
+            return "row", {s: (sympy.Integer(0) if d in self.reduced else kernel[d]) for d, s in enumerate(own)}
+        kept = [d for d in range(len(self.ranges)) if d not in self.reduced]
+        if step.ranges == tuple(self.ranges[d] for d in kept):
+            return "row", {s: kernel[d] for s, d in zip(own, kept)}
+        return None
+
+    def try_add(self, step: ir.Compute) -> bool:
+        fit = self.role_of(step)
+        if fit is None:
+            return False
+        role, subs = fit
+        member = Member(step, role, tuple(subs.items()))
+        by_name = {m.name: m for m in self.members}
+        deferred = {a.name for a in self.deferred}
+        written = {m.name for m in self.members if m.step.writes_input}
+        body = member.body()
+        for load in ir.loads(body):
+            if load.buf in deferred or load.buf in written:
+                return False
+            producer = by_name.get(load.buf)
+            if producer is None:
+                continue
+            if role == "row" and producer.role == "full":
+                return False  # a row value cannot depend on a whole-row computation
+            if sympy.expand(load.index - producer.store_index()) != 0:
+                return False
+        if step.writes_input and not self._only_aligned_reads(member):
+            return False
+        if step.is_reduction and not self.reduced:
+            self.reduced = step.reduced
+        self.members.append(member)
+        return True
+
+    def _only_aligned_reads(self, member: Member) -> bool:
+        """An input written in place may only be read at the element being written."""
+        target = member.store_index()
+        for m in [*self.members, member]:
+            for load in ir.loads(m.body()):
+                if load.buf == member.name and (m.role != "full" or sympy.expand(load.index - target) != 0):
+                    return False
+        return True
+
+
+def schedule(program: ir.Program) -> list[Item]:
+    """Steps in program order -> kernels, aten calls and aliases in execution order."""
+    items: list[Item] = []
+    current: _Open | None = None
+    for step in program.steps:
+        if isinstance(step, ir.Compute):
+            if current is not None and current.try_add(step):
+                continue
+            if current is not None:
+                items.extend(current.close())
+            current = _Open(step.ranges)
+            ok = current.try_add(step)
+            assert ok, step.name
+        elif isinstance(step, ir.Alias):
+            if current is not None and step.base in current.names():
+                current.deferred.append(step)
+            else:
+                items.append(step)
+        else:
+            if current is not None and _extern_reads(step) & current.names():
+                items.extend(current.close())
+                current = None
+            items.append(step)
+    if current is not None:
+        items.extend(current.close())
+    return _mark_stored(items, program)
+
+
+def _extern_reads(step: ir.Extern) -> set[str]:
+    names: set[str] = set()
+
+    def walk(v: object) -> None:
+        if isinstance(v, ir.BufRef):
+            names.add(v.name)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    walk(step.args)
+    walk([v for _, v in step.kwargs])
+    return names
+
+
+def reads(item: Item) -> set[str]:
+    """Buffers an item reads."""
+    if isinstance(item, ir.Extern):
+        return _extern_reads(item)
+    if isinstance(item, ir.Alias):
+        return {item.base}
+    own = {m.name for m in item.members if not m.step.writes_input}
+    return {ld.buf for m in item.members for ld in ir.loads(m.step.body)} - own
+
+
+def _mark_stored(items: list[Item], program: ir.Program) -> list[Item]:
+    """A member's buffer is written to memory only if something outside its kernel reads it."""
+    outside: dict[int, set[str]] = {}
+    needed = {o for o in program.outputs if isinstance(o, str)}
+    for i, item in enumerate(items):
+        outside[i] = reads(item)
+    out: list[Item] = []
+    for i, item in enumerate(items):
+        if isinstance(item, Kernel):
+            others = set().union(*(outside[j] for j in range(len(items)) if j != i)) | needed
+            stored = frozenset(m.name for m in item.members if m.name in others or m.step.writes_input)
+            item = Kernel(item.ranges, item.reduced, item.members, stored)
+        out.append(item)
+    return out

@@ -1,0 +1,250 @@
+"""Write the kernel module: header, kernels (each under the aten nodes it came from), ``call(args)``
+that allocates, launches, calls aten and frees every buffer at its last use (reusing the memory of
+dead buffers of the same size), and ``call_aten(args)``: the same graph straight through aten,
+which ``call`` falls back to when a kernel fails to compile.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+
+from backend.codegen import ir, printer
+from backend.codegen.kernel import HELPERS, KernelCode, write_kernel
+from backend.codegen.scheduler import Item, Kernel, reads
+
+PATTERNS = (  # reduction kernels named after what they compute, by the aten ops they came from
+    ("log_softmax", {"amax", "exp", "sum", "log"}),
+    ("softmax", {"amax", "exp", "sum", "div"}),
+    ("layernorm", {"var_mean", "rsqrt"}),
+)
+
+
+def op_names(described: dict[str, str], origins: tuple[str, ...]) -> list[str]:
+    names = []
+    for o in origins:
+        m = re.match(r"\w+ = (?:aten|torch\.ops\.\w+)\.(\w+)\.", described.get(o, ""))
+        if m and m.group(1) not in names:
+            names.append(m.group(1))
+    return names
+
+
+def kernel_name(kernel: Kernel, described: dict[str, str], i: int) -> str:
+    origins = tuple(o for m in kernel.members for o in m.step.origins)
+    names = op_names(described, origins)
+    if kernel.is_reduction:
+        for pattern, needs in PATTERNS:
+            if needs <= set(names):
+                return f"red_{pattern}_{i}"
+        return f"red_fused_{'_'.join(names[:4])}_{i}"
+    return f"pw_fused_{'_'.join(names[:4])}_{i}"
+
+
+# ------------------------------------------------------------------------------------------ module
+def module_source(header: list[str], program: ir.Program, items: list[Item], gm: torch.fx.GraphModule,
+                  interpret: bool) -> tuple[str, int]:
+    """The whole module text and the number of kernels in it."""
+    described = dict(program.described)
+    codes: list[tuple[Kernel, KernelCode]] = []
+    for item in items:
+        if isinstance(item, Kernel):
+            codes.append((item, write_kernel(item, kernel_name(item, described, len(codes)), interpret)))
+    libdevice = any(c.libdevice for _, c in codes)
+    helpers = sorted(set().union(*(c.helpers for _, c in codes)) if codes else set())
+    out = [*header, "import math", "import operator", "", "import torch", "import triton",
+           "import triton.language as tl"]
+    if libdevice:
+        out.append("from triton.language.extra import libdevice")
+    out += ["", "aten = torch.ops.aten", f"DEVICE = torch.device({program.device!r})", ""]
+    for h in helpers:
+        out += ["", HELPERS[h]]
+    for kernel, code in codes:
+        out += ["", *_origin_comment(kernel, described), code.source]
+    out += ["", *_call(program, items, dict((id(k), c) for k, c in codes)), "", *aten_call(gm), "",
+            "def run(*args):", '    """Call the graph with positional arguments (for experiments)."""',
+            "    return call(list(args))", ""]
+    return "\n".join(out), len(codes)
+
+
+def _origin_comment(kernel: Kernel, described: dict[str, str]) -> list[str]:
+    origins = list(dict.fromkeys(o for m in kernel.members for o in m.step.origins))
+    order = {name: i for i, name in enumerate(described)}
+    origins.sort(key=lambda o: order.get(o, 0))
+    shape = ", ".join(printer.expr(n) for n in kernel.ranges)
+    kind = f"reduction over dims {list(kernel.reduced)} of ({shape})" if kernel.is_reduction else f"pointwise ({shape})"
+    return [f"# {kind}; from:"] + [f"#   {described.get(o, o)}" for o in origins]
+
+
+def _call(program: ir.Program, items: list[Item], codes: dict[int, KernelCode]) -> list[str]:
+    lines = ["def call(args):"]
+    names = [inp.name for inp in program.inputs]
+    if names:
+        lines.append(f"    {', '.join(names)}, = args")
+    lines.append("    args.clear()")
+    lines += [f"    {s} = {src}" for s, src in program.symbols]
+    outputs = {o for o in program.outputs if isinstance(o, str)}
+    last = _last_uses(items)
+    pinned = set(outputs) | {inp.name for inp in program.inputs} | _viewed(items)
+    pool: dict[tuple, list[str]] = {}
+    owned: dict[str, tuple] = {}
+    for i, item in enumerate(items):
+        if isinstance(item, Kernel):
+            lines += _launch(item, codes[id(item)], program, pool, owned, pinned)
+        elif isinstance(item, ir.Extern):
+            args = ", ".join([_arg(a) for a in item.args] + [f"{k}={_arg(v)}" for k, v in item.kwargs])
+            lines.append(f"    {item.name} = {item.target}({args})")
+        elif item.item is not None:
+            lines.append(f"    {item.name} = {item.base}[{item.item}]")
+        else:
+            lay = item.layout
+            lines.append(f"    {item.name} = torch.as_strided({item.base}, {_tuple(lay.size)}, {_tuple(lay.stride)}, "
+                         f"{item.base}.storage_offset() + {printer.expr(lay.offset)})")
+        dead = sorted(n for n, at in last.items() if at == i and n not in outputs)
+        for name in dead:
+            if name in owned and name not in pinned:
+                pool.setdefault(owned.pop(name), []).append(name)
+        if dead:
+            lines.append(f"    del {', '.join(dead)}")
+    rendered = [o if isinstance(o, str) else _arg(o) for o in program.outputs]
+    lines.append(f"    return ({rendered[0]},)" if len(rendered) == 1 else f"    return ({', '.join(rendered)})")
+    return lines
+
+
+def _launch(kernel: Kernel, code: KernelCode, program: ir.Program, pool: dict, owned: dict,
+            pinned: set[str]) -> list[str]:
+    lines = []
+    for m in kernel.members:
+        if m.name in kernel.stored and not m.step.writes_input:
+            lines.append("    " + _allocate(m.step, pool, owned, pinned))
+    cfg = code.config
+    grid = sympy.sympify(code.xnumel)
+    if grid.is_number:
+        if int(grid) == 0 or (code.rnumel is not None and False):
+            return lines + [f"    # {code.name}: nothing to compute (zero-size)"]
+        grid_text = str(-(-int(grid) // cfg.xblock))
+    else:
+        grid_text = f"triton.cdiv({printer.expr(grid)}, {cfg.xblock})"
+    blocks = f"XBLOCK={cfg.xblock}" + (f", RBLOCK={cfg.rblock}" if code.rnumel is not None else "")
+    launch = f"{code.name}[({grid_text},)]({', '.join(code.args)}, {blocks}, num_warps={cfg.num_warps})"
+    if grid.is_number:
+        return lines + [f"    {launch}"]
+    return lines + [f"    if {printer.expr(grid)} > 0:", f"        {launch}"]
+
+
+def _allocate(step: ir.Compute, pool: dict, owned: dict, pinned: set[str]) -> str:
+    lay = step.layout
+    key = (step.dtype, sympy.expand(_storage_numel(lay)))
+    owned[step.name] = key
+    if pool.get(key) and step.name not in pinned:
+        old = pool[key].pop()
+        return (f"{step.name} = torch.as_strided({old}, {_tuple(lay.size)}, {_tuple(lay.stride)})"
+                f"  # reuses {old}")
+    return (f"{step.name} = torch.empty_strided({_tuple(lay.size)}, {_tuple(lay.stride)}, dtype={step.dtype}, "
+            f"device=DEVICE)")
+
+
+def _storage_numel(layout: ir.Layout) -> sympy.Expr:
+    return sympy.Integer(1) + sum(((n - 1) * s for n, s in zip(layout.size, layout.stride)), sympy.Integer(0))
+
+
+def _last_uses(items: list[Item]) -> dict[str, int]:
+    last: dict[str, int] = {}
+    for i, item in enumerate(items):
+        for name in reads(item):
+            last[name] = i
+        for name in _defines(item):
+            last.setdefault(name, i)
+    return last
+
+
+def _defines(item: Item) -> list[str]:
+    if isinstance(item, Kernel):
+        return [m.name for m in item.members if m.name in item.stored]
+    return [item.name]
+
+
+def _viewed(items: list[Item]) -> set[str]:
+    """Buffers whose memory something else may still see (aliases, aten views): never reused."""
+    out: set[str] = set()
+    for item in items:
+        if isinstance(item, ir.Alias):
+            out.add(item.base)
+        elif isinstance(item, ir.Extern) and item.returns_view:
+            out |= reads(item)
+    return out
+
+
+def _tuple(values: tuple) -> str:
+    items = [printer.expr(v) for v in values]
+    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+
+
+def _arg(v: Any) -> str:
+    if isinstance(v, ir.BufRef):
+        return v.name
+    if isinstance(v, (list, tuple)):
+        inner = [_arg(x) for x in v]
+        return "[" + ", ".join(inner) + "]" if isinstance(v, list) else "(" + "".join(x + ", " for x in inner) + ")"
+    return printer.value(v)
+
+
+# -------------------------------------------------------------------------------------- aten path
+def aten_call(gm: torch.fx.GraphModule, name: str = "call_aten") -> list[str]:
+    """The graph as straight-line aten calls, freeing values at their last use."""
+    nodes = list(gm.graph.nodes)
+    last: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in nodes:
+        for inp in node.all_input_nodes:
+            last[inp] = node
+    placeholders = [n.name for n in nodes if n.op == "placeholder"]
+    lines = [f"def {name}(args):"]
+    if placeholders:
+        lines.append(f"    {', '.join(placeholders)}, = args")
+    lines.append("    args.clear()")
+    for node in nodes:
+        if node.op == "call_function":
+            lines.append(f"    {node.name} = {_aten_expr(node)}")
+        elif node.op == "output":
+            results = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
+            lines.append(f"    return {_render(tuple(results))}")
+        elif node.op != "placeholder":
+            raise NotImplementedError(f"{node.op} nodes are not written into kernel modules")
+        dead = [n.name for n in node.all_input_nodes if last.get(n) is node and node.op != "output"]
+        dead += [node.name] if node.op == "call_function" and not node.users else []
+        if dead:
+            lines.append(f"    del {', '.join(dict.fromkeys(dead))}")
+    return lines
+
+
+def _aten_expr(node: torch.fx.Node) -> str:
+    target = node.target
+    if target is operator.getitem:
+        return f"{node.args[0].name}[{_render(node.args[1])}]"
+    args = [_render(a) for a in node.args] + [f"{k}={_render(v)}" for k, v in node.kwargs.items()]
+    return f"{_callable(target)}({', '.join(args)})"
+
+
+def _callable(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        ns = "aten" if target.namespace == "aten" else f"torch.ops.{target.namespace}"
+        return f"{ns}.{target.__name__}"
+    module = {"_operator": "operator", "builtins": "", "math": "math"}.get(target.__module__, None)
+    if module is None and target.__module__.startswith("torch") and getattr(torch, target.__name__, None) is target:
+        module = "torch"
+    if module is None:
+        raise NotImplementedError(f"cannot write a call to {target}")
+    return f"{module}.{target.__name__}" if module else target.__name__
+
+
+def _render(v: Any) -> str:
+    if isinstance(v, torch.fx.Node):
+        return v.name
+    if isinstance(v, (list, tuple)):
+        inner = [_render(x) for x in v]
+        return "[" + ", ".join(inner) + "]" if isinstance(v, list) else "(" + "".join(x + ", " for x in inner) + ")"
+    return printer.value(v)

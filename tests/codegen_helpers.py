@@ -1,0 +1,90 @@
+"""Helpers for the codegen tests: trace a function to aten graphs, compile them with
+``backend.codegen.compile_graph`` (no driver involved), and compare with eager."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from backend.aot.decompositions import decomposition_table
+from backend.config import Config
+from backend.context import GraphContext
+
+
+def config(**kw: Any) -> Config:
+    interpret = os.environ.get("CGTREES_INTERPRET", "1") not in ("0", "")
+    return Config(interpret=kw.pop("interpret", interpret and not torch.cuda.is_available()), **kw)
+
+
+def trace(fn: Callable, *inputs: Any, dynamic: bool = False) -> torch.fx.GraphModule:
+    """One aten graph (core decompositions plus ours), with shapes in each node's meta."""
+    return make_fx(fn, decomposition_table=decomposition_table(), tracing_mode="symbolic" if dynamic else "fake")(
+        *inputs)
+
+
+def compile_fn(fn: Callable, *inputs: Any, name: str = "test", cfg: Config | None = None, dynamic: bool = False):
+    """Trace ``fn`` and compile its graph; returns the kernel module."""
+    from backend import codegen
+
+    gm = trace(fn, *inputs, dynamic=dynamic)
+    ctx = GraphContext(cfg or config(), "inference", name)
+    return codegen.compile_graph(gm, list(inputs), ctx)
+
+
+def run(module: Any, *inputs: Any) -> Any:
+    """Call a compiled module; fail if it was not generated or fell back to its aten path."""
+    check(module)
+    out = module.call(list(inputs))
+    check(module)
+    return out
+
+
+def check(module: Any) -> None:
+    from backend.codegen import KernelModule
+
+    assert isinstance(module, KernelModule), "the graph was not generated (see the backend.codegen log)"
+    assert module.failure is None, f"the generated module failed: {module.failure}\n{module.path}"
+
+
+class Compiler:
+    """A boxed compiler for ``aot_module_simplified`` that keeps every module it made."""
+
+    def __init__(self, cfg: Config | None = None) -> None:
+        self.cfg = cfg or config()
+        self.modules: list[Any] = []
+
+    def __call__(self, kind: str):
+        from backend import codegen
+
+        def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            ctx = GraphContext(self.cfg, kind, f"g_{kind}_{len(self.modules)}")
+            module = codegen.compile_graph(gm, example_inputs, ctx)
+            self.modules.append(module)
+
+            def call(args: list) -> Any:
+                return module.call(args)
+
+            call._boxed_call = True
+            return call
+
+        return compile_graph
+
+    def check(self) -> None:
+        assert self.modules
+        for module in self.modules:
+            check(module)
+
+    def backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        return aot_module_simplified(gm, example_inputs, fw_compiler=self("forward"), bw_compiler=self("backward"),
+                                     inference_compiler=self("inference"), decompositions=decomposition_table(),
+                                     keep_inference_input_mutations=True)
+
+
+def kernel_count(module: Any) -> int:
+    return module.source.count("@triton.jit") - sum(module.source.count(f"def {h}(") for h in
+                                                   ("_max_nan", "_min_nan", "_prod"))
