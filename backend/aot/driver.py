@@ -71,9 +71,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list[Any],
         module = cache.compile_module(gm, example_inputs, ctx)  # level 2: a hit skips codegen
     except Exception as exc:  # noqa: BLE001
         _explain(ctx, "codegen", exc)
-        module = codegen.AtenModule(gm)
-        cache.record_module(gm, example_inputs, ctx, module, wrapped=False)
-        return module.call
+        module = codegen.AtenModule(gm)  # the aten graph still gets CUDA graphs
     cache.record_module(gm, example_inputs, ctx, module, wrapped=True)  # level 1 keeps it for a warm start
     return _wrap(module, example_inputs, ctx)
 
