@@ -87,8 +87,34 @@ class GraphLowerer:
         for node in self.gm.graph.nodes:
             self.described[node.name] = describe_node(node) if node.op == "call_function" else node.name
             getattr(self, f"_{node.op}")(node)
-        return ir.Program(tuple(self.inputs), tuple(self.steps), self.outputs, self.device(), self.symbol_bindings(),
-                          tuple(self.described.items()))
+        program = ir.Program(tuple(self.inputs), tuple(self.steps), self.outputs, self.device(),
+                             self.symbol_bindings(), tuple(self.described.items()))
+        self._check_bound(program)
+        return program
+
+    def _check_bound(self, program: ir.Program) -> None:
+        """Every size symbol the program uses must be readable from an input or an aten call."""
+        bound = {s for s, _ in program.symbols} | {st.name for st in program.steps if isinstance(st, ir.Extern)}
+        used: set[sympy.Symbol] = set()
+
+        def collect(v: Any) -> None:
+            if isinstance(v, sympy.Expr):
+                used.update(v.free_symbols)
+            elif isinstance(v, (list, tuple)):
+                for x in v:
+                    collect(x)
+
+        for st in program.steps:
+            if isinstance(st, ir.Compute):
+                collect([*st.ranges, *st.layout.size, *st.layout.stride, st.layout.offset])
+            elif isinstance(st, ir.Alias) and st.layout is not None:
+                collect([*st.layout.size, *st.layout.stride, st.layout.offset])
+            elif isinstance(st, ir.Extern):
+                collect([st.args, [v for _, v in st.kwargs]])
+        collect(list(program.outputs))
+        missing = sorted(s.name for s in used if s.name not in bound)
+        if missing:
+            raise NotImplementedError(f"sizes depend on values we cannot read back ({', '.join(missing)})")
 
     # ----------------------------------------------------------------------------- node kinds
     def _placeholder(self, node: torch.fx.Node) -> None:
@@ -175,6 +201,8 @@ class GraphLowerer:
     def _should_realize(self, node: torch.fx.Node, value: TensorValue) -> bool:
         if value.view is not None or isinstance(value.body, (ir.Load, ir.Const)):
             return False
+        if any(user.op == "output" for user in node.users):
+            return True  # realize outputs where they are computed, so they fuse with their producers
         return len(node.users) > 1 or ir.size_of(value.body) > INLINE_LIMIT
 
     def _check_templates(self, value: Any) -> None:
@@ -198,6 +226,14 @@ class GraphLowerer:
             name = f"{base}_{i}"
         self.used_names.add(name)
         return name
+
+    def realize_input(self, value: TensorValue, node: torch.fx.Node) -> TensorValue:
+        """Materialize an argument of ``node``, under the name of the node that produced it."""
+        for arg in node.all_input_nodes:
+            if self.env.get(arg) is value:
+                self.env[arg] = self.realize(value, arg)
+                return self.env[arg]
+        return self.realize(value, node, suffix="_src")
 
     def realize(self, value: TensorValue, node: torch.fx.Node, suffix: str = "") -> TensorValue:
         """Write ``value`` (the value of ``node``, or of one of its inputs) into a new buffer."""
@@ -245,7 +281,11 @@ class GraphLowerer:
     def _getitem(self, node: torch.fx.Node) -> Any:
         source, index = self.env[node.args[0]], node.args[1]
         if not isinstance(source, ExternTuple):
-            return source[index]
+            value = source[index]
+            self.origins[node] = self.origins.get(node.args[0], ())
+            if isinstance(value, TensorValue) and self._should_realize(node, value):
+                value = self.realize(value, node)
+            return value
         val = node.meta.get("val")
         name = self._claim(node.name)
         layout = meta_layout(val) if isinstance(val, torch.Tensor) else None
@@ -302,7 +342,11 @@ class GraphLowerer:
 
         args = tuple(_map(arg, node.args))
         kwargs = tuple((k, _map(arg, v)) for k, v in node.kwargs.items())
-        name = self._claim(node.name)
+        val = node.meta.get("val")
+        unbacked = isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)) and \
+            isinstance(val.node.expr, sympy.Symbol)
+        # a data-dependent scalar (``.item()``) is bound to its own symbol, which later sizes use
+        name = self._claim(str(val.node.expr) if unbacked else node.name)
         view = any(r.alias_info is not None for r in node.target._schema.returns)
         self.steps.append(ir.Extern(name, _target_name(node.target), args, kwargs, (node.name,), view))
         val = node.meta.get("val")

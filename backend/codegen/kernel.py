@@ -240,7 +240,11 @@ class KernelWriter:
         else:
             value = f"tl.broadcast_to({value}, {shape})"
         ptr = self._ptr(m.name)
-        scope.lines.append(f"tl.store({ptr} + ({printer.expr(index, triton=True)}), {value}, {mask})")
+        offset = printer.expr(index, triton=True)
+        kinds = _symbol_kinds(index)
+        if "x" not in kinds or (self.two_d and full and "r" not in kinds):  # pointer must span the block
+            offset += f" + tl.zeros({shape}, tl.int32)"
+        scope.lines.append(f"tl.store({ptr} + ({offset}), {value}, {mask})")
 
     # ----------------------------------------------------------------------------- reductions
     def _full_value(self, body: ir.Expr, scope: _Scope) -> str:
@@ -324,7 +328,10 @@ class KernelWriter:
     def _load_text(self, e: ir.Load) -> str:
         ptr = self._ptr(e.buf)
         index = printer.expr(e.index, triton=True)
-        names = {s.name[0] for s in sympy.sympify(e.index).free_symbols if s.name[0] in "xr" and s.name[1:].isdigit()}
+        names = _symbol_kinds(e.index)
+        if not names and self.interpret:  # the interpreter mixes 0-d and block values badly: load a block
+            shape = "[XBLOCK, 1]" if self.two_d else "[XBLOCK]"
+            return f"tl.load({ptr} + {index} + tl.zeros({shape}, tl.int32), xmask, other=0)"
         if not names:
             return f"tl.load({ptr} + {index})"
         mask = "xmask & rmask" if "r" in names else "xmask"
@@ -375,6 +382,11 @@ def _size_symbols(kernel: Kernel, xnumel: sympy.Expr, rnumel: sympy.Expr | None)
             out |= c.value.free_symbols
         out |= sympy.sympify(m.step.layout.index(ir.index_symbols(len(m.step.layout.size)))).free_symbols
     return {s for s in out if not (s.name[0] in "xr" and s.name[1:].isdigit())}
+
+
+def _symbol_kinds(index: sympy.Expr) -> set[str]:
+    """Which block dimensions an index walks: "x" (rows/elements), "r" (reduced columns)."""
+    return {s.name[0] for s in sympy.sympify(index).free_symbols if s.name[0] in "xr" and s.name[1:].isdigit()}
 
 
 def _consts(e: ir.Expr) -> list[ir.Const]:

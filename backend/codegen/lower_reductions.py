@@ -44,7 +44,9 @@ def _dims(x: TensorValue, dims: Any) -> tuple[int, ...]:
 
 def _reduce(ctx: LowerCtx, x: TensorValue, dims: tuple[int, ...], kind: ir.Reduce, acc: torch.dtype,
             layout: ir.Layout, name: str, out: torch.dtype) -> TensorValue:
-    if not x.size:  # a 0-d tensor reduces to itself
+    if not x.size:  # a 0-d tensor reduces to itself (its arg-extreme is index 0)
+        if kind in (ir.Reduce.ARGMAX, ir.Reduce.ARGMIN):
+            return TensorValue((), out, ir.Const(0, out))
         return TensorValue((), out, cast(x.body, out))
     body = cast(x.body, acc)
     return ctx.add_reduction(name, layout, out, x.size, dims, kind, body)

@@ -119,7 +119,7 @@ class LowerCtx:
         """Materialize an argument of the current node (a view of it needs a buffer)."""
         if value.view is not None:
             return value
-        return self.builder.realize(value, self.node, suffix="_src")
+        return self.builder.realize_input(value, self.node)
 
     def add_reduction(self, name: str, layout: ir.Layout, dtype: torch.dtype, ranges: tuple[sympy.Expr, ...],
                       reduced: tuple[int, ...], kind: ir.Reduce, body: Expr) -> TensorValue:

@@ -90,11 +90,10 @@ def _call(program: ir.Program, items: list[Item], codes: dict[int, KernelCode]) 
     outputs = {o for o in program.outputs if isinstance(o, str)}
     last = _last_uses(items)
     pinned = set(outputs) | {inp.name for inp in program.inputs} | _viewed(items)
-    pool: dict[tuple, list[str]] = {}
-    owned: dict[str, tuple] = {}
+    reuse = _plan_reuse(items, last, pinned, outputs)  # new buffer -> dead buffer whose memory it takes
     for i, item in enumerate(items):
         if isinstance(item, Kernel):
-            lines += _launch(item, codes[id(item)], program, pool, owned, pinned)
+            lines += _launch(item, codes[id(item)], reuse)
         elif isinstance(item, ir.Extern):
             args = ", ".join([_arg(a) for a in item.args] + [f"{k}={_arg(v)}" for k, v in item.kwargs])
             lines.append(f"    {item.name} = {item.target}({args})")
@@ -104,10 +103,7 @@ def _call(program: ir.Program, items: list[Item], codes: dict[int, KernelCode]) 
             lay = item.layout
             lines.append(f"    {item.name} = torch.as_strided({item.base}, {_tuple(lay.size)}, {_tuple(lay.stride)}, "
                          f"{item.base}.storage_offset() + {printer.expr(lay.offset)})")
-        dead = sorted(n for n, at in last.items() if at == i and n not in outputs)
-        for name in dead:
-            if name in owned and name not in pinned:
-                pool.setdefault(owned.pop(name), []).append(name)
+        dead = sorted(n for n, at in last.items() if at == i and n not in outputs and n not in reuse.values())
         if dead:
             lines.append(f"    del {', '.join(dead)}")
     rendered = [o if isinstance(o, str) else _arg(o) for o in program.outputs]
@@ -115,16 +111,15 @@ def _call(program: ir.Program, items: list[Item], codes: dict[int, KernelCode]) 
     return lines
 
 
-def _launch(kernel: Kernel, code: KernelCode, program: ir.Program, pool: dict, owned: dict,
-            pinned: set[str]) -> list[str]:
+def _launch(kernel: Kernel, code: KernelCode, reuse: dict[str, str]) -> list[str]:
     lines = []
     for m in kernel.members:
         if m.name in kernel.stored and not m.step.writes_input:
-            lines.append("    " + _allocate(m.step, pool, owned, pinned))
+            lines += _allocate(m.step, reuse.get(m.name))
     cfg = code.config
     grid = sympy.sympify(code.xnumel)
     if grid.is_number:
-        if int(grid) == 0 or (code.rnumel is not None and False):
+        if int(grid) == 0:
             return lines + [f"    # {code.name}: nothing to compute (zero-size)"]
         grid_text = str(-(-int(grid) // cfg.xblock))
     else:
@@ -136,16 +131,33 @@ def _launch(kernel: Kernel, code: KernelCode, program: ir.Program, pool: dict, o
     return lines + [f"    if {printer.expr(grid)} > 0:", f"        {launch}"]
 
 
-def _allocate(step: ir.Compute, pool: dict, owned: dict, pinned: set[str]) -> str:
+def _allocate(step: ir.Compute, old: str | None) -> list[str]:
     lay = step.layout
-    key = (step.dtype, sympy.expand(_storage_numel(lay)))
-    owned[step.name] = key
-    if pool.get(key) and step.name not in pinned:
-        old = pool[key].pop()
-        return (f"{step.name} = torch.as_strided({old}, {_tuple(lay.size)}, {_tuple(lay.stride)})"
-                f"  # reuses {old}")
-    return (f"{step.name} = torch.empty_strided({_tuple(lay.size)}, {_tuple(lay.stride)}, dtype={step.dtype}, "
-            f"device=DEVICE)")
+    if old is not None:
+        return [f"    {step.name} = torch.as_strided({old}, {_tuple(lay.size)}, {_tuple(lay.stride)})  # reuses {old}",
+                f"    del {old}"]
+    return [f"    {step.name} = torch.empty_strided({_tuple(lay.size)}, {_tuple(lay.stride)}, dtype={step.dtype}, "
+            "device=DEVICE)"]
+
+
+def _plan_reuse(items: list[Item], last: dict[str, int], pinned: set[str], outputs: set[str]) -> dict[str, str]:
+    """Give a new buffer the memory of a dead one of the same dtype and storage size."""
+    pool: dict[tuple, list[str]] = {}
+    owned: dict[str, tuple] = {}
+    reuse: dict[str, str] = {}
+    for i, item in enumerate(items):
+        if isinstance(item, Kernel):
+            for m in item.members:
+                if m.name not in item.stored or m.step.writes_input:
+                    continue
+                key = (m.step.dtype, sympy.expand(_storage_numel(m.step.layout)))
+                if pool.get(key) and m.name not in pinned:
+                    reuse[m.name] = pool[key].pop()
+                owned[m.name] = key
+        for name, at in last.items():
+            if at == i and name in owned and name not in pinned and name not in outputs:
+                pool.setdefault(owned.pop(name), []).append(name)
+    return reuse
 
 
 def _storage_numel(layout: ir.Layout) -> sympy.Expr:
