@@ -102,17 +102,9 @@ def mark_step_counter() -> int:
     return module.MarkStepBox.mark_step_counter
 
 
-class StorageRef:
-    """A weak reference to one storage (by its StorageImpl), cheap to test for liveness."""
-
-    __slots__ = ("cdata", "_free")
-
-    def __init__(self, storage: torch.UntypedStorage) -> None:
-        self.cdata = storage._weak_ref()
-        self._free = torch.UntypedStorage._free_weak_ref  # kept: torch may be gone at shutdown
-
-    def alive(self) -> bool:
-        return storage_use_count(self.cdata) > 0
-
-    def __del__(self) -> None:
-        self._free(self.cdata)
+def graph_replayer(graph: torch.cuda.CUDAGraph) -> Any:
+    """The C++ ``replay`` bound to ``graph`` (skips the Python wrapper) unless a tracker needs it."""
+    base = getattr(_C, "_CUDAGraph", None)
+    if base is not None and getattr(graph, "_tracker", None) is None:
+        return base.replay.__get__(graph)
+    return graph.replay

@@ -19,6 +19,8 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import threading
+from threading import get_ident
 from typing import Any, Callable
 
 import torch
@@ -31,6 +33,7 @@ from backend.runtime.node import GraphNode
 
 log = logging.getLogger("backend.runtime")
 _STATIC_MOVED, _LIVE, _PARENT = 1, 2, 3
+_record_lock = threading.RLock()
 
 
 class GraphFunction:
@@ -51,8 +54,10 @@ class GraphFunction:
 
     def forget(self) -> None:
         """Back to the state before the first call (``reset()``)."""
-        self.nodes: dict[Any, list[GraphNode]] = {}
-        self.warmed: set[Any] = set()
+        # nodes by tree manager, then by input shape key: a node belongs to one manager's pool
+        self.trees: dict[TreeManager, dict[Any, list[GraphNode]]] = {}
+        self._last: tuple[int, TreeManager, dict[Any, list[GraphNode]]] | None = None
+        self.warmed: set[tuple[TreeManager, Any]] = set()
         self.disabled: str | None = None
         self.rerecords = 0
         self.live_branches = 0
@@ -63,38 +68,49 @@ class GraphFunction:
     def __call__(self, args: list[Any]) -> Any:
         if self.disabled is not None:
             return self.call(args)
-        manager = self._manager()
+        last = self._last
+        if last is not None and last[0] == get_ident() and not last[1].closed and self.kind != "backward":
+            manager, by_key = last[1], last[2]
+        else:
+            manager, by_key = self._tree()
         live = manager.begin_call(self.kind)
         key = _shape_key(args) if self.dynamic else None
-        nodes = self.nodes.get(key)
+        nodes = by_key.get(key)
         if nodes is not None:
             for node in nodes:
                 if not node.fits(args, live):
                     manager.after_replay(node)
                     counters.bump("cudagraph_replayed")
                     return node.replay(args)
-        return self._no_node_fits(args, manager, key, nodes)
+        return self._no_node_fits(args, manager, by_key, key, nodes)
 
-    def _manager(self) -> TreeManager:
+    def _tree(self) -> tuple[TreeManager, dict[Any, list[GraphNode]]]:
+        """This call's manager (the forward's, for a backward) and this function's nodes in it."""
+        manager = None
         if self.kind == "backward":
             manager = getattr(self.ctx.pair, "cgtrees_manager", None)
-            if manager is not None and not manager.closed:
-                return manager
-            return self.managers.current(self.device)
-        manager = self.managers.current(self.device)
+            if manager is not None and manager.closed:
+                manager = None
+        if manager is None:
+            manager = self.managers.current(self.device)
         if self.kind == "forward" and self.ctx.pair is not None:
             self.ctx.pair.cgtrees_manager = manager
-        return manager
+        by_key = self.trees.get(manager)
+        if by_key is None:
+            by_key = self.trees[manager] = {}
+        self._last = (get_ident(), manager, by_key)
+        return manager, by_key
 
-    def _no_node_fits(self, args: list[Any], manager: TreeManager, key: Any,
-                      nodes: list[GraphNode] | None) -> Any:
-        if key not in self.warmed:
-            return self._warmup(args, key)
+    def _no_node_fits(self, args: list[Any], manager: TreeManager, by_key: dict[Any, list[GraphNode]],
+                      key: Any, nodes: list[GraphNode] | None) -> Any:
+        if (manager, key) not in self.warmed:  # per manager: each thread creates its own handles
+            return self._warmup(args, manager, key)
         if nodes is None:
-            if len(self.nodes) >= self.config.max_shapes_per_function:
-                return self._give_up(args, self._shape_warning(key))
-            nodes = self.nodes[key] = []
-            self.shape_keys.append(key)
+            if key not in self.shape_keys:
+                if len(self.shape_keys) >= self.config.max_shapes_per_function:
+                    return self._give_up(args, self._shape_warning(key))
+                self.shape_keys.append(key)
+            nodes = by_key[key] = []
         else:
             why = self._why_nodes_fail(args, manager, nodes)
             if why == _STATIC_MOVED:
@@ -126,20 +142,23 @@ class GraphFunction:
             return _STATIC_MOVED
         return _LIVE if any(node.fits(args, manager.live) == 2 for node in nodes) else _PARENT
 
-    def _warmup(self, args: list[Any], key: Any) -> Any:
-        self.warmed.add(key)
+    def _warmup(self, args: list[Any], manager: TreeManager, key: Any) -> Any:
+        self.warmed.add((manager, key))
         counters.bump("cudagraph_warmup")
         return self.call(args)
 
     def _record(self, args: list[Any], manager: TreeManager, key: Any, nodes: list[GraphNode]) -> Any:
-        live = manager.prepare_recording()
-        node = GraphNode(self, manager, manager.last_node, frozenset(e.key for e in live), self.copy_out)
-        node.key = key
-        try:
-            outs = node.record(self.call, args, self.static, self.mutated, {e.key[0] for e in live})
-        except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: run it eagerly
-            node.release()
-            return self._give_up(args, f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+        # One recording at a time in the process: a capture's device synchronize, empty_cache and
+        # cuBLAS workspace reset must not happen while another thread captures.
+        with _record_lock:
+            live = manager.prepare_recording()
+            node = GraphNode(self, manager, manager.last_node, frozenset(e.key for e in live), self.copy_out)
+            node.key = key
+            try:
+                outs = node.record(self.call, args, self.static, self.mutated, {e.key[0] for e in live})
+            except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: run it eagerly
+                node.release()
+                return self._give_up(args, f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
         nodes.append(node)
         manager.after_recording(node)
         counters.bump("cudagraph_recorded")
@@ -149,10 +168,12 @@ class GraphFunction:
     def _give_up(self, args: list[Any], reason: str) -> Any:
         self.disabled = reason
         skip(self.name, reason)
-        for nodes in self.nodes.values():
-            for node in nodes:
-                node.release()
-        self.nodes.clear()
+        for by_key in self.trees.values():
+            for nodes in by_key.values():
+                for node in nodes:
+                    node.release()
+        self.trees.clear()
+        self._last = None
         return self.call(args)
 
     def _shape_warning(self, key: Any) -> str:
@@ -165,8 +186,9 @@ class GraphFunction:
         return self.output_ops[index] if index < len(self.output_ops) else "an unknown op"
 
     def describe(self) -> str:
-        n = sum(len(v) for v in self.nodes.values())
-        state = f"no CUDA graphs: {self.disabled}" if self.disabled else f"{n} nodes, {len(self.nodes)} shapes"
+        n = sum(len(nodes) for by_key in self.trees.values() for nodes in by_key.values())
+        state = (f"no CUDA graphs: {self.disabled}" if self.disabled
+                 else f"{n} nodes in {len(self.trees)} trees, {len(self.shape_keys)} shapes")
         return f"function {self.name} ({self.kind}): {state}" + (" copy-out" if self.copy_out else "")
 
 

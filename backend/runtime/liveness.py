@@ -6,9 +6,10 @@ Invariants:
   tensor we returned, a view of it, autograd's saved tensors) keeps the storage alive.
 - A live output is never overwritten (R2): the node chooser replays a graph only if every live
   output is one that graph was recorded around (``GraphNode.protected``).
-- When a generation ends, each live output is either copied out of the pool in place (the tensors
-  a backward produced, so ``.grad`` survives, R4) or invalidated: its memory goes back to the pool
-  and every later access raises a RuntimeError that names the function, the op and the remedy (R1).
+- When a generation ends, what a backward produced stays live and protected (gradients survive,
+  R4); every other live output is invalidated: its memory goes back to the pool and every later
+  access raises a RuntimeError that names the function, the op and the remedy (R1).
+- ``reset()`` frees the pool: gradients we still hold are copied out in place, the rest invalidated.
 """
 
 from __future__ import annotations
@@ -25,17 +26,24 @@ if TYPE_CHECKING:
 
 
 class LiveOutput:
-    """One storage of pool memory that we handed out."""
+    """One storage of pool memory that we handed out, held by a weak reference to its StorageImpl."""
 
-    __slots__ = ("ref", "key", "node", "index", "tensors")
+    __slots__ = ("cdata", "key", "node", "index", "tensors", "_free")
 
-    def __init__(self, ref: compat.StorageRef, key: tuple[int, int], node: "GraphNode", index: int,
+    def __init__(self, storage: torch.UntypedStorage, key: tuple[int, int], node: "GraphNode", index: int,
                  tensors: list[weakref.ref] | None) -> None:
-        self.ref = ref
+        self.cdata = storage._weak_ref()
+        self._free = torch.UntypedStorage._free_weak_ref  # kept: torch may be gone at shutdown
         self.key = key  # (data pointer, bytes): what a node's ``protected`` set is made of
         self.node = node
         self.index = index  # the first output of ``node`` that lives in this storage
         self.tensors = tensors  # weak refs to the tensors a backward returned (R4), else None
+
+    def alive(self) -> bool:
+        return compat.storage_use_count(self.cdata) > 0
+
+    def __del__(self) -> None:
+        self._free(self.cdata)
 
 
 def overwritten_message(node: "GraphNode", index: int, why: str) -> str:
@@ -50,7 +58,7 @@ def copy_out_in_place(entry: LiveOutput) -> None:
     """Move each tensor a backward returned (typically a ``.grad``) out of the pool, in place."""
     for ref in entry.tensors or ():
         t = ref()
-        if t is None or t.requires_grad or t._is_view():
+        if t is None or t.requires_grad:
             continue
         with torch.no_grad():
             t.set_(t.clone())
@@ -58,24 +66,38 @@ def copy_out_in_place(entry: LiveOutput) -> None:
 
 def invalidate(entry: LiveOutput, why: str) -> None:
     """Give the storage's memory back to the pool; every later access raises our message."""
-    cdata = entry.ref.cdata
+    cdata = entry.cdata
     if compat.has_standard_deleter(cdata):
         compat.free_and_remove_deleter(cdata)  # a recording's output: the allocator owns the block
     compat.set_storage_error(cdata, overwritten_message(entry.node, entry.index, why))
 
 
-def end_generation(live: list[LiveOutput], why: str) -> int:
-    """Copy out what a backward produced, invalidate the rest; return how many were invalidated."""
-    n = 0
+def end_generation(live: list[LiveOutput], why: str) -> tuple[list[LiveOutput], int]:
+    """What a backward produced stays live and protected (R4: a ``.grad``, possibly a view that
+    autograd made of our output, keeps its memory; later nodes are recorded around it); the rest
+    is invalidated. Returns (what stays live, how many were invalidated)."""
+    kept, n = [], 0
     for entry in live:
-        if entry.tensors and entry.ref.alive():
+        if not entry.alive():
+            continue
+        if entry.tensors is not None:
+            kept.append(entry)
+            continue
+        invalidate(entry, why)
+        n += 1
+    return kept, n
+
+
+def release_all(live: list[LiveOutput], why: str) -> None:
+    """``reset()``: the pool goes away. Tensors a backward returned are copied out in place where
+    we still hold them; whatever still points into the pool after that is invalidated."""
+    for entry in live:
+        if entry.tensors and entry.alive():
             copy_out_in_place(entry)
-        if entry.ref.alive():
+        if entry.alive():
             invalidate(entry, why)
-            n += 1
-    return n
 
 
 def still_alive(live: list[Any]) -> list[Any]:
     use_count = compat.storage_use_count
-    return [e for e in live if use_count(e.ref.cdata) > 0]
+    return [e for e in live if use_count(e.cdata) > 0]

@@ -12,8 +12,9 @@ Invariants:
 - ``stale`` is True after a replay: the allocator does not know what the replay wrote, and the
   next recording must restore a checkpoint first. Right after a recording it is accurate.
 - Generations (R3) end at ``torch.compiler.cudagraph_mark_step_begin()`` and at the first forward
-  after a backward ran; then what a backward produced is copied out of the pool in place (R4) and
-  every other live output is invalidated (R1). In inference nothing needs ending: outputs that die
+  after a backward ran; then what a backward produced stays live and protected (R4: gradients
+  survive, and the next nodes are recorded around them) and every other live output is
+  invalidated (R1). In inference nothing needs ending: outputs that die
   free their memory, outputs that live are protected.
 - A backward runs under the manager of its forward (``ctx.pair``), not its own thread's.
 """
@@ -65,16 +66,16 @@ class TreeManager:
         if live:
             use_count = compat.storage_use_count
             for entry in live:
-                if use_count(entry.ref.cdata) == 0:
-                    live = self.live = [e for e in live if use_count(e.ref.cdata) > 0]
+                if use_count(entry.cdata) == 0:
+                    live = self.live = [e for e in live if use_count(e.cdata) > 0]
                     if not live:
                         self.generation += 1  # inference: every output of the last step died
                     break
         return live
 
     def end_generation(self, why: str) -> None:
-        live, self.live = self.live, []
-        self.invalidated += liveness.end_generation(live, why)
+        self.live, invalidated = liveness.end_generation(self.live, why)
+        self.invalidated += invalidated
         self.generation += 1
         self.backward_ran = False
 
@@ -89,7 +90,7 @@ class TreeManager:
         live = self.live = liveness.still_alive(self.live)
         if self.stale and self.last_node is not None:
             node = self.last_node
-            without_deleter = [e.ref.cdata for e in live if not compat.has_standard_deleter(e.ref.cdata)]
+            without_deleter = [e.cdata for e in live if not compat.has_standard_deleter(e.cdata)]
             compat.restore_checkpoint(self.device, node.checkpoint, without_deleter)
             live_ptrs = {e.key[0] for e in live}
             for ptr in node.checkpoint_ptrs:
@@ -106,7 +107,8 @@ class TreeManager:
     # ------------------------------------------------------------ reset / describe
     def close(self) -> None:
         """Invalidate what is live (copying out gradients), drop every graph (the pool goes with them)."""
-        self.end_generation("cgtrees reset()")
+        live, self.live = self.live, []
+        liveness.release_all(live, "cgtrees reset()")
         for node in self.nodes:
             node.release()
         self.nodes.clear()

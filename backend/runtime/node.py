@@ -18,7 +18,6 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -33,8 +32,6 @@ if TYPE_CHECKING:
 
 _POOL, _INPUT, _CONST = 0, 1, 2
 _ids = itertools.count()
-# One capture at a time in the process: a capture's synchronize/empty_cache must not meet another's.
-_capture_lock = threading.Lock()
 
 
 def _meta(t: torch.Tensor) -> dict[str, Any]:
@@ -140,12 +137,13 @@ class GraphNode:
         if compat.clear_cublas_workspaces is not None:
             compat.clear_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
-        with _capture_lock, torch.cuda.device(manager.device), torch.cuda.graph(
+        with torch.cuda.device(manager.device), torch.cuda.graph(
                 graph, pool=manager.pool, stream=manager.stream, capture_error_mode="thread_local"):
             outs = call(capture_args)
         if compat.clear_cublas_workspaces is not None:
             compat.clear_cublas_workspaces()
         self.graph = graph
+        self.graph_replay = compat.graph_replayer(graph)
         self.returns_list = isinstance(outs, (list, tuple))
         return list(outs) if self.returns_list else [outs]
 
@@ -214,7 +212,7 @@ class GraphNode:
             self.single_slot.copy_(args[self.single_index])
         elif self.copy_dst:
             self._copy_in(args)
-        self.graph.replay()
+        self.graph_replay()
         if self.write_back:
             self._write_back(args)
         self.replays += 1
@@ -253,7 +251,7 @@ class GraphNode:
             if backward:
                 tensors = [weakref.ref(o) for o, (kind, si, _) in zip(outs, self.out_plan)
                            if kind == _POOL and si == s]
-            live.append(LiveOutput(compat.StorageRef(storage), key, self, j, tensors))
+            live.append(LiveOutput(storage, key, self, j, tensors))
 
     # ---------------------------------------------------------------- introspection
     def output_op(self, index: int) -> str:
@@ -267,7 +265,7 @@ class GraphNode:
                 f"protected={len(self.protected)}" + (" copy-out" if self.copy_out else ""))
 
     def release(self) -> None:
-        self.graph = None
+        self.graph = self.graph_replay = None
         self.checkpoint = None
         self.slots = self.copy_dst = []
         self.single_slot = None

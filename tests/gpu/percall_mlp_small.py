@@ -60,6 +60,24 @@ def per_call_us(fn, x: torch.Tensor, calls: int = 2000, windows: int = 7) -> flo
     return statistics.median(times)
 
 
+def profile(model: nn.Module, x: torch.Tensor) -> None:
+    """Where the host time of one cgtrees call goes (cProfile over many calls, by own time)."""
+    import cProfile
+    import pstats
+
+    ours = torch.compile(model, backend="cgtrees")
+    with torch.no_grad():
+        for _ in range(20):
+            ours(x)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(1000):
+            ours(x)
+        prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+    torch._dynamo.reset()
+
+
 def main() -> None:
     os.environ.setdefault("CGTREES_CACHE", "0")
     if "--codegen" not in sys.argv:  # measure the runtime on aten kernel modules (as raw_graph does)
@@ -82,6 +100,8 @@ def main() -> None:
     with torch.no_grad():
         eager = per_call_us(model, x, calls=500)
     results["eager"] = eager
+    if "--profile" in sys.argv:
+        profile(model, x)
     for name, us in results.items():
         print(f"percall mlp_small {name:11s} {us:8.1f} us")
     print(f"percall ratio cgtrees/raw_graph = {results['cgtrees'] / results['raw_graph']:.2f} (target <= 1.25)")

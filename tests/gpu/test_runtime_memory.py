@@ -21,34 +21,6 @@ def cg(fn, **kw):
     return torch.compile(fn, backend="cgtrees", **kw)
 
 
-def test_two_threads_two_trees():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(DEV)
-    f = cg(model)
-    with torch.no_grad():
-        f(torch.randn(8, 32, device=DEV))  # compile once, on this thread
-    errors: list[BaseException] = []
-
-    def work(seed: int) -> None:
-        try:
-            g = torch.Generator(device=DEV).manual_seed(seed)
-            with torch.no_grad():
-                for _ in range(8):
-                    x = torch.randn(8, 32, device=DEV, generator=g)
-                    torch.testing.assert_close(f(x), model(x))
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(s,)) for s in (1, 2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    assert len(runtime._managers.all()) >= 2, runtime.describe()
-    assert counters["cgtrees"]["cudagraph_replayed"] >= 4
-
-
 def test_reset_frees_the_pool():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256)).to(DEV)
@@ -91,3 +63,31 @@ def test_describe_shows_trees():
     text = runtime.describe()
     for word in ("tree cuda:", "generation=", "node ", "pool_bytes=", "live_outputs=", "_inference"):
         assert word in text, text
+
+
+def test_two_threads_two_trees():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(DEV)
+    f = cg(model)
+    with torch.no_grad():
+        f(torch.randn(8, 32, device=DEV))  # compile once, on this thread
+    errors: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        try:
+            g = torch.Generator(device=DEV).manual_seed(seed)
+            with torch.no_grad():
+                for _ in range(8):
+                    x = torch.randn(8, 32, device=DEV, generator=g)
+                    torch.testing.assert_close(f(x), model(x))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(runtime._managers.all()) >= 2, runtime.describe()
+    assert counters["cgtrees"]["cudagraph_replayed"] >= 4, runtime.describe()
