@@ -8,9 +8,11 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from codegen_helpers import Compiler, compile_fn, config, kernel_count, run
+from codegen_helpers import INTERPRET, Compiler, compile_fn, config, kernel_count, run
 
 from backend import codegen
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 
 
 def close(a, b, **kw):
@@ -136,11 +138,11 @@ def test_debug_dir_keeps_every_module(tmp_path):
 
 
 def test_compile_error_switches_to_aten(caplog):
+    from backend.context import GraphContext
+
     x = torch.randn(4, 4)
     m = compile_fn(lambda x: x.exp() + 1, x)
     broken = m.source.replace("tl.exp(", "tl.no_such_function(")
-    ctx = codegen.GraphContext(config(), "inference", "broken") if hasattr(codegen, "GraphContext") else None
-    from backend.context import GraphContext
 
     ctx = GraphContext(config(), "inference", "broken")
     bad = codegen.load(broken, ctx)
@@ -164,3 +166,113 @@ def test_dtypes(dtype):
     m = compile_fn(f, x)
     for a, b in zip(run(m, x), f(x)):
         close(a, b, atol=1e-2, rtol=1e-2)
+
+
+def test_end_to_end_through_the_driver(cgtrees_counters):
+    """``torch.compile(m, backend="cgtrees")`` with the interpreter: forward and backward generated."""
+    from models import NormAct
+
+    torch.manual_seed(0)
+    model = NormAct(64)
+    cm = torch.compile(model, backend="cgtrees", options={"interpret": True, "cache": False})
+    x = torch.randn(8, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y = cm(x)
+    y.sum().backward()
+    ref = model(x2)
+    ref.sum().backward()
+    close(y, ref, atol=1e-5, rtol=1e-5)
+    close(x.grad, x2.grad, atol=1e-5, rtol=1e-4)
+    assert cgtrees_counters["kernels_generated"] >= 2
+    assert cgtrees_counters["graph_fallbacks"] == 0
+
+
+def test_gpt_block_forward_backward():
+    from models import GPTBlock
+
+    torch.manual_seed(0)
+    model = GPTBlock()
+    comp = Compiler()
+    cm = torch.compile(model, backend=comp.backend)
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y = cm(x)
+    y.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = model(x2)
+    ref.sum().backward()
+    comp.check()
+    close(y, ref, atol=1e-5, rtol=1e-5)
+    close(x.grad, x2.grad, atol=1e-4, rtol=1e-4)
+    for g, p in zip(grads, model.parameters()):
+        close(g, p.grad, atol=1e-4, rtol=1e-4)
+    fw = comp.modules[0].source
+    assert fw.count("def red_layernorm_") == 2 and fw.count("def red_softmax_") == 1
+
+
+def test_buffers_are_reused():
+    def f(x, w):
+        a = torch.relu(x @ w)
+        b = torch.sigmoid(a @ w) * 2
+        c = torch.tanh(b @ w) + 1
+        return c @ w
+
+    x, w = torch.randn(32, 32), torch.randn(32, 32)
+    m = compile_fn(f, x, w)
+    assert "# reuses " in m.source, m.source
+    close(run(m, x, w)[0], f(x, w), atol=1e-4, rtol=1e-4)
+
+
+def test_edge_cases_zero_size_broadcast_noncontiguous():
+    x = torch.randn(7, 0, 5)
+    m = compile_fn(lambda x: (x * 2, x.sum(1), torch.softmax(x, 1)), x)
+    for a, b in zip(run(m, x), (x * 2, x.sum(1), torch.softmax(x, 1))):
+        close(a, b)
+    base = torch.randn(64, 48)
+    y = base.t()[::2]  # non-contiguous, strided view input
+    f = lambda y: (y.exp() + y.sum(-1, keepdim=True), y.t() * 3)
+    m = compile_fn(f, y)
+    for a, b in zip(run(m, y), f(y)):
+        close(a, b, atol=1e-5, rtol=1e-5)
+        assert a.stride() == b.stride()
+    z = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0])
+    g = lambda z: (z * 2, z.amax(), torch.softmax(z, 0), z.clamp(0, 1))
+    m = compile_fn(g, z)
+    for a, b in zip(run(m, z), g(z)):
+        close(a, b, equal_nan=True)
+
+
+def test_golden_pointwise_module():
+    """The text of a small generated module (versions normalised), so every change reads as a diff."""
+    import re
+
+    x = torch.randn(16, 8)
+    m = compile_fn(lambda x: torch.sigmoid(x) * x + 1, x, name="golden")
+    source = re.sub(r"# versions: .*", "# versions: <torch>, <triton>", m.source)
+    source = re.sub(r"[0-9a-f]{24}", "<hash>", source)
+    kernel = source[source.index("@triton.jit"):source.index("def call_aten")]
+    self_ = __import__("expecttest").TestCase()
+    self_.assertExpectedInline(kernel, """\
+@triton.jit
+def pw_fused_sigmoid_mul_add_0(x_1_ptr, add_ptr, xnumel, XBLOCK: tl.constexpr):
+    xoffset = tl.program_id(0) * XBLOCK
+    xindex = xoffset + tl.arange(0, XBLOCK)
+    xmask = xindex < xnumel
+    x0 = xindex
+    tmp0 = tl.load(x_1_ptr + (x0), xmask, other=0)
+    tmp1 = tl.sigmoid(tmp0)
+    tmp2 = tmp1 * tmp0
+    tmp3 = tmp2 + 1.0
+    tl.store(add_ptr + (x0), tl.broadcast_to(tmp3, [XBLOCK]), xmask)
+
+
+def call(args):
+    x_1, = args
+    args.clear()
+    add = torch.empty_strided((16, 8), (8, 1), dtype=torch.float32, device=DEVICE)
+    pw_fused_sigmoid_mul_add_0[(1,)](x_1, add, 128, XBLOCK=128, num_warps=1)
+    del x_1
+    return (add,)
+
+""")

@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from codegen_helpers import compile_fn, run
+from codegen_helpers import INTERPRET, compile_fn, run
 from torch.testing._internal.common_methods_invocations import op_db
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: the sweep runs compiled in tests/gpu")
 
 OPS = {
     # pointwise
@@ -55,8 +57,13 @@ def _tolerance(dtype: torch.dtype) -> dict:
 
 @pytest.mark.parametrize("op,dtype", list(_cases()))
 def test_opinfo(op, dtype):
+    check_sample(op, dtype, "cpu")
+
+
+def check_sample(op, dtype: torch.dtype, device: str) -> None:
+    """One OpInfo sample through codegen, against eager."""
     torch.manual_seed(0)
-    samples = list(op.sample_inputs("cpu", dtype, requires_grad=False))
+    samples = list(op.sample_inputs(device, dtype, requires_grad=False))
     if not samples:
         pytest.skip("no sample")
     sample = samples[min(1, len(samples) - 1)]  # the first is often a 0-d tensor; the second is more typical
