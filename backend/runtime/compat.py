@@ -108,3 +108,16 @@ def graph_replayer(graph: torch.cuda.CUDAGraph) -> Any:
     if base is not None and getattr(graph, "_tracker", None) is None:
         return base.replay.__get__(graph)
     return graph.replay
+
+
+def recover_generator(device: int) -> None:
+    """After a failed capture, give the default CUDA generator a fresh state that is not capturing.
+
+    A capture that fails ends without the generator's capture epilogue, and every later random op
+    would then raise "Offset increment outside graph capture". A cloned state keeps seed and offset.
+    """
+    try:
+        gen = torch.cuda.default_generators[device]
+        gen.graphsafe_set_state(gen.clone_state())
+    except Exception:  # noqa: BLE001 - best effort: older builds lack graph-safe states
+        pass

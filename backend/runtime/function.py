@@ -28,6 +28,7 @@ import torch
 from backend import counters
 from backend.context import GraphContext
 from backend.logs import log_once
+from backend.runtime import compat
 from backend.runtime.manager import Managers, TreeManager
 from backend.runtime.node import GraphNode
 
@@ -158,6 +159,7 @@ class GraphFunction:
                 outs = node.record(self.call, args, self.static, self.mutated, {e.key[0] for e in live})
             except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: run it eagerly
                 node.release()
+                compat.recover_generator(manager.device)
                 return self._give_up(args, f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
         nodes.append(node)
         manager.after_recording(node)

@@ -129,6 +129,20 @@ def test_kept_outputs_stay_right_and_bounded():
     assert stat("cudagraph_recorded") <= 8, runtime.describe()
 
 
+def test_loop_variable_keeps_last_output_alive():
+    """``y = f(x)`` in a loop: the previous y is alive during each call; replays must settle."""
+    model = mlp()
+    f = cg(model)
+    y = None
+    with torch.no_grad():
+        for _ in range(16):
+            x = torch.randn(16, 32, device=DEV)
+            y = f(x)
+            torch.testing.assert_close(y, model(x))
+    assert stat("cudagraph_recorded") <= 6, runtime.describe()
+    assert stat("cudagraph_replayed") >= 8, runtime.describe()
+
+
 def test_mutated_nonstatic_input():
     def fn(x):
         x.add_(1)
@@ -243,3 +257,24 @@ def test_uncapturable_op_skipped():
         for _ in range(3):
             x = torch.randn(100, device=DEV)
             torch.testing.assert_close(f(x), x[x > 0].sum())
+
+
+def test_capture_failure_runs_eagerly_and_leaves_rng_working():
+    from backend.config import Config
+    from backend.context import GraphContext
+
+    def call(args):
+        x = args[0]
+        args.clear()
+        y = x * 2
+        torch.cuda.current_stream().synchronize()  # not allowed while capturing
+        return [y]
+
+    x = torch.randn(8, device=DEV)
+    ctx = GraphContext(config=Config.resolve(), kind="inference", name="sync_inside")
+    fn = runtime.wrap(call, [x], ctx)
+    for _ in range(3):
+        torch.testing.assert_close(fn([x])[0], x * 2)
+    assert stat("cudagraph_skips") == 1
+    assert "capture failed" in runtime.describe()
+    torch.randn(4, device=DEV)  # the default generator is not left capturing
