@@ -120,7 +120,8 @@ def _check_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> No
 
 def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap: Wrap) -> Callable[..., Any]:
     plan, parts = payload["plan"], payload["parts"]
-    calls = {kind: _load_part(part, kind, config, name, pair, wrap) for kind, part in parts.items()}
+    mode = compat.fake_mode()  # one for all parts: making one costs more than the tensors
+    calls = {kind: _load_part(part, kind, config, pair, wrap, mode) for kind, part in parts.items()}
     if set(calls) == {"inference"}:
         return wrappers.inference_function(calls["inference"], plan)
     if set(calls) == {"forward", "backward"}:
@@ -128,15 +129,15 @@ def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap:
     raise CorruptEntry(f"entry holds graphs {sorted(calls)}")
 
 
-def _load_part(part: dict[str, Any], kind: str, config: Config, name: str, pair: Any,
-               wrap: Wrap) -> Callable[[list[Any]], Any]:
+def _load_part(part: dict[str, Any], kind: str, config: Config, pair: Any, wrap: Wrap,
+               mode: Any) -> Callable[[list[Any]], Any]:
     ctx = GraphContext(config=config, kind=kind, name=part["name"],
                        static_input_indices=tuple(part["static_inputs"]),
                        mutated_input_indices=tuple(part["mutated_inputs"]), pair=pair)
     module = modules.load_record(part["module"], ctx)
     if not part["wrapped"]:
         return module.call
-    return wrap(module, compat.fake_tensors(part["inputs"]), ctx)
+    return wrap(module, compat.fake_tensors(part["inputs"], mode), ctx)
 
 
 class Recorder:

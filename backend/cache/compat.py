@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import torch
 
 __all__ = [
-    "Uncacheable", "fw_metadata", "runtime_plan", "fake_tensors", "storage_id",
+    "Uncacheable", "fw_metadata", "runtime_plan", "fake_mode", "fake_tensors", "storage_id",
     "increment_version", "view_replay", "saved_tensors_hooks_inlined", "autocast_enabled",
 ]
 
@@ -116,12 +116,16 @@ def runtime_plan(meta: Any, kind: str) -> dict[str, Any]:
     return plan
 
 
-def fake_tensors(specs: Iterable[dict[str, Any]]) -> list[torch.Tensor]:
-    """Stand-ins for a graph's example inputs on a cache hit (what AOTAutograd would pass)."""
+def fake_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_tensors(specs: Iterable[dict[str, Any]], mode: Any) -> list[torch.Tensor]:
+    """Stand-ins for a graph's example inputs on a cache hit (what AOTAutograd would pass)."""
     out = []
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with mode:
         for s in specs:
             out.append(torch.empty_strided(s["size"], s["stride"], dtype=getattr(torch, s["dtype"]),
                                            device=torch.device(s["device"])))

@@ -1,6 +1,8 @@
 """Counting and explaining what the cache did (``cache_hit``, ``cache_miss``, ``cache_bypass``,
 ``cache_corrupt``). A bypass is a warning: one uncacheable graph makes a warm start nearly as slow
-as a cold one, so it must be visible."""
+as a cold one, so it must be visible.
+
+Each event also counts per level (``cache_hit_aot``, ``cache_miss_module``, ...)."""
 
 from __future__ import annotations
 
@@ -14,23 +16,28 @@ log = logging.getLogger("backend.cache")
 
 
 def hit(level: str, name: str) -> None:
-    counters.bump("cache_hit")
+    _count("hit", level)
     log.debug("cgtrees: cache hit (%s) for %s", level, name)
 
 
 def miss(level: str, name: str, explain: Callable[[], str] | None = None) -> None:
     """``explain`` says why (it reads other entries, so it runs only when debug logging is on)."""
-    counters.bump("cache_miss")
+    _count("miss", level)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("cgtrees: cache miss (%s) for %s%s", level, name, f": {explain()}" if explain else "")
 
 
 def bypass(level: str, name: str, reason: str) -> None:
-    counters.bump("cache_bypass")
+    _count("bypass", level)
     log_once(log, f"bypass:{level}:{name}:{reason}", "cgtrees: %s bypasses the %s cache level: %s",
              name, level, reason)
 
 
 def corrupt(level: str, name: str, why: str) -> None:
-    counters.bump("cache_corrupt")
+    _count("corrupt", level)
     log.warning("cgtrees: bad %s cache entry for %s (%s): removed, recompiling", level, name, why)
+
+
+def _count(event: str, level: str) -> None:
+    counters.bump(f"cache_{event}")
+    counters.bump(f"cache_{event}_{level}")

@@ -104,9 +104,7 @@ class Store:
             data = path.read_bytes()
         except FileNotFoundError:
             return None
-        payload = decode(data)
-        if payload.get("digest") != digest or payload.get("level") != level:
-            raise CorruptEntry("entry belongs to another key")
+        payload = decode(data, level, digest)
         try:
             os.utime(path)  # least recently used = oldest mtime
         except OSError:
@@ -118,9 +116,7 @@ class Store:
         path = self.path(level, digest)
         try:
             with self.lock(digest):
-                try:
-                    decode(path.read_bytes())
-                except CorruptEntry:
+                if not _is_good(path, level, digest):
                     path.unlink(missing_ok=True)
         except (OSError, Timeout) as exc:
             log.warning("cgtrees: could not remove bad cache entry %s: %s", path, exc)
@@ -133,7 +129,7 @@ class Store:
         data = encode({**payload, "level": level, "digest": digest})
         try:
             with self.lock(digest):
-                if _is_good(path):
+                if _is_good(path, level, digest):
                     return True
                 _atomic_write(path, data)
         except (OSError, Timeout) as exc:
@@ -199,7 +195,8 @@ def encode(payload: dict[str, Any]) -> bytes:
     return header + b"\n" + body
 
 
-def decode(data: bytes) -> dict[str, Any]:
+def decode(data: bytes, level: str | None = None, digest: str | None = None) -> dict[str, Any]:
+    """The payload of an entry; with ``level`` and ``digest``, also check it is that entry's."""
     header, sep, body = data.partition(b"\n")
     parts = header.split(b" ")
     if not sep or len(parts) != 3 or parts[0] != MAGIC:
@@ -219,12 +216,14 @@ def decode(data: bytes) -> dict[str, Any]:
         raise CorruptEntry(f"bad payload ({exc})") from None
     if not isinstance(payload, dict):
         raise CorruptEntry("bad payload")
+    if digest is not None and (payload.get("digest"), payload.get("level")) != (digest, level):
+        raise CorruptEntry("entry belongs to another key")
     return payload
 
 
-def _is_good(path: Path) -> bool:
+def _is_good(path: Path, level: str, digest: str) -> bool:
     try:
-        decode(path.read_bytes())
+        decode(path.read_bytes(), level, digest)
     except (OSError, CorruptEntry):
         return False
     return True

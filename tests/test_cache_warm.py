@@ -1,0 +1,301 @@
+"""The persistent cache across processes: warm start, bad entries, unsafe or unwritable
+directories, concurrent writers, and the off switch. Each case runs fresh Python processes (the
+worker below) against a private cache directory, importing a snapshot of the backend taken once
+per session: the key hashes our source, and a tree being edited would make every run a miss."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SNAPSHOT: list[Path] = []
+
+WORKER = r'''
+import errno, json, os, sys, tempfile, time
+import torch
+
+args = json.loads(sys.argv[1])
+if args.get("torch_version"):
+    torch.__version__ = args["torch_version"]
+if args.get("fail"):  # disk full / read-only directory, simulated (tests run as root)
+    code = {"full": errno.ENOSPC, "readonly": errno.EROFS}[args["fail"]]
+    def fail(*a, **k):
+        raise OSError(code, os.strerror(code))
+    if args["fail"] == "full":
+        os.fsync = fail
+    else:
+        tempfile.mkstemp = fail
+
+import backend.aot.compat as aot_compat
+import backend.aot.driver as driver
+from backend import counters
+
+calls = {"aot": 0, "partition": 0}
+real_aot, real_partition = aot_compat.aot_module_simplified, driver.partition
+def counting_aot(*a, **k):
+    calls["aot"] += 1
+    return real_aot(*a, **k)
+def counting_partition(*a, **k):
+    calls["partition"] += 1
+    return real_partition(*a, **k)
+aot_compat.aot_module_simplified, driver.partition = counting_aot, counting_partition
+
+torch.manual_seed(0)
+if args["model"] == "demo":
+    from backend.demo import DemoBlock
+    model, x = DemoBlock(128, 4), torch.randn(4, 64, 128)
+else:
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8))
+    x = torch.randn(8, 16)
+compiled = torch.compile(model, backend="cgtrees", options=args.get("options") or None)
+
+start = time.perf_counter()
+out = compiled(x)
+first_output_s = time.perf_counter() - start
+out.square().mean().backward()
+first_step_s = time.perf_counter() - start
+with torch.no_grad():
+    start = time.perf_counter()
+    inference = compiled(x)
+    inference_s = time.perf_counter() - start
+grads = [p.grad.clone() for p in model.parameters()]
+model.zero_grad(set_to_none=True)
+eager_out = model(x)
+eager_out.square().mean().backward()
+error_vs_eager = max([(out - eager_out).abs().max().item(), (inference - eager_out).abs().max().item()]
+                     + [(g - p.grad).abs().max().item() for g, p in zip(grads, model.parameters())])
+for p, g in zip(model.parameters(), grads):
+    p.grad = g
+if args.get("save"):
+    torch.save({"out": out.detach(), "grads": [p.grad for p in model.parameters()], "inference": inference},
+               args["save"])
+c = counters.snapshot()
+keys = [f"cache_{e}{level}" for e in ("hit", "miss", "bypass", "corrupt") for level in ("", "_aot", "_module")]
+print(json.dumps({"counters": {k: c.get(k, 0) for k in keys}, "calls": calls,
+                  "error_vs_eager": error_vs_eager, "first_output_s": first_output_s,
+                  "first_step_s": first_step_s, "inference_s": inference_s}))
+'''
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _snapshot(tmp_path_factory):
+    root = tmp_path_factory.mktemp("snapshot")
+    shutil.copytree(ROOT / "backend", root / "backend", ignore=shutil.ignore_patterns("__pycache__"))
+    SNAPSHOT[:] = [root]
+    yield
+    SNAPSHOT.clear()
+
+
+def _env(cache_dir: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
+    env.update(CGTREES_CACHE_DIR=str(cache_dir), PYTHONPATH=str(SNAPSHOT[0]), **extra)
+    return env
+
+
+def _start(tmp_path: Path, cache_dir: Path, model: str = "mlp", env: dict[str, str] | None = None,
+           **args) -> subprocess.Popen:
+    script = tmp_path / "worker.py"
+    if not script.exists():
+        script.write_text(WORKER)
+    return subprocess.Popen([sys.executable, str(script), json.dumps({"model": model, **args})],
+                            env=env or _env(cache_dir), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    result = json.loads(out.strip().splitlines()[-1])
+    result["stderr"] = err
+    return result
+
+
+def _run(tmp_path: Path, cache_dir: Path, **kw) -> dict:
+    return _finish(_start(tmp_path, cache_dir, **kw))
+
+
+def _entries(cache_dir: Path, level: str = "aot") -> list[Path]:
+    return sorted((cache_dir / "v1" / level).glob("*.entry"))
+
+
+def _same_results(a: Path, b: Path) -> None:
+    ra, rb = torch.load(a), torch.load(b)
+    assert torch.equal(ra["out"], rb["out"])
+    assert torch.equal(ra["inference"], rb["inference"])
+    for ga, gb in zip(ra["grads"], rb["grads"]):
+        assert torch.equal(ga, gb)
+
+
+@pytest.fixture(scope="module")
+def _cold_once(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cold")
+    cache_dir = root / "cache"
+    result = _run(root, cache_dir, save=str(root / "cold.pt"))
+    assert result["counters"]["cache_miss_aot"] == 2  # one training graph, one inference graph
+    assert len(_entries(cache_dir)) == 2
+    return root
+
+
+@pytest.fixture
+def cold(tmp_path, _cold_once):
+    """A copy of a cache filled by one cold run of the small model, and that run's results."""
+    shutil.copytree(_cold_once / "cache", tmp_path / "cache")
+    return tmp_path / "cache", _cold_once / "cold.pt"
+
+
+def _codegen_ready() -> bool:
+    from backend import codegen
+
+    return hasattr(codegen, "generate") and hasattr(codegen, "load")
+
+
+def test_warm_start_skips_aot_and_is_fast(tmp_path):
+    """A second process hits both graphs, traces nothing through AOTAutograd, gets the same
+    numbers, and its first training step takes at most 30% of the first process's (aten mode:
+    in interpret mode both are dominated by running the interpreted kernels). The warm start is
+    nearly all Dynamo's own tracing, so on a busy 2-core machine the figure is near the bound:
+    a pair over it is measured once more before the test fails."""
+    ratio = _warm_cold_pair(tmp_path / "try0")
+    if ratio > 0.30:
+        ratio = min(ratio, _warm_cold_pair(tmp_path / "try1"))
+    assert ratio <= 0.30
+
+
+def _warm_cold_pair(tmp_path: Path) -> float:
+    tmp_path.mkdir()
+    cache_dir = tmp_path / "cache"
+    first = _run(tmp_path, cache_dir, model="demo", save=str(tmp_path / "cold.pt"))
+    second = _run(tmp_path, cache_dir, model="demo", save=str(tmp_path / "warm.pt"))
+    assert first["calls"]["aot"] == 2 and first["calls"]["partition"] == 1
+    assert second["counters"]["cache_hit_aot"] == 2, second
+    assert second["counters"]["cache_miss"] == 0 and second["counters"]["cache_corrupt"] == 0
+    assert second["calls"] == {"aot": 0, "partition": 0}  # no AOT tracing, no partitioning
+    _same_results(tmp_path / "cold.pt", tmp_path / "warm.pt")
+    ratio = second["first_step_s"] / first["first_step_s"]
+    print(f"DemoBlock first training step: cold {first['first_step_s']:.2f} s, warm "
+          f"{second['first_step_s']:.2f} s, ratio {ratio:.2f}; first output cold "
+          f"{first['first_output_s']:.2f} s, warm {second['first_output_s']:.2f} s")
+    return ratio
+
+
+@pytest.mark.skipif(not _codegen_ready(), reason="codegen has no generate()/load() yet")
+def test_warm_start_with_triton_kernels_through_the_interpreter(tmp_path):
+    cache_dir = tmp_path / "cache"
+    env = _env(cache_dir, CGTREES_INTERPRET="1")
+    first = _run(tmp_path, cache_dir, env=env, save=str(tmp_path / "cold.pt"))
+    assert first["counters"]["cache_miss_aot"] == 2 and first["counters"]["cache_miss_module"] == 3
+    assert len(_entries(cache_dir, "module")) == 3
+    second = _run(tmp_path, cache_dir, env=env, save=str(tmp_path / "warm.pt"))
+    assert second["counters"]["cache_hit_aot"] == 2 and second["counters"]["cache_miss"] == 0, second
+    assert second["calls"] == {"aot": 0, "partition": 0}
+    _same_results(tmp_path / "cold.pt", tmp_path / "warm.pt")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbled", "checksum", "foreign"])
+def test_bad_entry_is_corrupt_removed_and_recompiled(tmp_path, cold, damage):
+    cache_dir, cold_results = cold
+    entries = _entries(cache_dir)
+    target = entries[0]
+    data = target.read_bytes()
+    if damage == "truncated":
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "empty":
+        target.write_bytes(b"")
+    elif damage == "garbled":
+        target.write_bytes(bytes(reversed(data)))
+    elif damage == "checksum":  # same length, one payload byte changed
+        i = data.index(b'"source"') + 2
+        target.write_bytes(data[:i] + bytes([data[i] ^ 1]) + data[i + 1:])
+    else:  # a good entry of another key under this key's name
+        target.write_bytes(entries[1].read_bytes())
+    result = _run(tmp_path, cache_dir, save=str(tmp_path / "again.pt"))
+    assert result["counters"]["cache_corrupt_aot"] == 1, result
+    assert result["counters"]["cache_hit_aot"] == 1  # the other graph's entry is fine
+    _same_results(cold_results, tmp_path / "again.pt")
+    # Recompiled and rewritten as a good entry.
+    from backend.cache.store import decode
+
+    assert "parts" in decode(target.read_bytes(), "aot", target.stem)
+
+
+def test_other_torch_version_is_a_miss_never_loaded(tmp_path, cold):
+    cache_dir, cold_results = cold
+    result = _run(tmp_path, cache_dir, torch_version="2.0.0+other", save=str(tmp_path / "other.pt"))
+    assert result["counters"]["cache_hit"] == 0 and result["counters"]["cache_miss_aot"] == 2
+    assert result["counters"]["cache_corrupt"] == 0
+    assert result["calls"]["aot"] == 2
+    _same_results(cold_results, tmp_path / "other.pt")
+    assert len(_entries(cache_dir)) == 4  # its own entries, beside the first version's
+
+
+@pytest.mark.parametrize("unsafe", ["group_writable", "other_owner"])
+def test_unsafe_directory_is_never_loaded(tmp_path, cold, unsafe):
+    cache_dir, cold_results = cold
+    if unsafe == "group_writable":
+        os.chmod(cache_dir / "v1", 0o770)
+    else:
+        os.chown(cache_dir / "v1", os.getuid() + 4242, -1)
+    result = _run(tmp_path, cache_dir, save=str(tmp_path / "unsafe.pt"))
+    assert result["counters"]["cache_hit"] == 0 and result["calls"]["aot"] == 2
+    assert "cache disabled" in result["stderr"]
+    _same_results(cold_results, tmp_path / "unsafe.pt")
+
+
+@pytest.mark.parametrize("fail", ["full", "readonly"])
+def test_unwritable_cache_compiles_uncached(tmp_path, fail):
+    cache_dir = tmp_path / "cache"
+    result = _run(tmp_path, cache_dir, fail=fail, save=str(tmp_path / "a.pt"))
+    assert "could not write cache entry" in result["stderr"]
+    assert _entries(cache_dir) == []
+    assert not list((cache_dir / "v1" / "aot").glob(".tmp-*"))  # no temp file left behind
+    assert result["error_vs_eager"] < 1e-5
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_concurrent_cold_processes_leave_one_entry_per_graph(tmp_path, n):
+    cache_dir = tmp_path / "cache"
+    procs = [_start(tmp_path, cache_dir, save=str(tmp_path / f"r{i}.pt")) for i in range(n)]
+    results = [_finish(p) for p in procs]
+    assert all(r["counters"]["cache_corrupt"] == 0 for r in results)
+    for i in range(1, n):
+        _same_results(tmp_path / "r0.pt", tmp_path / f"r{i}.pt")
+    entries = _entries(cache_dir)
+    assert len(entries) == 2
+    from backend.cache.store import decode
+
+    assert all("parts" in decode(e.read_bytes()) for e in entries)
+    assert not list((cache_dir / "v1" / "aot").glob(".tmp-*"))
+
+
+def test_cache_off_by_option_and_env(tmp_path):
+    cache_dir = tmp_path / "cache"
+    result = _run(tmp_path, cache_dir, options={"cache": False})
+    assert not any(result["counters"].values()), result["counters"]
+    result = _run(tmp_path, cache_dir, env=_env(cache_dir, CGTREES_CACHE="0"))
+    assert result["counters"]["cache_miss"] == 0 and result["counters"]["cache_hit"] == 0
+    assert _entries(cache_dir) == []
+
+
+def test_cli_info_and_clear(tmp_path, cold):
+    cache_dir, _ = cold
+
+    def cli(action: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "backend", "cache", action], env=_env(cache_dir),
+                              capture_output=True, text=True, timeout=120, cwd=SNAPSHOT[0])
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    info = cli("info")
+    assert f"location: {cache_dir / 'v1'}" in info
+    n = len(_entries(cache_dir)) + len(_entries(cache_dir, "module"))
+    assert f"entries: {n} (2 AOT results" in info and "cache_hit=0" in info
+    assert f"removed {n} entries" in cli("clear")
+    assert "entries: 0" in cli("info")
