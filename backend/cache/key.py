@@ -46,7 +46,7 @@ class CacheKey:
 
     def diff(self, other: "CacheKey | dict[str, Any]") -> list[str]:
         """The fields that differ, each with a short account of how."""
-        theirs = other if isinstance(other, dict) else other.as_dict()
+        theirs = _jsonable(other if isinstance(other, dict) else other.as_dict())
         out = []
         for name, mine in _jsonable(self.as_dict()).items():
             if theirs.get(name) != mine:
