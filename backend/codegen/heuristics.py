@@ -8,7 +8,11 @@ Reductions: a row of at most ``PERSISTENT_LIMIT`` elements is reduced in registe
 one block of ``RBLOCK = next_pow2(row)`` columns; rows per program so that a block holds about 4096
 elements); warps grow with the block (4 up to 2048 elements, 8 up to 8192, 16 beyond). Longer or
 symbolic rows loop over ``RBLOCK = 1024`` columns. When the reduced dimension is not the innermost
-in memory (a column reduction), programs take 64 rows so that loads along the rows coalesce.
+in memory (a column reduction), programs take ``COLUMN_XBLOCK`` rows so that loads along the rows
+coalesce; such a block stays persistent only while it holds at most ``PERSISTENT_LIMIT`` elements,
+and otherwise loops over ``COLUMN_RBLOCK`` reduced elements at a time. (A [64, 8192] persistent
+block, as a column sum over 8192 rows once got, spills every register: Triton then compiled it
+for minutes.)
 
 Under Triton's interpreter every program costs Python time, so blocks are larger there.
 """
@@ -21,6 +25,8 @@ import sympy
 
 PERSISTENT_LIMIT = 8192
 LOOP_RBLOCK = 1024
+COLUMN_XBLOCK = 32
+COLUMN_RBLOCK = 64
 
 
 @dataclass(frozen=True)
@@ -51,11 +57,12 @@ def pointwise(numel: sympy.Expr, interpret: bool) -> Config:
 def reduction(xnumel: sympy.Expr, rnumel: sympy.Expr, inner: bool, interpret: bool) -> Config:
     r, x = _concrete(rnumel), _concrete(xnumel)
     budget = 16384 if interpret else 4096
-    if r is not None and r <= PERSISTENT_LIMIT:
+    column_xblock = COLUMN_XBLOCK if not interpret else 1
+    if r is not None and r <= PERSISTENT_LIMIT and (inner or column_xblock * next_pow2(r) <= PERSISTENT_LIMIT):
         rblock = max(2, next_pow2(r))
         xblock = max(1, budget // rblock)
         if not inner:
-            xblock = max(xblock, 64 if not interpret else xblock)
+            xblock = max(xblock, column_xblock)
         if x is not None:
             xblock = max(1, min(xblock, next_pow2(x)))
         elements = xblock * rblock
@@ -63,4 +70,6 @@ def reduction(xnumel: sympy.Expr, rnumel: sympy.Expr, inner: bool, interpret: bo
         return Config(xblock, rblock, warps, True)
     if inner:
         return Config(1, LOOP_RBLOCK * (4 if interpret else 1), 8, False)
-    return Config(64, 16 if not interpret else 64, 8, False)
+    if interpret:
+        return Config(64, 64, 8, False)
+    return Config(COLUMN_XBLOCK, COLUMN_RBLOCK, 8, False)

@@ -45,7 +45,8 @@ def describe() -> str:
     lines = []
     for manager in _managers.all():
         lines.append(manager.describe())
-    functions = sorted(_functions, key=lambda f: f.name)
+    # functions that have run since the last reset() (a compiled function outlives reset())
+    functions = sorted((f for f in _functions if f.warmed or f.disabled), key=lambda f: f.name)
     lines += [fn.describe() for fn in functions]
     lines += [f"function {name}: no CUDA graphs: {reason}" for name, reason in sorted(_skipped.items())]
     return "\n".join(lines) if lines else "no CUDA graph trees"
