@@ -1,5 +1,7 @@
 """The benchmark suite never rots: `benchmarks/run.py --smoke` runs every workload, both modes,
-eager and cgtrees, at tiny sizes on the CPU, and every row comes back measured and right."""
+eager and cgtrees, at tiny sizes on the CPU, and every row comes back measured and right. The
+cgtrees rows run generated kernels through Triton's interpreter, so this is also codegen end to end
+on every workload: no graph may fall back to aten as a whole."""
 
 import json
 import math
@@ -13,7 +15,7 @@ WORKLOADS = ("mlp_small", "norm_act", "gpt_block", "convnet", "decode")
 
 def test_smoke_run_measures_every_row(tmp_path):
     out = tmp_path / "results.json"
-    env = {**os.environ, "CGTREES_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "CGTREES_CACHE_DIR": str(tmp_path / "cache"), "CGTREES_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "benchmarks/run.py", "--smoke", "--out", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -29,3 +31,11 @@ def test_smoke_run_measures_every_row(tmp_path):
         for key in ("first_s", "first3_s", "step_s"):
             assert math.isfinite(r[key]) and r[key] > 0, f"{name}: {key}={r[key]}"
         assert r["max_err"] < 1e-4, f"{name}: error vs eager {r['max_err']}"
+
+    # One process: the counters add up row after row.
+    for r in rows:
+        if r["backend"] == "cgtrees":
+            ours = r["counters"]["cgtrees"]
+            name = f"{r['workload']}/{r['mode']}"
+            assert ours.get("graph_fallbacks", 0) == 0, f"{name}: a graph ran through aten: {ours}"
+            assert ours.get("kernels_generated", 0) > 0, f"{name}: no kernel was generated: {ours}"

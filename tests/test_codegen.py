@@ -130,6 +130,25 @@ def test_input_mutation_is_written_back():
     comp.check()
 
 
+def test_input_read_by_aten_then_written_back_by_a_kernel():
+    """A KV-cache step: ``index_copy_`` reads the cache through aten (index_put), and the write-back
+    kernel stores into it later, so the cache must stay alive until that kernel (it once was freed
+    after the aten read, and the module fell back to aten on its first call)."""
+    comp = Compiler()
+
+    def f(cache, pos, k):
+        cache.index_copy_(1, pos, k)
+        return torch.softmax(cache.sum(-1), -1)
+
+    cf = torch.compile(f, backend=comp.backend)
+    cache, pos, k = torch.randn(3, 8, 4), torch.tensor([5]), torch.randn(3, 1, 4)
+    cache_ref = cache.clone()
+    close(cf(cache, pos, k), f(cache_ref, pos, k))
+    close(cache, cache_ref)
+    comp.check()
+    assert kernel_count(comp.modules[0]) >= 1
+
+
 def test_debug_dir_keeps_every_module(tmp_path):
     x = torch.randn(4, 4)
     m = compile_fn(lambda x: x.exp(), x, cfg=config(debug_dir=str(tmp_path)))

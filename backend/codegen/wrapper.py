@@ -167,11 +167,18 @@ def _storage_numel(layout: ir.Layout) -> sympy.Expr:
 def _last_uses(items: list[Item]) -> dict[str, int]:
     last: dict[str, int] = {}
     for i, item in enumerate(items):
-        for name in reads(item):
+        for name in reads(item) | _written_inputs(item):
             last[name] = i
         for name in _defines(item):
             last.setdefault(name, i)
     return last
+
+
+def _written_inputs(item: Item) -> set[str]:
+    """Graph inputs a kernel stores into (``aten.copy_`` back into a mutated input): a use, too."""
+    if not isinstance(item, Kernel):
+        return set()
+    return {m.name for m in item.members if m.step.writes_input}
 
 
 def _defines(item: Item) -> list[str]:
