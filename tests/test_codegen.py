@@ -57,12 +57,37 @@ def test_layernorm_forward_is_one_kernel():
 
 
 def test_looped_reduction_long_rows():
-    x = torch.randn(3, 20000)
+    x = torch.randn(3, 20011)  # a prime row length: no split into chunks, each row loops in one program
     f = lambda x: (torch.softmax(x, -1), x.sum(-1), x.amax(-1))
     m = compile_fn(f, x)
     assert "for roffset in range" in m.source
     for a, b in zip(run(m, x), f(x)):
         close(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name, f, shape", [
+    ("row sum and max", lambda x: (x.sum(-1), x.amax(-1, keepdim=True)), (3, 20000)),
+    ("column sum", lambda x: (torch.tanh(x) * 2).sum(0), (16384, 8)),
+    ("batchnorm statistics", lambda x: torch.var_mean(x, dim=(0, 2, 3), keepdim=True, correction=0), (32, 4, 16, 16)),
+    ("batchnorm statistics, no keepdim", lambda x: torch.var_mean(x, dim=(0, 2, 3)), (32, 4, 16, 16)),
+    ("full mean", lambda x: x.mean(), (128, 256)),
+])
+def test_few_long_rows_reduce_in_two_stages(name, f, shape):
+    """Few output rows over long rows: partial results over chunks, then over the partials."""
+    x = torch.randn(*shape)
+    m = compile_fn(f, x)
+    assert "_part_ptr" in m.source, m.source
+    want = f(x) if isinstance(f(x), tuple) else (f(x),)
+    got = run(m, x)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_many_rows_reduce_in_one_stage():
+    x = torch.randn(2048, 64)
+    m = compile_fn(lambda x: x.sum(-1), x)
+    assert "_part" not in m.source and kernel_count(m) == 1
 
 
 def test_mm_falls_back_to_aten(cgtrees_counters, caplog):

@@ -14,6 +14,13 @@ and otherwise loops over ``COLUMN_RBLOCK`` reduced elements at a time. (A [64, 8
 block, as a column sum over 8192 rows once got, spills every register: Triton then compiled it
 for minutes.)
 
+Split reductions: a reduction with few output rows and long rows (a BatchNorm statistic over
+(N, H, W), a bias gradient summing 8192 rows) would run on a handful of programs and leave most of
+the GPU idle. Such a reduction runs in two: the first stage reduces ``parts`` chunks of its
+outermost splittable reduced dimension (one partial result per chunk), the second reduces the
+partials. ``split_reduction`` chooses the fewest parts (a divisor of that dimension) that give at
+least ``SPLIT_PROGRAMS`` programs, keeping chunks of at least ``SPLIT_MIN_CHUNK`` elements.
+
 Under Triton's interpreter every program costs Python time, so blocks are larger there.
 """
 
@@ -27,6 +34,9 @@ PERSISTENT_LIMIT = 8192
 LOOP_RBLOCK = 1024
 COLUMN_XBLOCK = 32
 COLUMN_RBLOCK = 64
+SPLIT_MIN_RNUMEL = 8192
+SPLIT_PROGRAMS = 1024
+SPLIT_MIN_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -73,3 +83,38 @@ def reduction(xnumel: sympy.Expr, rnumel: sympy.Expr, inner: bool, interpret: bo
     if interpret:
         return Config(64, 64, 8, False)
     return Config(COLUMN_XBLOCK, COLUMN_RBLOCK, 8, False)
+
+
+def split_reduction(size: tuple[sympy.Expr, ...], dims: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(dim, parts)``: reduce ``dims`` of ``size`` in two stages, splitting ``dim`` into ``parts``;
+    None to reduce in one kernel (enough rows already, short rows, or symbolic sizes)."""
+    sizes = [_concrete(n) for n in size]
+    if not dims or any(n is None for n in sizes):
+        return None
+    rnumel = _product(sizes[d] for d in dims)
+    xnumel = _product(n for d, n in enumerate(sizes) if d not in dims)
+    inner = len(sizes) - 1 in dims  # the reduced elements of a row are adjacent (not a column sum)
+    rows_per_program = 1 if inner else COLUMN_XBLOCK
+    if rnumel < SPLIT_MIN_RNUMEL or xnumel // rows_per_program >= SPLIT_PROGRAMS:
+        return None
+    wanted = -(-SPLIT_PROGRAMS * rows_per_program // max(xnumel, 1))
+    for d in dims:
+        best = None
+        for parts in range(2, sizes[d] + 1):
+            if sizes[d] % parts:
+                continue
+            if rnumel // parts < SPLIT_MIN_CHUNK:
+                break
+            best = parts
+            if parts >= wanted:
+                break
+        if best is not None:
+            return d, best
+    return None
+
+
+def _product(values) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out

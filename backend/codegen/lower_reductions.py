@@ -3,7 +3,9 @@
 Each reduction becomes a ``Compute`` step over the input's index space with some dimensions
 reduced; float inputs accumulate in float32 (half types) or their own type. ``mean`` is a sum
 followed by a pointwise division; ``var``/``var_mean`` are two passes (the mean, then the sum of
-squared deviations), which the scheduler puts in one kernel.
+squared deviations), which the scheduler puts in one kernel. A long reduction with few output rows
+is split in two stages (``heuristics.split_reduction``): partial results over chunks, then the
+reduction of the partials.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 import sympy
 import torch
 
-from backend.codegen import ir
+from backend.codegen import heuristics, ir
 from backend.codegen.ir import Op
 from backend.codegen.lowering import (
     CannotLower,
@@ -31,6 +33,8 @@ aten = torch.ops.aten
 
 # A reduction whose row does not fit this many elements loops; argmax/argmin only exist unlooped.
 ARG_REDUCTION_LIMIT = 4096
+# Reductions whose partial results combine with the same reduction (argmax/argmin do not).
+SPLITTABLE = (ir.Reduce.SUM, ir.Reduce.PROD, ir.Reduce.MAX, ir.Reduce.MIN)
 
 
 def _dims(x: TensorValue, dims: Any) -> tuple[int, ...]:
@@ -49,7 +53,35 @@ def _reduce(ctx: LowerCtx, x: TensorValue, dims: tuple[int, ...], kind: ir.Reduc
             return TensorValue((), out, ir.Const(0, out))
         return TensorValue((), out, cast(x.body, out))
     body = cast(x.body, acc)
-    return ctx.add_reduction(name, layout, out, x.size, dims, kind, body)
+    split = heuristics.split_reduction(x.size, dims) if kind in SPLITTABLE else None
+    if split is None:
+        return ctx.add_reduction(name, layout, out, x.size, dims, kind, body)
+    return _split_reduce(ctx, TensorValue(x.size, acc, body), dims, kind, layout, name, out, *split)
+
+
+def _split_reduce(ctx: LowerCtx, x: TensorValue, dims: tuple[int, ...], kind: ir.Reduce, layout: ir.Layout,
+                  name: str, out: torch.dtype, dim: int, parts: int) -> TensorValue:
+    """Stage 1 splits ``dim`` into (parts, chunk) and reduces every reduced dim but ``parts``: one
+    partial per part. Stage 2 reduces the partials over ``parts`` into ``layout``."""
+    n = len(x.size)
+    chunk = x.size[dim] // parts
+    subs = {ir.index_symbol(i): ir.index_symbol(i + 1) for i in range(dim + 1, n)}
+    subs[ir.index_symbol(dim)] = ir.index_symbol(dim) * chunk + ir.index_symbol(dim + 1)
+    ranges = (*x.size[:dim], sympy.Integer(parts), chunk, *x.size[dim + 1:])
+    reduced = tuple(sorted({d + 1 if d > dim else d for d in dims if d != dim} | {dim + 1}))
+    kept = tuple(size for i, size in enumerate(ranges) if i not in reduced)
+    partial = ctx.add_reduction(name + "_part", ir.Layout(kept, ir.contiguous_strides(kept)), x.dtype, ranges,
+                                reduced, kind, ir.map_indices(x.body, subs))
+    # The partials' dims are the original ones with ``dim`` (now of size ``parts``) the only reduced one.
+    if len(layout.size) != n:
+        return ctx.add_reduction(name, layout, out, kept, (sum(1 for d in range(dim) if d not in dims),), kind,
+                                 partial.body)
+    # keepdim: stage 2 keeps every dim (the others reduced in stage 1 as size 1) so ``layout`` fits it.
+    ranges = tuple(sympy.Integer(parts) if d == dim else sympy.Integer(1) if d in dims else x.size[d]
+                   for d in range(n))
+    at = [d for d in range(n) if d not in dims or d == dim]
+    body = ir.map_indices(partial.body, {ir.index_symbol(j): ir.index_symbol(d) for j, d in enumerate(at)})
+    return ctx.add_reduction(name, layout, out, ranges, (dim,), kind, body)
 
 
 def _keepdim_layout(x: TensorValue, dims: tuple[int, ...]) -> ir.Layout:
