@@ -66,11 +66,11 @@ def test_looped_reduction_long_rows():
 
 
 @pytest.mark.parametrize("name, f, shape", [
-    ("row sum and max", lambda x: (x.sum(-1), x.amax(-1, keepdim=True)), (3, 20000)),
-    ("column sum", lambda x: (torch.tanh(x) * 2).sum(0), (16384, 8)),
-    ("batchnorm statistics", lambda x: torch.var_mean(x, dim=(0, 2, 3), keepdim=True, correction=0), (32, 4, 16, 16)),
-    ("batchnorm statistics, no keepdim", lambda x: torch.var_mean(x, dim=(0, 2, 3)), (32, 4, 16, 16)),
-    ("full mean", lambda x: x.mean(), (128, 256)),
+    ("row sum and max", lambda x: (x.sum(-1), x.amax(-1, keepdim=True)), (4, 65536)),
+    ("column sum", lambda x: (torch.tanh(x) * 2).sum(0), (16384, 16)),
+    ("batchnorm statistics", lambda x: torch.var_mean(x, dim=(0, 2, 3), keepdim=True, correction=0), (32, 4, 32, 64)),
+    ("batchnorm statistics, no keepdim", lambda x: torch.var_mean(x, dim=(0, 2, 3)), (32, 4, 32, 64)),
+    ("full mean", lambda x: x.mean(), (512, 512)),
 ])
 def test_few_long_rows_reduce_in_two_stages(name, f, shape):
     """Few output rows over long rows: partial results over chunks, then over the partials."""
@@ -84,8 +84,9 @@ def test_few_long_rows_reduce_in_two_stages(name, f, shape):
         close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_many_rows_reduce_in_one_stage():
-    x = torch.randn(2048, 64)
+@pytest.mark.parametrize("shape", [(2048, 256), (3, 20000)])
+def test_many_rows_or_small_reductions_reduce_in_one_stage(shape):
+    x = torch.randn(*shape)
     m = compile_fn(lambda x: x.sum(-1), x)
     assert "_part" not in m.source and kernel_count(m) == 1
 

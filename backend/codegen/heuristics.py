@@ -19,7 +19,9 @@ Split reductions: a reduction with few output rows and long rows (a BatchNorm st
 the GPU idle. Such a reduction runs in two: the first stage reduces ``parts`` chunks of its
 outermost splittable reduced dimension (one partial result per chunk), the second reduces the
 partials. ``split_reduction`` chooses the fewest parts (a divisor of that dimension) that give at
-least ``SPLIT_PROGRAMS`` programs, keeping chunks of at least ``SPLIT_MIN_CHUNK`` elements.
+least ``SPLIT_PROGRAMS`` programs, keeping chunks of at least ``SPLIT_MIN_CHUNK`` elements. Small
+reductions (under ``SPLIT_MIN_NUMEL`` elements in all) stay one kernel: a second launch would cost
+more than it saves.
 
 Under Triton's interpreter every program costs Python time, so blocks are larger there.
 """
@@ -35,6 +37,7 @@ LOOP_RBLOCK = 1024
 COLUMN_XBLOCK = 32
 COLUMN_RBLOCK = 64
 SPLIT_MIN_RNUMEL = 8192
+SPLIT_MIN_NUMEL = 1 << 18  # below this the one-kernel reduction is a few microseconds anyway
 SPLIT_PROGRAMS = 1024
 SPLIT_MIN_CHUNK = 256
 
@@ -95,7 +98,9 @@ def split_reduction(size: tuple[sympy.Expr, ...], dims: tuple[int, ...]) -> tupl
     xnumel = _product(n for d, n in enumerate(sizes) if d not in dims)
     inner = len(sizes) - 1 in dims  # the reduced elements of a row are adjacent (not a column sum)
     rows_per_program = 1 if inner else COLUMN_XBLOCK
-    if rnumel < SPLIT_MIN_RNUMEL or xnumel // rows_per_program >= SPLIT_PROGRAMS:
+    if rnumel < SPLIT_MIN_RNUMEL or rnumel * xnumel < SPLIT_MIN_NUMEL:
+        return None
+    if xnumel // rows_per_program >= SPLIT_PROGRAMS:
         return None
     wanted = -(-SPLIT_PROGRAMS * rows_per_program // max(xnumel, 1))
     for d in dims:
