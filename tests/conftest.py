@@ -7,6 +7,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture(autouse=True)
+def _own_cache_dir(tmp_path_factory, monkeypatch):
+    """Every test compiles into a cache of its own: no hit left by another test (or by a user's cache)."""
+    monkeypatch.setenv("CGTREES_CACHE_DIR", str(tmp_path_factory.mktemp("cgtrees_cache")))
+
+
+@pytest.fixture(autouse=True)
 def _fresh_dynamo():
     import torch
 
