@@ -256,6 +256,7 @@ def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
         summary(rows, kernels),
         "```",
         "",
+        *([meta["analysis"].rstrip("\n"), ""] if meta.get("analysis") else []),
         "## Results",
         "",
         tables(rows),

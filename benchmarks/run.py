@@ -53,6 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="write rows (and kernel report) as JSON here")
     p.add_argument("--markdown", help="write the report here (e.g. docs/benchmarks.md)")
     p.add_argument("--note", default="", help="a line for the markdown report (e.g. what is partial)")
+    p.add_argument("--analysis", help="a markdown file: the report's reading of its misses, after the summary")
     p.add_argument("--from-json", help="comma-separated result files to report on, running nothing")
     return p.parse_args(argv)
 
@@ -169,13 +170,18 @@ def progress(row: dict) -> None:
 
 
 def load(paths: str) -> tuple[list[dict], dict | None, dict]:
-    """Rows, kernel report and meta (date, commands) of earlier runs, merged in order."""
-    rows, kernels, metas = [], None, []
+    """Rows, kernel report and meta (date, commands) of earlier runs, merged in order: a later
+    file's row replaces an earlier one for the same (workload, mode, backend, phase)."""
+    by_key: dict[tuple, dict] = {}
+    kernels, metas = None, []
     for path in paths.split(","):
         data = json.loads(Path(path).read_text())
-        rows += data["rows"]
+        for row in data["rows"]:
+            by_key[(row["workload"], row["mode"], row["backend"], row["phase"])] = row
         kernels = data.get("kernels") or kernels
         metas.append(data.get("meta", {}))
+    order = {name: i for i, name in enumerate(workloads.WORKLOADS)}
+    rows = sorted(by_key.values(), key=lambda r: (order.get(r["workload"], len(order)), r["mode"] != "infer"))
     meta = {"date": ", ".join(sorted({m.get("date", "?") for m in metas})),
             "command": "`; `".join(m.get("command", "?") for m in metas)}
     return rows, kernels, meta
@@ -226,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         rows, kernels = measure_all(args, on_row)
     meta["total_s"] = time.perf_counter() - start
     meta["note"] = args.note or meta.get("note", "")
+    if args.analysis:
+        meta["analysis"] = Path(args.analysis).read_text()
     save(rows, kernels)
     print("\n" + report.tables(rows))
     if kernels:
