@@ -28,6 +28,7 @@ Under Triton's interpreter every program costs Python time, so blocks are larger
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import sympy
@@ -94,8 +95,8 @@ def split_reduction(size: tuple[sympy.Expr, ...], dims: tuple[int, ...]) -> tupl
     sizes = [_concrete(n) for n in size]
     if not dims or any(n is None for n in sizes):
         return None
-    rnumel = _product(sizes[d] for d in dims)
-    xnumel = _product(n for d, n in enumerate(sizes) if d not in dims)
+    rnumel = math.prod(sizes[d] for d in dims)
+    xnumel = math.prod(n for d, n in enumerate(sizes) if d not in dims)
     inner = len(sizes) - 1 in dims  # the reduced elements of a row are adjacent (not a column sum)
     rows_per_program = 1 if inner else COLUMN_XBLOCK
     if rnumel < SPLIT_MIN_RNUMEL or rnumel * xnumel < SPLIT_MIN_NUMEL:
@@ -116,10 +117,3 @@ def split_reduction(size: tuple[sympy.Expr, ...], dims: tuple[int, ...]) -> tupl
         if best is not None:
             return d, best
     return None
-
-
-def _product(values) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
