@@ -91,6 +91,28 @@ def test_many_rows_or_small_reductions_reduce_in_one_stage(shape):
     assert "_part" not in m.source and kernel_count(m) == 1
 
 
+def test_precompile_list_gives_each_kernel_its_launch_types():
+    """Compiled modules list their kernels for compiling together; symbolic or empty launches are
+    left to compile at the launch."""
+    import sympy
+
+    from backend.codegen.heuristics import Config
+    from backend.codegen.kernel import KernelCode
+    from backend.codegen.wrapper import _precompile_list
+
+    def code(name, args, dtypes, xnumel, rnumel=None):
+        return KernelCode(name, "", args, dtypes, sympy.sympify(xnumel), rnumel, Config(64, 32, 4), frozenset(),
+                          False)
+
+    lines = _precompile_list([
+        code("red_0", ("x", "out", "128", "300"), (torch.float32, torch.bool), 128, sympy.Integer(300)),
+        code("pw_1", ("x", "s0*4"), (torch.float16,), "s0*4"),
+        code("pw_2", ("x", "0"), (torch.float16,), 0),
+    ])
+    red_0 = "    (red_0, (torch.float32, torch.bool, 128, 300,), {'XBLOCK': 64, 'RBLOCK': 32, 'num_warps': 4}),"
+    assert lines[1:] == ["PRECOMPILE = [", red_0, "]"]
+
+
 def test_mm_falls_back_to_aten(cgtrees_counters, caplog):
     x, w = torch.randn(16, 32), torch.randn(32, 8)
     f = lambda x, w: torch.relu(x @ w) * 2

@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from backend import counters
+from backend.codegen.precompile import precompile
 from backend.context import GraphContext
 from backend.logs import log_once
 
@@ -197,6 +198,8 @@ def load(source: str, ctx: GraphContext, path: str | None = None) -> KernelModul
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # Triton looks kernels' globals up through their module
     spec.loader.exec_module(module)
+    if not ctx.config.interpret:
+        precompile(module, ctx.name)
     return KernelModule(module, source, path, ctx.name)
 
 

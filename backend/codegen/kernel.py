@@ -26,6 +26,7 @@ class KernelCode:
     name: str
     source: str
     args: tuple[str, ...]  # call-site argument expressions, in parameter order
+    ptr_dtypes: tuple[torch.dtype, ...]  # the element types of the pointer arguments (the first args)
     xnumel: sympy.Expr
     rnumel: sympy.Expr | None
     config: heuristics.Config
@@ -64,6 +65,7 @@ class KernelWriter:
         self.members = {m.name: m for m in kernel.members}
         self.tmp = 0
         self.ptrs: dict[str, str] = {}
+        self.ptr_dtypes: dict[str, torch.dtype] = {}
         self.row_vars: dict[str, str] = {}
         self.helpers: set[str] = set()
         self.libdevice = False
@@ -239,7 +241,7 @@ class KernelWriter:
             value = f"tl.full({shape}, {value}, {dtype})"
         else:
             value = f"tl.broadcast_to({value}, {shape})"
-        ptr = self._ptr(m.name)
+        ptr = self._ptr(m.name, m.step.dtype)
         offset = printer.expr(index, triton=True)
         kinds = _symbol_kinds(index)
         if "x" not in kinds or (self.two_d and full and "r" not in kinds):  # pointer must span the block
@@ -326,7 +328,7 @@ class KernelWriter:
         return var
 
     def _load_text(self, e: ir.Load) -> str:
-        ptr = self._ptr(e.buf)
+        ptr = self._ptr(e.buf, e.dtype)
         index = printer.expr(e.index, triton=True)
         names = _symbol_kinds(e.index)
         if not names and self.interpret:  # the interpreter mixes 0-d and block values badly: load a block
@@ -352,7 +354,8 @@ class KernelWriter:
         scope.lines.append(f"{name} = {text}")
         return name
 
-    def _ptr(self, buf: str) -> str:
+    def _ptr(self, buf: str, dtype: torch.dtype) -> str:
+        self.ptr_dtypes.setdefault(buf, dtype)
         return self.ptrs.setdefault(buf, f"{buf}_ptr")
 
     # ----------------------------------------------------------------------------------- finish
@@ -367,8 +370,8 @@ class KernelWriter:
         lines += [body.indent + line for line in body.lines]
         args = tuple(self.ptrs) + tuple(sizes) + (printer.expr(xnumel),) + \
             ((printer.expr(rnumel),) if self.two_d else ())
-        return KernelCode(self.name, "\n".join(lines) + "\n", args, xnumel, rnumel, self.cfg,
-                          frozenset(self.helpers), self.libdevice)
+        return KernelCode(self.name, "\n".join(lines) + "\n", args, tuple(self.ptr_dtypes[b] for b in self.ptrs),
+                          xnumel, rnumel, self.cfg, frozenset(self.helpers), self.libdevice)
 
 
 def _size_symbols(kernel: Kernel, xnumel: sympy.Expr, rnumel: sympy.Expr | None) -> set[sympy.Symbol]:

@@ -65,10 +65,29 @@ def module_source(header: list[str], program: ir.Program, items: list[Item], gm:
         out += ["", HELPERS[h]]
     for kernel, code in codes:
         out += ["", *_origin_comment(kernel, described), code.source]
+    if not interpret:
+        out += ["", *_precompile_list([c for _, c in codes])]
     out += ["", *_call(program, items, dict((id(k), c) for k, c in codes)), "", *aten_call(gm), "",
             "def run(*args):", '    """Call the graph with positional arguments (for experiments)."""',
             "    return call(list(args))", ""]
     return "\n".join(out), len(codes)
+
+
+def _precompile_list(codes: list[KernelCode]) -> list[str]:
+    """``PRECOMPILE``: each kernel with the argument types of its launch (dtypes for pointers, the
+    sizes as ints), for ``precompile`` to compile them all at once before the first call. A kernel
+    whose sizes are symbolic or zero is left to compile at its launch."""
+    lines = ["# The kernels with their launches' argument types: compiled together before the first call.",
+             "PRECOMPILE = ["]
+    for code in codes:
+        sizes = [sympy.sympify(a) if not a.isidentifier() else None for a in code.args[len(code.ptr_dtypes):]]
+        if any(n is None or not n.is_number for n in sizes) or int(sympy.sympify(code.xnumel)) == 0:
+            continue
+        args = [str(d) for d in code.ptr_dtypes] + [str(int(n)) for n in sizes]
+        meta = {"XBLOCK": code.config.xblock, **({"RBLOCK": code.config.rblock} if code.rnumel is not None else {}),
+                "num_warps": code.config.num_warps}
+        lines.append(f"    ({code.name}, ({', '.join(args)},), {meta!r}),")
+    return lines + ["]"]
 
 
 def _origin_comment(kernel: Kernel, described: dict[str, str]) -> list[str]:

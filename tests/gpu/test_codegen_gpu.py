@@ -46,6 +46,28 @@ def test_pointwise_chain_is_one_kernel():
     close(h.run(m, x, y)[0], f(x, y))
 
 
+def test_kernels_compile_together_before_the_first_call():
+    """load() compiles every kernel PRECOMPILE lists (on a thread pool); the first call then finds
+    each one compiled, compiles nothing at a launch, and gets the right numbers."""
+    h = _helpers()
+    x = torch.randn(640, 300, device=DEV)
+    f = lambda x: (torch.softmax(x * 2, -1), torch.tanh(x).sum(0), torch.sigmoid(x).amax(-1) + 1)
+    m = h.compile_fn(f, x)
+    entries = m.module.PRECOMPILE
+    assert len(entries) == h.kernel_count(m) >= 2, m.source
+    dev = torch.cuda.current_device()
+
+    def compiled():  # Triton's per-device cache of compiled specialisations, per kernel
+        return {k.fn.__name__: len(k.device_caches[dev][0]) for k, _, _ in entries}
+
+    before = compiled()
+    assert all(n == 1 for n in before.values()), before
+    out = h.run(m, x)
+    assert compiled() == before
+    for a, b in zip(out, f(x)):
+        close(a, b, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("shape", [(1823, 781), (3, 20000), (8192, 4096)])
 def test_softmax_layernorm_one_kernel(shape):
     h = _helpers()
