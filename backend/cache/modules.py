@@ -82,7 +82,7 @@ def _try_load(store: Store, digest: str, ctx: GraphContext, load: Any) -> Any:
         payload = store.read(LEVEL, digest)
         if payload is None:
             return None
-        return load(payload["source"], ctx)
+        return load(payload["source"], ctx, precompile_kernels=False)
     except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
         events.corrupt(LEVEL, ctx.name, f"{type(exc).__name__}: {exc}")
         store.remove(LEVEL, digest)
@@ -120,7 +120,7 @@ def module_record(gm: torch.fx.GraphModule, module: Any) -> dict[str, Any]:
 
 def load_record(record: dict[str, Any], ctx: GraphContext) -> Any:
     if record["format"] == "codegen":
-        return codegen.load(record["source"], ctx)
+        return codegen.load(record["source"], ctx, precompile_kernels=False)
     if record["format"] == "fx":
         return FxModule(record["source"], ctx.name)
     raise CorruptEntry(f"unknown module format {record['format']!r}")

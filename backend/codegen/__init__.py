@@ -178,8 +178,10 @@ def _from_triton(exc: BaseException) -> bool:
     return False
 
 
-def load(source: str, ctx: GraphContext, path: str | None = None) -> KernelModule:
-    """Import ``source`` (written to ``path``, or to a fresh temporary file) as a kernel module."""
+def load(source: str, ctx: GraphContext, path: str | None = None, precompile_kernels: bool = True) -> KernelModule:
+    """Import ``source`` (written to ``path``, or to a fresh temporary file) as a kernel module,
+    compiling its Triton kernels together unless told not to (a cache hit: Triton's on-disk cache
+    holds their binaries, and loading each at its launch is cheaper than warming them all)."""
     if ctx.config.interpret:
         # Triton decides interpreted or compiled when a kernel is decorated: set before importing.
         from backend.codegen import interp
@@ -198,7 +200,7 @@ def load(source: str, ctx: GraphContext, path: str | None = None) -> KernelModul
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # Triton looks kernels' globals up through their module
     spec.loader.exec_module(module)
-    if not ctx.config.interpret:
+    if precompile_kernels and not ctx.config.interpret:
         precompile(module, ctx.name)
     return KernelModule(module, source, path, ctx.name)
 
