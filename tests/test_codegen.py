@@ -61,8 +61,14 @@ def test_looped_reduction_long_rows():
     f = lambda x: (torch.softmax(x, -1), x.sum(-1), x.amax(-1))
     m = compile_fn(f, x)
     assert "for roffset in range" in m.source
-    for a, b in zip(run(m, x), f(x)):
-        close(a, b, atol=1e-5, rtol=1e-4)
+    softmax, total, amax = run(m, x)
+    close(softmax, f(x)[0], atol=1e-5, rtol=1e-4)
+    close(amax, f(x)[2], atol=0, rtol=0)
+    # A float32 sum of 20011 unit normals carries rounding error of order 1e-5 in any order of
+    # accumulation (eager's own is up to ~4e-5 off the float64 sum): check ours against float64, to
+    # an error no larger than eager's could be, not against eager's own rounding.
+    exact = x.double().sum(-1)
+    assert (total.double() - exact).abs().max() <= 1e-4, (total.double() - exact).abs().max()
 
 
 @pytest.mark.parametrize("name, f, shape", [
