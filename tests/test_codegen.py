@@ -109,6 +109,18 @@ def test_many_rows_or_small_reductions_reduce_in_one_stage(shape):
     assert "_part" not in m.source and kernel_count(m) == 1
 
 
+def test_cpu_graphs_start_no_triton_hash():
+    """Only a graph with CUDA inputs starts Triton's self-hash on a thread (tests/gpu has that case)."""
+    import dataclasses
+
+    from backend.codegen import compat
+    from backend.config import Config
+
+    codegen.prepare([torch.randn(3), 2.0], Config())
+    codegen.prepare([torch.randn(3)], dataclasses.replace(Config(), interpret=True))
+    assert compat._key_thread is None
+
+
 def test_precompile_list_gives_each_kernel_its_launch_types():
     """Compiled modules list their kernels for compiling together; symbolic or empty launches are
     left to compile at the launch."""

@@ -3,6 +3,7 @@
     generate(gm, example_inputs, ctx) -> source     the module text (readable, runs on its own)
     load(source, ctx, path=None) -> KernelModule    import it (from a file, so Triton can read it)
     compile_graph(gm, example_inputs, ctx)          load(generate(...)); CGTREES_DEBUG_DIR keeps a copy
+    prepare(example_inputs, config)                 start what the first kernel will wait for
 
 The steps of ``generate``: lower the FX graph to IR (``graph``), group steps into kernels
 (``scheduler``), write kernels and the ``call`` wrapper (``kernel``, ``wrapper``). CPU graphs
@@ -33,7 +34,17 @@ from backend.logs import log_once
 
 log = logging.getLogger("backend.codegen")
 
-__all__ = ["generate", "load", "compile_graph", "KernelModule", "AtenModule", "graph_hash"]
+__all__ = ["generate", "load", "compile_graph", "prepare", "KernelModule", "AtenModule", "graph_hash"]
+
+
+def prepare(example_inputs: list, config: Any) -> None:
+    """Called as a Dynamo graph arrives, before the cache or AOTAutograd: a graph with CUDA inputs
+    will launch compiled Triton kernels, whose first launch waits for Triton's hash of itself."""
+    if config.interpret or not any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
+        return
+    from backend.codegen.compat import hash_triton_in_background
+
+    hash_triton_in_background()
 
 
 class AtenModule:

@@ -86,7 +86,12 @@ class TreeManager:
     # ------------------------------------------------------------ recording
     def prepare_recording(self) -> list[LiveOutput]:
         """Make the allocator's book-keeping for the pool true again (R5); return the live outputs."""
-        gc.collect()  # settle deaths now, not between the restore and the capture
+        # Outputs that died in a reference cycle still answer their weak references: they count as
+        # live, which is safe (their blocks stay allocated until the cycle is collected) but may
+        # cost a branch. The young generations hold the cycles of the last calls and take well
+        # under a millisecond; a full collection took 0.13-0.18 s a recording (measured on the
+        # H200 with torch's modules loaded) and is not worth it.
+        gc.collect(1)
         live = self.live = liveness.still_alive(self.live)
         if self.stale and self.last_node is not None:
             node = self.last_node

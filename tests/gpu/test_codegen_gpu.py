@@ -120,6 +120,23 @@ def test_dtypes(dtype):
         close(a, b, atol=1e-2, rtol=1e-2, equal_nan=True)
 
 
+def test_triton_hashes_itself_while_a_cuda_graph_compiles():
+    """The first CUDA graph to reach the backend starts Triton's hash of itself on a thread, so the
+    first kernel launch finds it done (tests/test_codegen.py: CPU graphs start nothing)."""
+    from triton.runtime.cache import triton_key
+
+    from backend import codegen
+    from backend.codegen import compat
+    from backend.config import Config
+
+    codegen.prepare([torch.randn(3, device=DEV)], Config())
+    assert compat._key_thread is not None and compat._key_thread.name == "cgtrees-triton-key"
+    compat._key_thread.join(timeout=60)
+    hits = triton_key.cache_info().hits
+    assert triton_key().startswith(__import__("triton").__version__)
+    assert triton_key.cache_info().hits == hits + 1  # computed once, by the thread or earlier
+
+
 def test_dynamic_shapes():
     h = _helpers()
     comp = h.Compiler()
