@@ -180,6 +180,31 @@ def test_training_layernorm_gelu_forward_and_backward():
     assert kernel_count(fw) == 1, fw.source
 
 
+def test_weight_gradients_do_not_split_the_row_kernel():
+    """A LayerNorm backward over many rows: the column sums of its weight gradients sit between
+    the steps of the row computation in program order. The row work stays one kernel (the steps
+    after the column sums join it), and the sibling column sums share their two stages: three
+    kernels (it was ten before the scheduler looked past steps that do not fit)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.LayerNorm(32))
+    comp = Compiler()
+    cmodel = torch.compile(model, backend=comp.backend)
+    x = torch.randn(8192, 32)
+    out = cmodel(x)
+    (out * out).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = model(x)
+    (ref * ref).sum().backward()
+    close(out, ref, atol=1e-5, rtol=1e-5)
+    for got, p in zip(grads, model.parameters()):
+        close(got, p.grad, atol=1e-3, rtol=1e-4)
+    comp.check()
+    fw, bw = comp.modules
+    assert "_part_ptr" in bw.source, bw.source  # the column sums over 8192 rows are split
+    assert kernel_count(bw) == 3, bw.source
+
+
 def test_dynamic_shapes_stay_symbolic():
     comp = Compiler()
     f = torch.compile(lambda x: torch.softmax(x * 2, -1) + 1, backend=comp.backend, dynamic=True)

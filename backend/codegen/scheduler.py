@@ -9,10 +9,14 @@ pointwise kernel). Its members take one of three roles:
   them as size 1), e.g. ``rsqrt(var + eps)`` between two reductions.
 
 A step joins the open kernel when its role fits and every value it reads from a member is read at
-exactly the element that member computes (so it can stay in registers); otherwise the kernel is
-closed and the step opens the next one. Aten calls that do not read the open kernel's buffers
-run before it, so an aten call between two fusable steps does not split them. Softmax,
-log_softmax, layer norm forward and backward each end up as one kernel.
+exactly the element that member computes (so it can stay in registers). A step that does not fit
+is passed over, and the kernel keeps taking the later steps that fit and do not depend on a
+passed-over one; then it closes and the first passed-over step opens the next kernel. So a
+backward whose column sums (weight gradients) sit between the steps of a row computation gets one
+row kernel and one kernel per group of column sums, not a row kernel cut in two around them. Aten
+calls that do not read the open kernel's buffers run before it, so an aten call between two
+fusable steps does not split them; once a step was passed over, aten calls keep their order.
+Softmax, log_softmax, layer norm forward and backward each end up as one kernel.
 """
 
 from __future__ import annotations
@@ -133,29 +137,53 @@ class _Open:
 def schedule(program: ir.Program) -> list[Item]:
     """Steps in program order -> kernels, aten calls and aliases in execution order."""
     items: list[Item] = []
-    current: _Open | None = None
-    for step in program.steps:
+    pending = list(program.steps)
+    while pending:
+        step = pending.pop(0)
+        if not isinstance(step, ir.Compute):
+            items.append(step)
+            continue
+        kernel = _Open(step.ranges)
+        ok = kernel.try_add(step)
+        assert ok, step.name
+        pending = _fill(kernel, pending, items)
+        items.extend(kernel.close())
+    return _mark_stored(items, program)
+
+
+def _fill(kernel: _Open, pending: list[ir.Step], items: list[Item]) -> list[ir.Step]:
+    """Add to ``kernel`` every later step that fits it, looking past steps that do not (a column
+    sum between a row kernel's steps no longer splits the row kernel in two); return the steps
+    left for later kernels, in program order. Aten calls that read none of the kernel's buffers
+    run before it (appended to ``items``). Nothing moves past a step it depends on, an aten call
+    that a passed-over step must precede, or a write into a graph input that was passed over."""
+    left: list[ir.Step] = []
+    passed: set[str] = set()  # steps passed over: whatever reads them must wait too
+    for i, step in enumerate(pending):
         if isinstance(step, ir.Compute):
-            if current is not None and current.try_add(step):
+            if not _reads_step(step) & passed and kernel.try_add(step):
                 continue
-            if current is not None:
-                items.extend(current.close())
-            current = _Open(step.ranges)
-            ok = current.try_add(step)
-            assert ok, step.name
+            if step.writes_input:
+                return left + pending[i:]
+            passed.add(step.name)
+            left.append(step)
         elif isinstance(step, ir.Alias):
-            if current is not None and step.base in current.names():
-                current.deferred.append(step)
+            if step.base in passed:
+                passed.add(step.name)
+                left.append(step)
+            elif step.base in kernel.names():
+                kernel.deferred.append(step)
             else:
                 items.append(step)
         else:
-            if current is not None and _extern_reads(step) & current.names():
-                items.extend(current.close())
-                current = None
+            if passed or _extern_reads(step) & kernel.names():
+                return left + pending[i:]  # aten calls keep their order among the passed-over steps
             items.append(step)
-    if current is not None:
-        items.extend(current.close())
-    return _mark_stored(items, program)
+    return left
+
+
+def _reads_step(step: ir.Compute) -> set[str]:
+    return {load.buf for load in ir.loads(step.body)}
 
 
 def _extern_reads(step: ir.Extern) -> set[str]:
