@@ -205,6 +205,28 @@ def test_weight_gradients_do_not_split_the_row_kernel():
     assert kernel_count(bw) == 3, bw.source
 
 
+def test_write_into_an_input_never_moves_before_a_read_of_it():
+    """The column sum of ``x`` does not fit the softmax's row kernel and is passed over; the write
+    back into ``x`` would fit that kernel, but must not run before the sum has read ``x``."""
+    comp = Compiler()
+
+    def f(x, y):
+        b = torch.softmax(y, -1)
+        s = x.sum(0)
+        x.copy_(y * 3)
+        return b, s
+
+    cf = torch.compile(f, backend=comp.backend)
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    xr = x.clone()
+    b, s = cf(x, y)
+    rb, rs = f(xr, y)
+    close(b, rb)
+    close(s, rs, atol=1e-5, rtol=1e-5)
+    close(x, xr)
+    comp.check()
+
+
 def test_dynamic_shapes_stay_symbolic():
     comp = Compiler()
     f = torch.compile(lambda x: torch.softmax(x * 2, -1) + 1, backend=comp.backend, dynamic=True)

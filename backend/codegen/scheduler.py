@@ -161,6 +161,8 @@ def _fill(kernel: _Open, pending: list[ir.Step], items: list[Item]) -> list[ir.S
     passed: set[str] = set()  # steps passed over: whatever reads them must wait too
     for i, step in enumerate(pending):
         if isinstance(step, ir.Compute):
+            if step.writes_input and passed:
+                return left + pending[i:]  # a passed-over step may read the input before this write
             if not _reads_step(step) & passed and kernel.try_add(step):
                 continue
             if step.writes_input:
