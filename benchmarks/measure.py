@@ -51,7 +51,7 @@ def first_outputs(step: Step, device: torch.device, n: int = 3) -> list[float]:
     return marks
 
 
-def _window(step: Step, calls: int, device: torch.device) -> float:
+def window(step: Step, calls: int, device: torch.device) -> float:
     """Seconds per call over one window of ``calls`` back-to-back calls."""
     if device.type != "cuda":
         start = time.perf_counter()
@@ -72,12 +72,12 @@ def steady_state(step: Step, device: torch.device, plan: Plan) -> dict:
     for _ in range(plan.warmup_calls):
         step()
     sync(device)
-    probe = _window(step, plan.min_calls, device)
+    probe = window(step, plan.min_calls, device)
     calls = int(min(plan.max_calls, max(plan.min_calls, plan.window_s / max(probe, 1e-9))))
     if device.type == "cuda":
         torch.cuda.empty_cache()  # cached blocks from compilation are not the workload's memory
         torch.cuda.reset_peak_memory_stats(device)
-    per_window = [_window(step, calls, device) for _ in range(plan.windows)]
+    per_window = [window(step, calls, device) for _ in range(plan.windows)]
     figures = {"step_s": statistics.median(per_window), "step_windows_s": per_window,
                "calls_per_window": calls}
     if device.type == "cuda":

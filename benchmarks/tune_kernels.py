@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import measure  # noqa: E402
 import workloads  # noqa: E402
 
 LAUNCH = re.compile(r"^(\s*)(\w+)\[\((.*)\)\]\((.*)\bnum_warps=(\d+)\)$")
@@ -54,20 +55,15 @@ def capture(workload: str, mode: str) -> list[tuple[object, list]]:
 
 
 def time_call(module, args: list, windows: int = 7, calls: int = 20) -> float:
-    """Median milliseconds of one ``module.call``."""
-    for _ in range(3):
+    """Median milliseconds of one ``module.call`` (CUDA-event windows, as the benchmark times)."""
+    def step() -> None:
         module.call(list(args))
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(windows):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            module.call(list(args))
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+
+    device = torch.device("cuda")
+    for _ in range(3):
+        step()
+    measure.sync(device)
+    return 1e3 * statistics.median(measure.window(step, calls, device) for _ in range(windows))
 
 
 def variants(line: str) -> list[tuple[str, str]]:
