@@ -77,18 +77,14 @@ def variants(line: str) -> list[tuple[str, str]]:
         if w != warps:
             out.append((f"num_warps={w}", line.replace(f"num_warps={warps})", f"num_warps={w})")))
     xblock = re.search(r"XBLOCK=(\d+), RBLOCK=(\d+)", line)
-    if xblock and int(xblock.group(2)) > 1:  # a persistent reduction: rows per program
+    grid = m.group(3)
+    # Rows per program, for reductions whose grid is a number (a symbolic grid is left alone).
+    if xblock and int(xblock.group(2)) > 1 and re.fullmatch(r"\d+,", grid.strip()):
         x = int(xblock.group(1))
-        grid = m.group(3)
-        for nx in (x // 2, x * 2):
-            if nx < 1:
-                continue
+        for nx in (n for n in (x // 2, x * 2) if n >= 1):
             for w in sorted({warps, max(1, warps // 2), min(32, warps * 2)}):
                 new = line.replace(f"XBLOCK={x},", f"XBLOCK={nx},").replace(f"num_warps={warps})", f"num_warps={w})")
-                if not re.fullmatch(r"\d+,", grid.strip()):
-                    continue  # a symbolic grid: leave its rows per program alone
-                new = new.replace(f"[({grid})]", f"[({_regrid(grid, x, nx)})]")
-                out.append((f"XBLOCK={nx} num_warps={w}", new))
+                out.append((f"XBLOCK={nx} num_warps={w}", new.replace(f"[({grid})]", f"[({_regrid(grid, x, nx)})]")))
     return out
 
 
@@ -121,18 +117,20 @@ def sweep(module, args: list, out_dir: str | None) -> list[str]:
     rows = [f"{module.name}: {base:.3f} ms as generated"]
     lines = module.source.splitlines()
     for i, line in enumerate(lines):
+        launch = LAUNCH.match(line)
+        kernel = launch.group(2) if launch else ""
         for label, new in variants(line):
             source = "\n".join(lines[:i] + [new] + lines[i + 1:])
             try:
                 variant = codegen.load(source, ctx)
                 if not _same(expected, _outputs(variant, args)):
-                    rows.append(f"  {LAUNCH.match(line).group(2)}: {label}: WRONG RESULT")
+                    rows.append(f"  {kernel}: {label}: WRONG RESULT")
                     continue
                 ms = time_call(variant, args)
             except Exception as exc:  # noqa: BLE001 - a variant that does not compile is a row too
-                rows.append(f"  {LAUNCH.match(line).group(2)}: {label}: failed ({type(exc).__name__})")
+                rows.append(f"  {kernel}: {label}: failed ({type(exc).__name__})")
                 continue
-            rows.append(f"  {LAUNCH.match(line).group(2)}: {label}: {ms:.3f} ms ({ms / base:.2f}x)")
+            rows.append(f"  {kernel}: {label}: {ms:.3f} ms ({ms / base:.2f}x)")
     if out_dir:
         with open(os.path.join(out_dir, f"{module.name}.py"), "w") as f:
             f.write(module.source)
