@@ -126,3 +126,70 @@ def test_kernel_module_level_shares_one_aten_graph(tmp_path, cgtrees_counters):
         results.append(module.call([x, y]))
     assert cgtrees_counters["cache_miss_module"] == 1 and cgtrees_counters["cache_hit_module"] == 1
     assert torch.equal(results[0][0], results[1][0])
+
+
+def test_triton_key_is_computed_once_and_remembered_across_processes(tmp_path, monkeypatch):
+    """Triton's hash of itself (0.3-0.5 s a process) is computed once however many threads ask, kept
+    in our cache with a stamp of Triton's files, read back by a later process while the stamp holds,
+    and computed again when the stamp changes or the file is damaged."""
+    import threading
+
+    from backend.codegen import compat
+
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return f"key{len(calls)}"
+
+    path = tmp_path / "triton-key.json"
+    first = compat.SharedKey(compute, path)
+    threads = [threading.Thread(target=first) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert first() == "key1" and len(calls) == 1 and path.exists()
+
+    def never():
+        raise AssertionError("a remembered key must not be computed")
+
+    assert compat.SharedKey(never, path)() == "key1"  # a later process reads it back
+
+    monkeypatch.setattr(compat, "installed_stamp", lambda: "triton upgraded")
+    assert compat.SharedKey(compute, path)() == "key2"  # stamp changed: computed again, and kept
+    assert compat.SharedKey(never, path)() == "key2"
+
+    for damage in (b"", b"{not json", b'{"key": "x"}'):
+        path.write_bytes(damage)
+        assert compat.SharedKey(compute, path)().startswith("key")
+    assert compat.SharedKey(never, path)() == f"key{len(calls)}"  # rewritten after the damage
+
+    def refuse(*_args, **_kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(compat.os, "replace", refuse)
+    path.unlink()
+    assert compat.SharedKey(compute, path)() == f"key{len(calls)}"  # cannot keep it: still answers
+    assert not path.exists()
+    assert compat.SharedKey(compute, None)() == f"key{len(calls)}"  # no cache: computed, nothing kept
+
+
+def test_triton_stamp_follows_the_installed_files(tmp_path, monkeypatch):
+    """The stamp changes with any file of the Triton package (size or mtime), nothing else."""
+    import triton
+
+    from backend.codegen import compat
+
+    fake = tmp_path / "triton"
+    (fake / "_C").mkdir(parents=True)
+    (fake / "__pycache__").mkdir()
+    (fake / "__init__.py").write_text("x = 1\n")
+    (fake / "_C" / "libtriton.so").write_bytes(b"\0" * 64)
+    monkeypatch.setattr(triton, "__file__", str(fake / "__init__.py"))
+    stamp = compat.installed_stamp()
+    assert compat.installed_stamp() == stamp
+    (fake / "__pycache__" / "x.pyc").write_bytes(b"bytecode")  # Python's byte-code cache is not Triton
+    assert compat.installed_stamp() == stamp
+    (fake / "_C" / "libtriton.so").write_bytes(b"\1" * 65)
+    assert compat.installed_stamp() != stamp

@@ -35,7 +35,7 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
                          graph_id: int) -> Callable[..., Any]:
     name = f"g{graph_id}"
     pair = FunctionPair(name)
-    codegen.prepare(example_inputs, config)
+    codegen.prepare(example_inputs, config, cache.triton_key_file(config))
     cached = cache.load_aot(gm, example_inputs, config, name, pair, wrap=_wrap)  # level 1: a hit skips AOT
     if cached is not None:
         return cached

@@ -9,13 +9,14 @@ atomically under a lock per entry (store.py). Every hit re-wraps the modules in 
 Every torch private API the cache uses is in compat.py.
 
 The driver calls three functions: ``load_aot`` before AOTAutograd, ``compile_module`` for each aten
-graph, and ``record_module`` after it, so that level 1 can write its entry.
+graph, and ``record_module`` after it, so that level 1 can write its entry. ``triton_key_file``
+names the file where codegen keeps Triton's hash of itself between processes.
 """
 
 from __future__ import annotations
 
 from backend.cache.aot import load as load_aot
 from backend.cache.aot import record as record_module
-from backend.cache.modules import compile_module
+from backend.cache.modules import compile_module, triton_key_file
 
-__all__ = ["load_aot", "compile_module", "record_module"]
+__all__ = ["load_aot", "compile_module", "record_module", "triton_key_file"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -68,6 +69,13 @@ def open_store(config: Config) -> Store | None:
     if store is not None:
         point_triton_at(store)
     return store
+
+
+def triton_key_file(config: Config) -> Path | None:
+    """Where Triton's hash of its own installation is kept between processes (0.3-0.5 s to compute
+    at each start); None when the cache is off or unusable."""
+    store = open_store(config) if config.cache else None
+    return None if store is None else store.triton_dir() / "cgtrees-triton-key.json"
 
 
 def point_triton_at(store: Store) -> None:

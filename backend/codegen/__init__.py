@@ -3,7 +3,7 @@
     generate(gm, example_inputs, ctx) -> source     the module text (readable, runs on its own)
     load(source, ctx, path=None) -> KernelModule    import it (from a file, so Triton can read it)
     compile_graph(gm, example_inputs, ctx)          load(generate(...)); CGTREES_DEBUG_DIR keeps a copy
-    prepare(example_inputs, config)                 start what the first kernel will wait for
+    prepare(example_inputs, config, remember_key_in)  start what the first kernel will wait for
 
 The steps of ``generate``: lower the FX graph to IR (``graph``), group steps into kernels
 (``scheduler``), write kernels and the ``call`` wrapper (``kernel``, ``wrapper``). CPU graphs
@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,14 +38,15 @@ log = logging.getLogger("backend.codegen")
 __all__ = ["generate", "load", "compile_graph", "prepare", "KernelModule", "AtenModule", "graph_hash"]
 
 
-def prepare(example_inputs: list, config: Any) -> None:
+def prepare(example_inputs: list, config: Any, remember_key_in: Path | None = None) -> None:
     """Called as a Dynamo graph arrives, before the cache or AOTAutograd: a graph with CUDA inputs
-    will launch compiled Triton kernels, whose first launch waits for Triton's hash of itself."""
+    will launch compiled Triton kernels, whose first launch waits for Triton's hash of itself
+    (remembered in ``remember_key_in``, a file of our cache, for later processes)."""
     if config.interpret or not any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
         return
     from backend.codegen.compat import hash_triton_in_background
 
-    hash_triton_in_background()
+    hash_triton_in_background(remember_key_in)
 
 
 class AtenModule:

@@ -120,21 +120,28 @@ def test_dtypes(dtype):
         close(a, b, atol=1e-2, rtol=1e-2, equal_nan=True)
 
 
-def test_triton_hashes_itself_while_a_cuda_graph_compiles():
+def test_triton_hashes_itself_while_a_cuda_graph_compiles(tmp_path, monkeypatch):
     """The first CUDA graph to reach the backend starts Triton's hash of itself on a thread, so the
-    first kernel launch finds it done (tests/test_codegen.py: CPU graphs start nothing)."""
-    from triton.runtime.cache import triton_key
+    first kernel launch finds it done (tests/test_codegen.py: CPU graphs start nothing). The key
+    Triton then uses is the one it computes itself, and it is kept in the file given."""
+    import triton.runtime.cache as triton_cache
 
     from backend import codegen
     from backend.codegen import compat
     from backend.config import Config
 
-    codegen.prepare([torch.randn(3, device=DEV)], Config())
+    original = getattr(triton_cache.triton_key, "compute", triton_cache.triton_key)
+    monkeypatch.setattr(triton_cache, "triton_key", original)  # as if no graph had come before
+    monkeypatch.setattr(compat, "_key_thread", None)
+    path = tmp_path / "key.json"
+    codegen.prepare([torch.randn(3, device=DEV)], Config(), path)
     assert compat._key_thread is not None and compat._key_thread.name == "cgtrees-triton-key"
     compat._key_thread.join(timeout=60)
-    hits = triton_key.cache_info().hits
-    assert triton_key().startswith(__import__("triton").__version__)
-    assert triton_key.cache_info().hits == hits + 1  # computed once, by the thread or earlier
+    shared = triton_cache.triton_key
+    assert isinstance(shared, compat.SharedKey)
+    assert shared.compute is original and shared.path == path
+    assert shared() == original() and shared().startswith(__import__("triton").__version__)
+    assert json.loads(path.read_text())["key"] == shared()
 
 
 def test_dynamic_shapes():
