@@ -106,12 +106,12 @@ class SharedKey:
         except (OSError, ValueError, KeyError, TypeError):
             pass
         value = self.compute()
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
             tmp.write_text(json.dumps({"stamp": stamp, "key": value}))
             os.replace(tmp, self.path)
         except OSError:
-            pass
+            tmp.unlink(missing_ok=True)
         return value
 
 
