@@ -17,7 +17,7 @@ import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -111,7 +111,8 @@ class SharedKey:
             tmp.write_text(json.dumps({"stamp": stamp, "key": value}))
             os.replace(tmp, self.path)
         except OSError:
-            tmp.unlink(missing_ok=True)
+            with suppress(OSError):
+                tmp.unlink(missing_ok=True)
         return value
 
 
