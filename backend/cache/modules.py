@@ -55,7 +55,8 @@ def compile_module(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx:
     events.miss(LEVEL, ctx.name)
     source = generate(gm, example_inputs, ctx)
     module = load(source, ctx)
-    store.write(LEVEL, digest, {"key": key.as_dict(), "source": source}, ctx.config.cache_size_mb)
+    store.write(LEVEL, digest, {"key": key.as_dict(), "source": source, "binaries": kernel_binaries(module)},
+                ctx.config.cache_size_mb)
     return module
 
 
@@ -90,11 +91,25 @@ def _try_load(store: Store, digest: str, ctx: GraphContext, load: Any) -> Any:
         payload = store.read(LEVEL, digest)
         if payload is None:
             return None
-        return load(payload["source"], ctx, precompile_kernels=False)
+        return load(payload["source"], ctx, precompile_kernels=False, binaries=payload.get("binaries"))
     except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
         events.corrupt(LEVEL, ctx.name, f"{type(exc).__name__}: {exc}")
         store.remove(LEVEL, digest)
         return None
+
+
+def kernel_binaries(module: Any) -> dict[str, list[dict]]:
+    """The compiled kernels to keep with a module's source, so a warm start launches them as they
+    are (``codegen.binaries``); none when they cannot be taken."""
+    take = getattr(module, "binaries", None)
+    if take is None:
+        return {}
+    try:
+        return take()
+    except Exception as exc:  # noqa: BLE001 - the entry is still good; its kernels go through the JIT
+        events.log.warning("cgtrees cache: the compiled kernels of %s are not kept (%s: %s)",
+                           getattr(module, "name", "?"), type(exc).__name__, exc)
+        return {}
 
 
 # ---- module records for level 1 ---------------------------------------------------------------
@@ -120,7 +135,7 @@ def module_record(gm: torch.fx.GraphModule, module: Any) -> dict[str, Any]:
     """What level 1 stores for one compiled graph (Uncacheable if it cannot be stored)."""
     source = getattr(module, "source", None)
     if source is not None:
-        return {"format": "codegen", "source": source}
+        return {"format": "codegen", "source": source, "binaries": kernel_binaries(module)}
     if not isinstance(module, codegen.AtenModule):
         raise Uncacheable(f"kernel module {type(module).__name__} has no source")
     return {"format": "fx", "source": fx_code(gm)}
@@ -128,7 +143,7 @@ def module_record(gm: torch.fx.GraphModule, module: Any) -> dict[str, Any]:
 
 def load_record(record: dict[str, Any], ctx: GraphContext) -> Any:
     if record["format"] == "codegen":
-        return codegen.load(record["source"], ctx, precompile_kernels=False)
+        return codegen.load(record["source"], ctx, precompile_kernels=False, binaries=record.get("binaries"))
     if record["format"] == "fx":
         return FxModule(record["source"], ctx.name)
     raise CorruptEntry(f"unknown module format {record['format']!r}")

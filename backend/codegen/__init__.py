@@ -1,7 +1,9 @@
 """codegen: lower one aten graph to a kernel module with ``call(args) -> outputs``.
 
     generate(gm, example_inputs, ctx) -> source     the module text (readable, runs on its own)
-    load(source, ctx, path=None) -> KernelModule    import it (from a file, so Triton can read it)
+    load(source, ctx, path=None, binaries=None)     import it (from a file, so Triton can read it);
+                                                    its kernels launch from compiled binaries
+                                                    (``binaries``), given or its own
     compile_graph(gm, example_inputs, ctx)          load(generate(...)); CGTREES_DEBUG_DIR keeps a copy
     prepare(example_inputs, config, remember_key_in)  start what the first kernel will wait for
 
@@ -159,6 +161,12 @@ class KernelModule:
         self._ran_once = False
         self.failure: str | None = None  # why the module switched to its aten path, if it did
 
+    def binaries(self) -> dict[str, list[dict]]:
+        """The compiled binaries of its kernels, for the cache to keep with its source."""
+        from backend.codegen import binaries
+
+        return binaries.capture(self.module)
+
     def call(self, args: list[Any]) -> Any:
         if self._verified:
             return self._run(args)
@@ -191,10 +199,13 @@ def _from_triton(exc: BaseException) -> bool:
     return False
 
 
-def load(source: str, ctx: GraphContext, path: str | None = None, precompile_kernels: bool = True) -> KernelModule:
-    """Import ``source`` (written to ``path``, or to a fresh temporary file) as a kernel module,
-    compiling its Triton kernels together unless told not to (a cache hit: Triton's on-disk cache
-    holds their binaries, and loading each at its launch is cheaper than warming them all)."""
+def load(source: str, ctx: GraphContext, path: str | None = None, precompile_kernels: bool = True,
+         binaries: dict[str, list[dict]] | None = None) -> KernelModule:
+    """Import ``source`` (written to ``path``, or to a fresh temporary file) as a kernel module.
+    Its Triton kernels are compiled together unless told not to (a cache hit: the entry's
+    ``binaries`` are launched as they are, and a kernel without one loads from Triton's on-disk
+    cache at its launch, which is cheaper than warming them all), and then launch from their
+    compiled binaries without Triton's JIT (``binaries``)."""
     if ctx.config.interpret:
         # Triton decides interpreted or compiled when a kernel is decorated: set before importing.
         from backend.codegen import interp
@@ -213,9 +224,23 @@ def load(source: str, ctx: GraphContext, path: str | None = None, precompile_ker
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # Triton looks kernels' globals up through their module
     spec.loader.exec_module(module)
-    if precompile_kernels and not ctx.config.interpret:
-        precompile(module, ctx.name)
+    if not ctx.config.interpret:
+        if precompile_kernels:
+            precompile(module, ctx.name)
+        _launch_from_binaries(module, binaries, ctx.name)
     return KernelModule(module, source, path, ctx.name)
+
+
+def _launch_from_binaries(module: Any, records: dict[str, list[dict]] | None, name: str) -> None:
+    from backend.codegen import binaries
+
+    try:
+        n = binaries.install(module, binaries.capture(module) if records is None else records, name)
+    except Exception as exc:  # noqa: BLE001  (the kernels launch through Triton's JIT)
+        log_once(log, f"binaries:{name}", "cgtrees codegen: %s: its stored binaries could not be installed "
+                 "(%s: %s); its kernels launch through Triton's JIT", name, type(exc).__name__, exc)
+        return
+    log.debug("cgtrees codegen: %s: %d kernels launch from their binaries", name, n)
 
 
 def _safe(name: str) -> str:

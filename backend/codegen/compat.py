@@ -8,17 +8,24 @@ None where this Triton has no such mode: the caller then compiles one kernel aft
 ``hash_triton_in_background(remember_in)``: starts Triton's hash of its own sources and library
 (``triton.runtime.cache.triton_key``, part of every compiled kernel's cache key) on a thread, after
 putting ``SharedKey`` in its place: computed once, and remembered across processes in our cache.
+
+``compiled_specialisations(jit)`` and ``LoadedBinary``: a kernel's compiled binaries taken from
+Triton's in-process cache as JSON-able records, and one such record loaded and launched through
+Triton's launcher, without its JIT (``binaries`` says when and why).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
 import threading
+from collections import namedtuple
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, Iterator
 
 
@@ -129,3 +136,131 @@ def installed_stamp() -> str:
             st = os.stat(path)
             digest.update(f"{os.path.relpath(path, root)}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}\n".encode())
     return digest.hexdigest()
+
+
+# ---- compiled kernels: taken from Triton's in-process cache, launched without its JIT ----------
+
+def is_jit_function(obj: object) -> bool:
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return False
+    return isinstance(obj, JITFunction)
+
+
+def jit_param_names(jit: object) -> tuple[list[str], set[str]]:
+    """A kernel's parameter names, and those declared ``tl.constexpr``."""
+    params = jit.params  # type: ignore[attr-defined]
+    return [p.name for p in params], {p.name for p in params if p.is_constexpr}
+
+
+def compiled_specialisations(jit: object) -> list[dict]:
+    """Each specialisation Triton compiled for ``jit`` (on any device), as JSON-able data: the
+    signature and constants it was compiled for, the argument indices it assumed divisible by 16,
+    Triton's metadata and the binary. One Triton cannot describe this way is left out."""
+    found = []
+    for caches in list(jit.device_caches.values()):  # type: ignore[attr-defined]
+        for kernel in list(caches[0].values()):
+            if hasattr(kernel, "result"):  # an asynchronous compile Triton has not finalised
+                continue
+            record = _describe(kernel)
+            if record is not None:
+                found.append(record)
+    return found
+
+
+def _describe(kernel: object) -> dict | None:
+    src, meta = kernel.src, kernel.metadata._asdict()  # type: ignore[attr-defined]
+    divisible = []
+    for path, attrs in src.attrs.items():
+        if len(path) != 1 or attrs != [["tt.divisibility", 16]]:
+            return None
+        divisible.append(path[0])
+    constants = []
+    for path, value in src.constants.items():
+        if len(path) != 1 or not isinstance(value, (int, float, bool, type(None))):
+            return None
+        constants.append([path[0], value])
+    target = meta["target"]
+    meta["target"] = {"backend": target.backend, "arch": target.arch, "warp_size": target.warp_size}
+    try:
+        metadata = json.loads(json.dumps(meta))
+    except (TypeError, ValueError):
+        return None
+    return {"signature": list(src.signature.values()), "constants": constants, "divisible": divisible,
+            "metadata": metadata, "binary": base64.b64encode(kernel.kernel).decode()}  # type: ignore[attr-defined]
+
+
+class _Source:
+    """What Triton's launcher reads of a kernel's source: its signature and constants."""
+
+    def __init__(self, names: list[str], record: dict) -> None:
+        self.fn = SimpleNamespace(arg_names=names)
+        self.signature = dict(zip(names, record["signature"]))
+        self.constants = {(i,): value for i, value in record["constants"]}
+
+
+class LoadFailed(Exception):
+    """A stored binary that this device cannot load or run (too much shared memory, say)."""
+
+
+class LoadedBinary:
+    """One stored specialisation, loaded onto each device it is launched on (at its first launch
+    there: loading needs the device current). ``launch(grid, args)`` takes every parameter's value,
+    constexprs too; it launches nothing and answers False while a profiler hooks Triton's launches."""
+
+    def __init__(self, names: list[str], record: dict) -> None:
+        from triton import knobs
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.driver import driver
+
+        meta = dict(record["metadata"])
+        t = meta["target"]
+        meta["target"] = GPUTarget(t["backend"], t["arch"], t["warp_size"])
+        self.metadata = namedtuple("KernelMetadata", sorted(meta))(**meta)
+        self.packed = make_backend(self.metadata.target).pack_metadata(self.metadata)
+        self.binary = base64.b64decode(record["binary"])
+        self.source = _Source(names, record)
+        self.driver, self.knobs = driver.active, knobs.runtime
+        self.run: Callable | None = None
+        self.functions: dict[int, object] = {}
+
+    def launch(self, grid: tuple, args: tuple) -> bool:
+        if _hooked(self.knobs.launch_enter_hook) or _hooked(self.knobs.launch_exit_hook):
+            return False
+        device = self.driver.get_current_device()
+        function = self.functions.get(device)
+        if function is None:
+            function = self.functions[device] = self._load(device)
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        self.run(grid[0], g1, g2, self.driver.get_current_stream(device), function,  # type: ignore[misc]
+                 self.packed, None, None, None, *args)
+        return True
+
+    def _load(self, device: int) -> object:
+        from triton.compiler.compiler import max_shared_mem
+
+        meta = self.metadata
+        try:
+            if meta.shared > max_shared_mem(device):
+                raise LoadFailed(f"needs {meta.shared} bytes of shared memory, device {device} has "
+                                 f"{max_shared_mem(device)}")
+            if self.run is None:
+                self.run = self.driver.launcher_cls(self.source, meta)
+            _, function, _, _, max_threads = self.driver.utils.load_binary(meta.name, self.binary, meta.shared,
+                                                                            device)
+        except LoadFailed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure to load means: use the JIT
+            raise LoadFailed(f"{type(exc).__name__}: {exc}") from exc
+        threads = meta.num_warps * meta.target.warp_size
+        if threads > max_threads:
+            raise LoadFailed(f"needs {threads} threads per block, the binary allows {max_threads}")
+        return function
+
+
+def _hooked(hook: object) -> bool:
+    """A launch hook is set: a function, or a non-empty chain (Triton 3.6 keeps an empty one)."""
+    return hook is not None and bool(getattr(hook, "calls", True))

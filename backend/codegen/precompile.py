@@ -7,7 +7,8 @@ compiled (not interpreted) module lists its kernels with the argument types of t
 since Triton's passes and ptxas leave the GIL (those 41 kernels: 4.1 s on 8 threads). A warmup
 with dtype placeholders specialises like the launch (pointers 16-byte aligned, the same ints), so
 the launch finds the compiled kernel; a launch that specialises otherwise (a misaligned view)
-compiles as before. A warm start finds every kernel in Triton's on-disk cache either way.
+compiles as before. A module of one kernel (or a Triton without parallel compiles) warms its
+kernels one after the other: what it compiles here is what the cache keeps (``binaries``).
 
 Nothing here can break a module: any error is logged once and the kernels compile at launch.
 """
@@ -31,16 +32,17 @@ MAX_THREADS = 16
 
 
 def precompile(module: ModuleType, name: str) -> int:
-    """Warm every kernel ``module.PRECOMPILE`` lists; the number handed to the compiler."""
+    """Compile every kernel ``module.PRECOMPILE`` lists; the number handed to the compiler."""
     entries = getattr(module, "PRECOMPILE", ())
-    if len(entries) < 2 or not compat.parallel_compiles_supported():
+    if not entries:
         return 0
     threads = max(1, min(MAX_THREADS, os.cpu_count() or 1, len(entries)))
+    parallel = threads > 1 and compat.parallel_compiles_supported()
     device = getattr(module, "DEVICE", None)
     start = time.perf_counter()
     try:  # Triton compiles for the current device: make it the module's
         with torch.cuda.device(device) if device is not None and device.index is not None else nullcontext():
-            with compat.parallel_compiles(threads):
+            with compat.parallel_compiles(threads) if parallel else nullcontext():
                 for kernel, args, meta in entries:
                     kernel.warmup(*args, grid=(1,), **meta)
     except Exception as exc:  # noqa: BLE001  (the kernels still compile at their launches)

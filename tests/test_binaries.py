@@ -1,0 +1,119 @@
+"""The checks that decide whether a stored binary may be launched (``backend.codegen.binaries``), on
+CPU: what the binary assumes of each argument, and the JIT for everything else. The loading and
+launching themselves need a GPU: tests/gpu/test_binaries_gpu.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from backend.codegen import binaries, compat
+
+
+class FakeLoaded:
+    """Stands in for ``compat.LoadedBinary``: records launches, or fails to load, or is hooked."""
+
+    fail: str | None = None
+    hooked = False
+
+    def __init__(self, names, record):
+        self.names, self.launches = names, []
+
+    def launch(self, grid, args):
+        if FakeLoaded.fail:
+            raise compat.LoadFailed(FakeLoaded.fail)
+        if FakeLoaded.hooked:
+            return False
+        self.launches.append((grid, args))
+        return True
+
+
+class FakeJit:
+    params = [SimpleNamespace(name=n, is_constexpr=n.isupper()) for n in ("in_ptr", "out_ptr", "xnumel", "ks",
+                                                                          "XBLOCK")]
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.launches.append((grid, args, meta))
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(compat, "LoadedBinary", FakeLoaded)
+    monkeypatch.setattr(FakeLoaded, "fail", None)
+    monkeypatch.setattr(FakeLoaded, "hooked", False)
+    # Compiled for aligned pointers, xnumel divisible by 16 (an i32), ks == 1 baked in, XBLOCK 128.
+    record = {"signature": ["*fp32", "*fp32", "i32", "constexpr", "constexpr"], "constants": [[3, 1], [4, 128]],
+              "divisible": [0, 1, 2], "metadata": {"num_warps": 4}, "binary": ""}
+    jit = FakeJit()
+    return binaries.CachedKernel(jit, [binaries.Binary(jit, record)], "test"), jit
+
+
+def launch(kernel, x, out, xnumel=1024, ks=1, **meta):
+    kernel[(8,)](x, out, xnumel, ks, **{"XBLOCK": 128, "num_warps": 4, **meta})
+
+
+def test_arguments_that_fit_launch_the_binary_with_every_parameter(kernel):
+    cached, jit = kernel
+    x, out = torch.empty(64), torch.empty(64)
+    launch(cached, x, out)
+    assert cached.binaries[0].loaded.launches == [((8,), (x, out, 1024, 1, 128))]
+    assert jit.launches == []
+
+
+@pytest.mark.parametrize("change", [
+    {"misaligned": True}, {"xnumel": 1000}, {"ks": 2}, {"xnumel": 2**31}, {"XBLOCK": 64}, {"num_warps": 8},
+    {"num_stages": 2},
+])
+def test_arguments_the_binary_does_not_assume_go_through_the_jit(kernel, change):
+    cached, jit = kernel
+    x = torch.empty(65)[1:] if change.pop("misaligned", False) else torch.empty(64)
+    launch(cached, x, torch.empty(64), **change)
+    assert cached.binaries[0].loaded.launches == []
+    assert len(jit.launches) == 1
+
+
+def test_a_pointer_the_binary_does_not_assume_aligned_may_be_misaligned(kernel):
+    """A binary compiled without an assumption runs whatever the argument is."""
+    cached, jit = kernel
+    cached.binaries[0].aligned = [0]  # out_ptr no longer assumed aligned
+    x, out = torch.empty(64), torch.empty(65)[1:]
+    launch(cached, x, out)
+    assert len(cached.binaries[0].loaded.launches) == 1 and jit.launches == []
+
+
+def test_a_binary_that_fails_to_load_is_dropped_for_the_jit(kernel, caplog):
+    cached, jit = kernel
+    FakeLoaded.fail = "needs 300000 bytes of shared memory"
+    x, out = torch.empty(64), torch.empty(64)
+    launch(cached, x, out)
+    assert cached.binaries == [] and len(jit.launches) == 1
+    assert "could not be loaded" in caplog.text and "shared memory" in caplog.text
+    FakeLoaded.fail = None
+    launch(cached, x, out)
+    assert len(jit.launches) == 2
+
+
+def test_a_hooked_launch_goes_through_the_jit(kernel):
+    cached, jit = kernel
+    FakeLoaded.hooked = True
+    launch(cached, torch.empty(64), torch.empty(64))
+    assert len(jit.launches) == 1 and len(cached.binaries) == 1
+
+
+@pytest.mark.parametrize("bad", [
+    {"signature": ["*fp32", "*fp32", "fp32", "constexpr", "constexpr"]},  # a float argument: not checked here
+    {"signature": ["*fp32", "*fp32", "i32", "constexpr"]},  # not this kernel's parameters
+    {"constants": [[3, 1]]},  # XBLOCK's value missing
+])
+def test_records_the_launcher_cannot_check_are_refused(monkeypatch, bad):
+    monkeypatch.setattr(compat, "LoadedBinary", FakeLoaded)
+    record = {"signature": ["*fp32", "*fp32", "i32", "constexpr", "constexpr"], "constants": [[3, 1], [4, 128]],
+              "divisible": [], "metadata": {"num_warps": 4}, "binary": "", **bad}
+    with pytest.raises(binaries.Unusable):
+        binaries.Binary(FakeJit(), record)
+
