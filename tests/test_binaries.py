@@ -4,8 +4,6 @@ launching themselves need a GPU: tests/gpu/test_binaries_gpu.py."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -30,9 +28,16 @@ class FakeLoaded:
         return True
 
 
+class constexpr:  # noqa: N801 - stands for tl.constexpr, which is all the launcher reads of an annotation
+    pass
+
+
+def kernel_fn(in_ptr, out_ptr, xnumel, ks, XBLOCK: constexpr):  # noqa: N803 - as generated
+    """The parameters of a generated kernel (its body is never run here)."""
+
+
 class FakeJit:
-    params = [SimpleNamespace(name=n, is_constexpr=n.isupper()) for n in ("in_ptr", "out_ptr", "xnumel", "ks",
-                                                                          "XBLOCK")]
+    """Triton's JIT, as the fallback: records the launches it is given."""
 
     def __init__(self):
         self.launches = []
@@ -50,7 +55,7 @@ def kernel(monkeypatch):
     record = {"signature": ["*fp32", "*fp32", "i32", "constexpr", "constexpr"], "constants": [[3, 1], [4, 128]],
               "divisible": [0, 1, 2], "metadata": {"num_warps": 4}, "binary": ""}
     jit = FakeJit()
-    return binaries.CachedKernel(jit, [binaries.Binary(jit, record)], "test"), jit
+    return binaries.CachedKernel(kernel_fn, [binaries.Binary(kernel_fn, record)], "test", jit), jit
 
 
 def launch(kernel, x, out, xnumel=1024, ks=1, **meta):
@@ -115,5 +120,45 @@ def test_records_the_launcher_cannot_check_are_refused(monkeypatch, bad):
     record = {"signature": ["*fp32", "*fp32", "i32", "constexpr", "constexpr"], "constants": [[3, 1], [4, 128]],
               "divisible": [], "metadata": {"num_warps": 4}, "binary": "", **bad}
     with pytest.raises(binaries.Unusable):
-        binaries.Binary(FakeJit(), record)
+        binaries.Binary(kernel_fn, record)
 
+
+
+SOURCE = '''import triton
+import triton.language as tl
+
+
+@triton.jit
+def pw_0(in_ptr, out_ptr, xnumel, ks, XBLOCK: tl.constexpr):
+    pass
+
+
+@triton.jit
+def pw_1(in_ptr, out_ptr, xnumel, ks, XBLOCK: tl.constexpr):
+    pass
+'''
+
+
+def test_a_warm_load_leaves_kernels_with_binaries_undecorated(monkeypatch, tmp_path):
+    """``exec_deferred`` runs the source with only the kernels that have records left as plain
+    functions (at their own lines), and ``install`` gives each a stand-in; the others keep Triton's
+    decorator."""
+    import types
+
+    monkeypatch.setattr(compat, "LoadedBinary", FakeLoaded)
+    record = {"signature": ["*fp32", "*fp32", "i32", "i32", "constexpr"], "constants": [[4, 128]],
+              "divisible": [0, 1], "metadata": {"num_warps": 4}, "binary": ""}
+    path = tmp_path / "m.py"
+    path.write_text(SOURCE)
+    module = types.ModuleType("m")
+    binaries.exec_deferred(module, SOURCE, str(path), {"pw_0": [record]})
+    assert type(module.pw_0) is types.FunctionType
+    lines = SOURCE.splitlines()  # the function's lines are those of the file: its decorator, then its def
+    first = module.pw_0.__code__.co_firstlineno
+    assert lines[first - 1:first + 1] == ["@triton.jit", "def pw_0(in_ptr, out_ptr, xnumel, ks, XBLOCK: tl.constexpr):"]
+    assert type(module.pw_1) is not types.FunctionType  # decorated by Triton (JIT or interpreter)
+    assert binaries.install(module, {"pw_0": [record]}, "m") == 1
+    assert isinstance(module.pw_0, binaries.CachedKernel) and module.pw_0._jit is None
+    x = torch.empty(64)
+    module.pw_0[(1,)](x, x, 64, 3, XBLOCK=128, num_warps=4)
+    assert len(module.pw_0.binaries[0].loaded.launches) == 1 and module.pw_0._jit is None

@@ -223,7 +223,12 @@ def load(source: str, ctx: GraphContext, path: str | None = None, precompile_ker
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # Triton looks kernels' globals up through their module
-    spec.loader.exec_module(module)
+    if binaries is not None and not precompile_kernels and not ctx.config.interpret:
+        from backend.codegen.binaries import exec_deferred
+
+        exec_deferred(module, source, path, binaries)  # kernels with binaries are not decorated
+    else:
+        spec.loader.exec_module(module)
     if not ctx.config.interpret:
         if precompile_kernels:
             precompile(module, ctx.name)

@@ -52,44 +52,81 @@ def capture(module: ModuleType) -> dict[str, list[dict]]:
         records = []
         if isinstance(obj, CachedKernel):
             records = [b.record for b in obj.binaries]
-            obj = obj.jit
+            obj = obj._jit  # a kernel never launched through the JIT has compiled nothing there
         if compat.is_jit_function(obj):
-            records += compat.compiled_specialisations(obj)
+            known = {r["metadata"]["hash"] for r in records}  # Triton's hash of each compilation
+            records += [r for r in compat.compiled_specialisations(obj) if r["metadata"]["hash"] not in known]
         if records:
             found[name] = records
     return found
 
 
-# ------------------------------------------------------------------------------------------ install
+# ------------------------------------------------------------------------------------- warm loading
+DEFERRED = "cgtrees_deferred_jit"
+
+
+def exec_deferred(module: ModuleType, source: str, path: str, records: dict[str, list[dict]]) -> None:
+    """Run a module's source with the kernels that have records left as plain functions: Triton's
+    ``jit`` reads each kernel's source lines when it decorates it (1 ms a kernel), which a kernel
+    launched from its binary never needs. Their ``@triton.jit`` line reads ``@cgtrees_deferred_jit``
+    (the same number of lines, so tracebacks point into the file at ``path``, which keeps the
+    source as generated); ``install`` then makes each a ``CachedKernel``, which decorates it on
+    its first launch through the JIT."""
+    text = source
+    for name in records:
+        text = text.replace(f"\n@triton.jit\ndef {name}(", f"\n@{DEFERRED}\ndef {name}(")
+    namespace = vars(module)
+    namespace[DEFERRED] = _undecorated
+    exec(compile(text, path, "exec"), namespace)  # noqa: S102 - our own generated module
+
+
+def _undecorated(fn: Callable) -> Callable:
+    return fn
+
+
 def install(module: ModuleType, records: dict[str, list[dict]], name: str) -> int:
     """Put a ``CachedKernel`` in the place of each kernel of ``module`` that ``records`` has
-    binaries for; the number of kernels so replaced."""
+    binaries for; the number of kernels that launch from a binary."""
     installed = 0
     for kernel_name, kernel_records in records.items():
-        jit = getattr(module, kernel_name, None)
-        if isinstance(jit, CachedKernel):
-            jit = jit.jit
-        if not compat.is_jit_function(jit):
+        obj = getattr(module, kernel_name, None)
+        if isinstance(obj, CachedKernel):
+            obj = obj.jit
+        jit = obj if compat.is_jit_function(obj) else None
+        fn = obj.fn if jit is not None else obj  # type: ignore[union-attr]
+        if not callable(fn) or not hasattr(fn, "__code__"):
             continue
         binaries = []
         for record in kernel_records:
             try:
-                binaries.append(Binary(jit, record))
+                binaries.append(Binary(fn, record))
             except Exception as exc:  # noqa: BLE001 - the kernel still launches through the JIT
                 log_once(log, f"binary:{name}:{kernel_name}", "cgtrees codegen: %s: a stored binary of %s is "
                          "not usable (%s: %s); that kernel launches through Triton's JIT", name, kernel_name,
                          type(exc).__name__, exc)
-        if binaries:
-            setattr(module, kernel_name, CachedKernel(jit, binaries, name))
-            installed += 1
+        if binaries or jit is None:  # a deferred kernel always needs its stand-in
+            setattr(module, kernel_name, CachedKernel(fn, binaries, name, jit))
+            installed += bool(binaries)
     return installed
+
+
+def parameters(fn: Callable) -> tuple[list[str], set[str]]:
+    """A kernel function's parameter names, and those annotated ``tl.constexpr``."""
+    code = fn.__code__
+    names = list(code.co_varnames[:code.co_argcount])
+    annotations = getattr(fn, "__annotations__", {})
+
+    def constexpr(a: Any) -> bool:
+        return "constexpr" in (a if isinstance(a, str) else getattr(a, "__name__", ""))
+
+    return names, {n for n in names if constexpr(annotations.get(n))}
 
 
 class Binary:
     """One compiled specialisation: what it assumes of the arguments, and the loaded binary."""
 
-    def __init__(self, jit: Any, record: dict) -> None:
-        names, constexprs = compat.jit_param_names(jit)
+    def __init__(self, fn: Callable, record: dict) -> None:
+        names, constexprs = parameters(fn)
         n_args = next((i for i, n in enumerate(names) if n in constexprs), len(names))
         if any(n not in constexprs for n in names[n_args:]):
             raise Unusable("a constexpr parameter comes before a run-time one")
@@ -136,10 +173,23 @@ class Binary:
 
 class CachedKernel:
     """Stands in for a Triton kernel in its module: ``kernel[grid](*args, **meta)`` launches the
-    first stored binary whose assumptions hold, else goes through the JIT (``jit``)."""
+    first stored binary whose assumptions hold, else goes through Triton's JIT (``jit``, made from
+    the kernel's function ``fn`` when first needed)."""
 
-    def __init__(self, jit: Any, binaries: list[Binary], module_name: str) -> None:
-        self.jit, self.binaries, self.module_name = jit, binaries, module_name
+    def __init__(self, fn: Callable, binaries: list[Binary], module_name: str, jit: Any = None) -> None:
+        self.fn, self.binaries, self.module_name, self._jit = fn, binaries, module_name, jit
+
+    @property
+    def jit(self) -> Any:
+        if self._jit is None:
+            import triton
+
+            self._jit = triton.jit(self.fn)
+        return self._jit
+
+    @jit.setter
+    def jit(self, value: Any) -> None:
+        self._jit = value
 
     def __getitem__(self, grid: tuple) -> Callable[..., None]:
         return lambda *args, **meta: self.launch(grid, args, meta)
@@ -156,9 +206,10 @@ class CachedKernel:
         self.jit[grid](*args, **meta)
 
     def _drop(self, binary: Binary, exc: Exception) -> None:
-        log_once(log, f"load:{self.module_name}:{self.jit}", "cgtrees codegen: %s: a stored binary of %s could "
-                 "not be loaded (%s); it launches through Triton's JIT", self.module_name, self.jit, exc)
+        log_once(log, f"load:{self.module_name}:{self.fn.__name__}", "cgtrees codegen: %s: a stored binary of "
+                 "%s could not be loaded (%s); it launches through Triton's JIT", self.module_name,
+                 self.fn.__name__, exc)
         self.binaries = [b for b in self.binaries if b is not binary]
 
     def __repr__(self) -> str:
-        return f"CachedKernel({self.jit!r}, {len(self.binaries)} binaries)"
+        return f"CachedKernel({self.fn.__name__}, {len(self.binaries)} binaries)"

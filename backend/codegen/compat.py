@@ -148,12 +148,6 @@ def is_jit_function(obj: object) -> bool:
     return isinstance(obj, JITFunction)
 
 
-def jit_param_names(jit: object) -> tuple[list[str], set[str]]:
-    """A kernel's parameter names, and those declared ``tl.constexpr``."""
-    params = jit.params  # type: ignore[attr-defined]
-    return [p.name for p in params], {p.name for p in params if p.is_constexpr}
-
-
 def compiled_specialisations(jit: object) -> list[dict]:
     """Each specialisation Triton compiled for ``jit`` (on any device), as JSON-able data: the
     signature and constants it was compiled for, the argument indices it assumed divisible by 16,
@@ -173,9 +167,10 @@ def _describe(kernel: object) -> dict | None:
     src, meta = kernel.src, kernel.metadata._asdict()  # type: ignore[attr-defined]
     divisible = []
     for path, attrs in src.attrs.items():
-        if len(path) != 1 or attrs != [["tt.divisibility", 16]]:
+        if len(path) != 1 or attrs not in ([], [["tt.divisibility", 16]]):
             return None
-        divisible.append(path[0])
+        if attrs:
+            divisible.append(path[0])
     constants = []
     for path, value in src.constants.items():
         if len(path) != 1 or not isinstance(value, (int, float, bool, type(None))):
@@ -211,18 +206,11 @@ class LoadedBinary:
 
     def __init__(self, names: list[str], record: dict) -> None:
         from triton import knobs
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler.compiler import make_backend
         from triton.runtime.driver import driver
 
-        meta = dict(record["metadata"])
-        t = meta["target"]
-        meta["target"] = GPUTarget(t["backend"], t["arch"], t["warp_size"])
-        self.metadata = namedtuple("KernelMetadata", sorted(meta))(**meta)
-        self.packed = make_backend(self.metadata.target).pack_metadata(self.metadata)
-        self.binary = base64.b64decode(record["binary"])
-        self.source = _Source(names, record)
+        self.names, self.record = names, record
         self.driver, self.knobs = driver.active, knobs.runtime
+        self.metadata: tuple | None = None
         self.run: Callable | None = None
         self.functions: dict[int, object] = {}
 
@@ -242,13 +230,16 @@ class LoadedBinary:
     def _load(self, device: int) -> object:
         from triton.compiler.compiler import max_shared_mem
 
-        meta = self.metadata
         try:
+            if self.metadata is None:
+                self.metadata, self.packed = _metadata(self.record["metadata"])
+                self.binary = base64.b64decode(self.record["binary"])
+            meta = self.metadata
             if meta.shared > max_shared_mem(device):
                 raise LoadFailed(f"needs {meta.shared} bytes of shared memory, device {device} has "
                                  f"{max_shared_mem(device)}")
             if self.run is None:
-                self.run = self.driver.launcher_cls(self.source, meta)
+                self.run = _launcher(self.driver, _Source(self.names, self.record), meta)
             _, function, _, _, max_threads = self.driver.utils.load_binary(meta.name, self.binary, meta.shared,
                                                                             device)
         except LoadFailed:
@@ -259,6 +250,42 @@ class LoadedBinary:
         if threads > max_threads:
             raise LoadFailed(f"needs {threads} threads per block, the binary allows {max_threads}")
         return function
+
+
+_metadata_types: dict[tuple, type] = {}
+_backends: dict[tuple, object] = {}
+_launchers: dict[str, object] = {}
+# What Triton 3.6's CudaLauncher reads of a kernel, besides its signature and constants.
+LAUNCHER_FIELDS = ("num_ctas", "global_scratch_size", "global_scratch_align", "profile_scratch_size",
+                   "profile_scratch_align", "launch_cooperative_grid", "launch_pdl", "tensordesc_meta")
+
+
+def _metadata(record: dict) -> tuple[tuple, object]:
+    """Triton's metadata tuple for a stored record (as Triton reads its own JSON), and its packed
+    form for the launcher. The tuple type and the backend are made once, not per kernel."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+
+    meta = dict(record)
+    t = meta["target"]
+    target = meta["target"] = GPUTarget(t["backend"], t["arch"], t["warp_size"])
+    fields = tuple(sorted(meta))
+    kind = _metadata_types.get(fields) or _metadata_types.setdefault(fields, namedtuple("KernelMetadata", fields))
+    key = (target.backend, target.arch, target.warp_size)
+    backend = _backends.get(key) or _backends.setdefault(key, make_backend(target))
+    metadata = kind(**meta)
+    return metadata, backend.pack_metadata(metadata)  # type: ignore[attr-defined]
+
+
+def _launcher(driver: object, source: _Source, meta: tuple) -> object:
+    """Triton's launcher for a kernel: a C function made for its signature, built and loaded once
+    per process for each signature (kernels of one module share a handful)."""
+    key = json.dumps([list(source.signature.values()), sorted(source.constants.items()),
+                      [getattr(meta, f, None) for f in LAUNCHER_FIELDS]], default=str)
+    launcher = _launchers.get(key)
+    if launcher is None:
+        launcher = _launchers[key] = driver.launcher_cls(source, meta)  # type: ignore[attr-defined]
+    return launcher
 
 
 def _hooked(hook: object) -> bool:
