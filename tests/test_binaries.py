@@ -162,3 +162,28 @@ def test_a_warm_load_leaves_kernels_with_binaries_undecorated(monkeypatch, tmp_p
     x = torch.empty(64)
     module.pw_0[(1,)](x, x, 64, 3, XBLOCK=128, num_warps=4)
     assert len(module.pw_0.binaries[0].loaded.launches) == 1 and module.pw_0._jit is None
+
+
+def test_the_cache_keeps_what_a_module_captures_and_passes_it_back(monkeypatch, caplog):
+    from backend import codegen
+    from backend.cache import modules
+
+    class Module:
+        name = "m"
+
+        def binaries(self):
+            return {"pw_0": [{"binary": "..."}]}
+
+    class Broken:
+        name = "broken"
+
+        def binaries(self):
+            raise RuntimeError("no device")
+
+    assert modules.kernel_binaries(Module()) == {"pw_0": [{"binary": "..."}]}
+    assert modules.kernel_binaries(Broken()) == {} and "no device" in caplog.text
+    assert modules.kernel_binaries(codegen.AtenModule(None)) == {}
+    seen = {}
+    monkeypatch.setattr(codegen, "load", lambda source, ctx, **kw: seen.update(kw))
+    modules.load_record({"format": "codegen", "source": "", "binaries": {"pw_0": []}}, None)
+    assert seen == {"precompile_kernels": False, "binaries": {"pw_0": []}}

@@ -4,6 +4,9 @@
                           a hit skips AOTAutograd, partitioning and codegen
     level 2 (modules.py)  aten graph -> kernel module: a hit skips codegen
 
+A kernel module is kept as its source and its kernels' compiled binaries (``codegen.binaries``),
+so a hit at either level compiles no kernel and launches them without Triton's JIT.
+
 Keys are explicit objects (key.py); entries live in a versioned, private directory, written
 atomically under a lock per entry (store.py). Every hit re-wraps the modules in the runtime.
 Every torch private API the cache uses is in compat.py.

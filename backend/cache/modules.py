@@ -5,8 +5,9 @@ Built on codegen's ``generate(gm, example_inputs, ctx) -> source`` and ``load(so
 miss generates, loads (a source that does not load is never stored), then stores. Until codegen
 provides both, this level is a counted bypass and ``codegen.compile_graph`` runs as before.
 
-Also the module *records* of level 1: a module with a source is stored as that source; a graph
-that runs through aten is stored as its FX code, which we load back with a fixed set of globals.
+Also the module *records* of level 1: a module with a source is stored as that source, with its
+kernels' compiled binaries; a graph that runs through aten is stored as its FX code, which we load
+back with a fixed set of globals.
 """
 
 from __future__ import annotations
