@@ -14,18 +14,11 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+import codegen_helpers as h  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-    reason="needs CUDA (and compiled, not interpreted, Triton kernels)")
-
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                                reason="needs CUDA and compiled Triton kernels")
 DEV = "cuda"
-
-
-def _helpers():
-    import codegen_helpers
-
-    return codegen_helpers
 
 
 def f(x, y):
@@ -57,7 +50,7 @@ def _warm_load(m, records, name="warm"):
     from backend import codegen
     from backend.context import GraphContext
 
-    ctx = GraphContext(_helpers().config(), "inference", name)
+    ctx = GraphContext(h.config(), "inference", name)
     return codegen.load(m.source, ctx, precompile_kernels=False, binaries=json.loads(json.dumps(records)))
 
 
@@ -68,7 +61,6 @@ def _jit_specialisations(module):
 
 
 def test_a_fresh_module_launches_its_kernels_from_their_binaries():
-    h = _helpers()
     x, y = _inputs()
     m = h.compile_fn(f, x, y)
     kernels = _kernels(m)
@@ -80,7 +72,6 @@ def test_a_fresh_module_launches_its_kernels_from_their_binaries():
 
 
 def test_a_warm_load_launches_the_stored_binaries_and_compiles_nothing():
-    h = _helpers()
     x, y = _inputs()
     cold = h.compile_fn(f, x, y)
     records = cold.binaries()
@@ -100,7 +91,6 @@ def test_a_warm_load_launches_the_stored_binaries_and_compiles_nothing():
 def test_arguments_a_binary_does_not_fit_go_through_the_jit():
     """The binaries assume 16-byte aligned pointers; an input 4 bytes off gets a new specialisation
     from the JIT, and the right numbers; aligned inputs keep using the binary."""
-    h = _helpers()
     x, y = _inputs()
     m = h.compile_fn(f, x, y)
     base = torch.randn(x.numel() + 1, device=DEV)
@@ -119,7 +109,6 @@ def test_arguments_a_binary_does_not_fit_go_through_the_jit():
 
 
 def test_a_binary_that_does_not_load_is_dropped_for_the_jit(caplog):
-    h = _helpers()
     x, y = _inputs()
     cold = h.compile_fn(f, x, y)
     records = cold.binaries()
@@ -141,7 +130,6 @@ def test_a_profiler_hook_sees_every_launch():
     """With a launch hook set (Proton does this), launches go through Triton's JIT and its hooks."""
     from triton import knobs
 
-    h = _helpers()
     x, y = _inputs()
     m = h.compile_fn(f, x, y)
     seen = []
