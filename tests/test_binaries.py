@@ -159,6 +159,7 @@ def test_a_warm_load_leaves_kernels_with_binaries_undecorated(monkeypatch, tmp_p
     assert type(module.pw_1) is not types.FunctionType  # decorated by Triton (JIT or interpreter)
     assert binaries.install(module, {"pw_0": [record]}, "m") == 1
     assert isinstance(module.pw_0, binaries.CachedKernel) and module.pw_0._jit is None
+    assert binaries.install(module, {"pw_0": [record]}, "m") == 1 and module.pw_0._jit is None  # again: no JIT
     x = torch.empty(64)
     module.pw_0[(1,)](x, x, 64, 3, XBLOCK=128, num_warps=4)
     assert len(module.pw_0.binaries[0].loaded.launches) == 1 and module.pw_0._jit is None

@@ -91,10 +91,12 @@ def install(module: ModuleType, records: dict[str, list[dict]], name: str) -> in
     for kernel_name, kernel_records in records.items():
         obj = getattr(module, kernel_name, None)
         if isinstance(obj, CachedKernel):
-            obj = obj.jit
-        jit = obj if compat.is_jit_function(obj) else None
-        fn = obj.fn if jit is not None else obj  # type: ignore[union-attr]
-        if not callable(fn) or not hasattr(fn, "__code__"):
+            fn, jit = obj.fn, obj._jit
+        elif compat.is_jit_function(obj):
+            fn, jit = obj.fn, obj  # type: ignore[union-attr]
+        else:
+            fn, jit = obj, None  # left undecorated by exec_deferred
+        if not hasattr(fn, "__code__"):
             continue
         binaries = []
         for record in kernel_records:
