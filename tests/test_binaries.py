@@ -188,3 +188,19 @@ def test_the_cache_keeps_what_a_module_captures_and_passes_it_back(monkeypatch, 
     monkeypatch.setattr(codegen, "load", lambda source, ctx, **kw: seen.update(kw))
     modules.load_record({"format": "codegen", "source": "", "binaries": {"pw_0": []}}, None)
     assert seen == {"precompile_kernels": False, "binaries": {"pw_0": []}}
+
+
+@pytest.mark.parametrize("junk", ["junk", [{"signature": 3}], [None], {"binary": ""}])
+def test_junk_records_leave_a_deferred_kernel_on_the_jit(monkeypatch, tmp_path, junk, caplog):
+    """Records that cannot be read (only a bug could store them: entries are checksummed) still
+    give the undecorated kernel its stand-in, which launches through the JIT."""
+    import types
+
+    monkeypatch.setattr(compat, "LoadedBinary", FakeLoaded)
+    path = tmp_path / "m.py"
+    path.write_text(SOURCE)
+    module = types.ModuleType("m")
+    binaries.exec_deferred(module, SOURCE, str(path), {"pw_0": junk})
+    assert binaries.install(module, {"pw_0": junk}, f"m{id(junk)}") == 0
+    assert isinstance(module.pw_0, binaries.CachedKernel) and module.pw_0.binaries == []
+    assert "not usable" in caplog.text

@@ -223,6 +223,10 @@ def load(source: str, ctx: GraphContext, path: str | None = None, precompile_ker
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # Triton looks kernels' globals up through their module
+    if not isinstance(binaries, (dict, type(None))):
+        log_once(log, f"records:{name}", "cgtrees codegen: %s: its stored binaries are not a mapping; its "
+                 "kernels launch through Triton's JIT", ctx.name)
+        binaries = {}
     if binaries is not None and not precompile_kernels and not ctx.config.interpret:
         from backend.codegen.binaries import exec_deferred
 

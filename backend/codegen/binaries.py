@@ -99,7 +99,7 @@ def install(module: ModuleType, records: dict[str, list[dict]], name: str) -> in
         if not hasattr(fn, "__code__"):
             continue
         binaries = []
-        for record in kernel_records:
+        for record in kernel_records if isinstance(kernel_records, list) else [kernel_records]:
             try:
                 binaries.append(Binary(fn, record))
             except Exception as exc:  # noqa: BLE001 - the kernel still launches through the JIT
