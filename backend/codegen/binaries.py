@@ -55,7 +55,7 @@ def capture(module: ModuleType) -> dict[str, list[dict]]:
             obj = obj._jit  # a kernel never launched through the JIT has compiled nothing there
         if compat.is_jit_function(obj):
             known = {r["metadata"]["hash"] for r in records}  # Triton's hash of each compilation
-            records += [r for r in compat.compiled_specialisations(obj) if r["metadata"]["hash"] not in known]
+            records += compat.compiled_specialisations(obj, known)
         if records:
             found[name] = records
     return found

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, Iterator
+from typing import Callable, Collection, Iterator
 
 
 def parallel_compiles_supported() -> bool:
@@ -148,14 +148,15 @@ def is_jit_function(obj: object) -> bool:
     return isinstance(obj, JITFunction)
 
 
-def compiled_specialisations(jit: object) -> list[dict]:
-    """Each specialisation Triton compiled for ``jit`` (on any device), as JSON-able data: the
-    signature and constants it was compiled for, the argument indices it assumed divisible by 16,
-    Triton's metadata and the binary. One Triton cannot describe this way is left out."""
+def compiled_specialisations(jit: object, known: Collection[str] = ()) -> list[dict]:
+    """Each specialisation Triton compiled for ``jit`` (on any device) but those whose compile hash
+    is ``known``, as JSON-able data: the signature and constants it was compiled for, the argument
+    indices it assumed divisible by 16, Triton's metadata and the binary. One Triton cannot
+    describe this way is left out."""
     found = []
     for caches in list(jit.device_caches.values()):  # type: ignore[attr-defined]
         for kernel in list(caches[0].values()):
-            if hasattr(kernel, "result"):  # an asynchronous compile Triton has not finalised
+            if hasattr(kernel, "result") or kernel.metadata.hash in known:  # not finalised, or known
                 continue
             record = _describe(kernel)
             if record is not None:
