@@ -201,11 +201,11 @@ def _from_triton(exc: BaseException) -> bool:
 
 def load(source: str, ctx: GraphContext, path: str | None = None, precompile_kernels: bool = True,
          binaries: dict[str, list[dict]] | None = None) -> KernelModule:
-    """Import ``source`` (written to ``path``, or to a fresh temporary file) as a kernel module.
-    Its Triton kernels are compiled together unless told not to (a cache hit: the entry's
-    ``binaries`` are launched as they are, and a kernel without one loads from Triton's on-disk
-    cache at its launch, which is cheaper than warming them all), and then launch from their
-    compiled binaries without Triton's JIT (``binaries``)."""
+    """Import ``source`` (written to ``path``, or to a fresh temporary file) as a kernel module whose
+    kernels launch from compiled binaries, without Triton's JIT (``codegen.binaries``). A fresh
+    module first compiles its kernels together and launches what that compiled; a cache hit
+    (``precompile_kernels=False``) launches the entry's ``binaries``, its kernels left undecorated
+    until a launch needs the JIT (a kernel without a binary loads from Triton's on-disk cache)."""
     if ctx.config.interpret:
         # Triton decides interpreted or compiled when a kernel is decorated: set before importing.
         from backend.codegen import interp
