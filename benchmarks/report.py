@@ -149,6 +149,15 @@ OUTSIDE_DYNAMO = ("Phases are Dynamo's own compile-time counters, summed over al
                   "backward, after Dynamo returns), first runs, CUDA-graph warmup and recording.")
 
 
+def runs_note(row: dict) -> str:
+    """" (median of 0.81, 0.84, 0.90)" for a row kept out of several warm processes, else ""."""
+    runs = row.get("first3_runs") or []
+    if len(runs) < 2:
+        return ""
+    failed = row.get("runs", len(runs)) - len(runs)
+    return f" (median of {', '.join(f'{v:.2f}' for v in runs)}" + (f"; {failed} failed)" if failed else ")")
+
+
 def startup_table(rows: list[dict]) -> str:
     """Where the time to first 3 outputs goes, for the compiling backends (see OUTSIDE_DYNAMO)."""
     head = ["workload / mode", "backend", "run", "first 3 (s)", *(n for n, _ in START_PHASES), "outside Dynamo"]
@@ -161,7 +170,7 @@ def startup_table(rows: list[dict]) -> str:
         outside = r["first3_s"] - (cells[0] or 0.0)
         profiled = " (under cProfile)" if r.get("start_profile") else ""
         lines.append("| " + " | ".join([f"{r['workload']} / {r['mode']}", r["backend"], r.get("phase", "cold"),
-                                        f"{r['first3_s']:.2f}{profiled}",
+                                        f"{r['first3_s']:.2f}{profiled}{runs_note(r)}",
                                         *("-" if c is None else f"{c:.2f}" for c in cells),
                                         f"{outside:.2f}"]) + " |")
     return "\n".join(lines) if len(lines) > 2 else ""
@@ -230,8 +239,10 @@ def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
         *([f"- Note: {meta['note']}"] if meta.get("note") else []),
         "",
         "Figures as defined in DESIGN.md: first outputs include compilation, measured from the first "
-        "call in a fresh process (cold: empty cache directories; warm: a second process reusing "
-        "them); per call is the median over windows of many calls (CUDA events); peak allocated is "
+        "call in a fresh process (cold: empty cache directories; warm: later processes reusing "
+        "them, the median of their first outputs; every run is listed under 'Where start-up time goes'; "
+        "Python byte code compiled beforehand, as in an installed package); per call is the median "
+        "over windows of many calls (CUDA events); peak allocated is "
         "`torch.cuda.max_memory_allocated` over the steady-state calls (CUDA-graph pools are not "
         "counted there, so peak reserved is shown too); error is the largest absolute difference "
         "from eager (outputs for infer, loss and gradients for train). raw_graph is the per-call "

@@ -7,8 +7,15 @@
     python benchmarks/run.py --from-json a.json,b.json --markdown docs/benchmarks.md
 
 Each (workload, backend, mode) runs in a fresh process (``worker.py``) with fresh cache
-directories (cold); with ``--cold-warm``, backends that keep a compile cache run again in a fresh
-process reusing them (warm). On CUDA, inference also gets the ``raw_graph`` floor row.
+directories (cold); with ``--cold-warm``, backends that keep a compile cache run again in fresh
+processes reusing them (warm: ``--warm-runs`` processes, the row of the median first outputs kept).
+On CUDA, inference also gets the ``raw_graph`` floor row.
+
+Python byte code: an installed package has its modules compiled, but an image may ship none and set
+``PYTHONDONTWRITEBYTECODE`` (the GPU machine does), so that every worker would compile from source
+every module it imports, lazily imported ones inside the timed first calls included. Workers
+therefore share a byte-code cache under the run's directory, primed by one untimed tiny run of
+each backend and mode before any row (``--no-bytecode-cache`` turns both off).
 """
 
 from __future__ import annotations
@@ -41,7 +48,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default=",".join(workloads.WORKLOADS), help="'' with --kernels: kernels only")
     p.add_argument("--modes", default="infer,train")
     p.add_argument("--backends", default=ALL_BACKENDS)
-    p.add_argument("--cold-warm", action="store_true", help="also a warm run for cached backends")
+    p.add_argument("--cold-warm", action="store_true", help="also warm runs for cached backends")
+    p.add_argument("--warm-runs", type=int, default=3,
+                   help="warm processes per row; the row of the median first 3 outputs is kept")
+    p.add_argument("--no-bytecode-cache", action="store_true",
+                   help="workers compile Python modules as the environment says (no shared, primed cache)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU, eager and cgtrees, one process")
     p.add_argument("--kernels", action="store_true", help="also the kernel bandwidth report")
     p.add_argument("--device", default=None, help="default: cuda if available (cpu for --smoke)")
@@ -83,6 +94,34 @@ def cache_env(root: Path, spec: dict) -> dict:
     return {var: str(base / sub) for var, sub in CACHE_VARS.items()}
 
 
+def bytecode_env(root: Path) -> dict:
+    """Workers write and share compiled modules under ``root`` (see the module's docstring)."""
+    return {"PYTHONPYCACHEPREFIX": str(root / "pycache"), "PYTHONDONTWRITEBYTECODE": ""}
+
+
+def prime_specs(specs: list[dict]) -> list[dict]:
+    """One tiny untimed row per (backend, mode) of the plan, so its imports are compiled once."""
+    seen: dict[tuple[str, str], dict] = {}
+    for spec in specs:
+        if spec["backend"] != "raw_graph":
+            seen.setdefault((spec["backend"], spec["mode"]), {**spec, "phase": "prime", "smoke": True,
+                                                              "profile": False, "profile_start": False})
+    return list(seen.values())
+
+
+def run_warm(spec: dict, env: dict, timeout: float, runs: int) -> dict:
+    """``runs`` warm processes; the row of the median first 3 outputs, with every run's figure."""
+    rows = [run_worker(spec, env, timeout) for _ in range(max(1, runs))]
+    return median_row(rows)
+
+
+def median_row(rows: list[dict]) -> dict:
+    ok = sorted((r for r in rows if r.get("ok") and r.get("first3_s") is not None), key=lambda r: r["first3_s"])
+    if not ok:
+        return rows[0]
+    return {**ok[len(ok) // 2], "first3_runs": [r["first3_s"] for r in ok], "runs": len(rows)}
+
+
 def run_worker(spec: dict, env: dict, timeout: float) -> dict:
     """One row in a fresh process; a crash, a timeout or a missing result becomes the row's error."""
     with tempfile.TemporaryDirectory(prefix="cgtrees-row-") as tmp:
@@ -90,7 +129,7 @@ def run_worker(spec: dict, env: dict, timeout: float) -> dict:
         cmd = [sys.executable, str(HERE / "worker.py"), "--workload", spec["workload"], "--backend",
                spec["backend"], "--mode", spec["mode"], "--device", spec["device"], "--phase", spec["phase"],
                "--result", str(result), "--launched", str(time.time())]
-        cmd += [f"--{flag.replace('_', '-')}" for flag in ("profile", "profile_start") if spec.get(flag)]
+        cmd += [f"--{flag.replace('_', '-')}" for flag in ("profile", "profile_start", "smoke") if spec.get(flag)]
         start = time.perf_counter()
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
@@ -166,7 +205,7 @@ def progress(row: dict) -> None:
     print(f"{row['workload']:10} {row['mode']:5} {row['backend']:15} {row.get('phase', 'cold'):4} "
           f"first3 {f('first3_s', 1, '{:.2f}')}s  per call {f('step_s', 1e6, '{:.1f}')}us  "
           f"peak {f('peak_alloc_mb', 1, '{:.0f}')}MB  err {f('max_err', 1, '{:.1e}')}  "
-          f"[process {f('wall_s', 1, '{:.1f}')}s] {status}", flush=True)
+          f"[process {f('wall_s', 1, '{:.1f}')}s] {status}{report.runs_note(row)}", flush=True)
 
 
 def load(paths: str) -> tuple[list[dict], dict | None, dict]:
@@ -194,10 +233,19 @@ def measure_all(args: argparse.Namespace, on_row: Callable[[list[dict]], None]) 
     if args.smoke:
         return run_smoke(specs, on_row), None
     root = Path(tempfile.mkdtemp(prefix="cgtrees-bench-"))
+    base = {} if args.no_bytecode_cache else bytecode_env(root)
     try:
+        for spec in [] if args.no_bytecode_cache else prime_specs(specs):
+            row = run_worker(spec, {**base, **cache_env(root / "prime", spec)}, args.timeout)
+            print(f"primed {spec['backend']} {spec['mode']}: {'ok' if row.get('ok') else row.get('error')}",
+                  flush=True)
         rows: list[dict] = []
         for spec in specs:
-            rows.append(run_worker(spec, cache_env(root, spec), args.timeout))
+            env = {**base, **cache_env(root, spec)}
+            if spec["phase"] == "warm":
+                rows.append(run_warm(spec, env, args.timeout, args.warm_runs))
+            else:
+                rows.append(run_worker(spec, env, args.timeout))
             on_row(rows)
         kernels = run_kernels(root, args.timeout) if args.kernels else None
     finally:

@@ -39,3 +39,34 @@ def test_smoke_run_measures_every_row(tmp_path):
             name = f"{r['workload']}/{r['mode']}"
             assert ours.get("graph_fallbacks", 0) == 0, f"{name}: a graph ran through aten: {ours}"
             assert ours.get("kernels_generated", 0) > 0, f"{name}: no kernel was generated: {ours}"
+
+
+def _runner():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import run
+    finally:
+        sys.path.pop(0)
+    return run
+
+
+def test_warm_row_is_the_median_run_and_lists_every_run():
+    run = _runner()
+    rows = [{"ok": True, "first3_s": 3.0, "tag": "slow"}, {"ok": False, "first3_s": None, "tag": "failed"},
+            {"ok": True, "first3_s": 1.0, "tag": "fast"}, {"ok": True, "first3_s": 2.0, "tag": "middle"}]
+    kept = run.median_row(rows)
+    assert kept["tag"] == "middle" and kept["first3_runs"] == [1.0, 2.0, 3.0] and kept["runs"] == 4
+    assert run.median_row([rows[2], rows[0]])["tag"] == "slow"  # of two, the slower: never flattering
+    assert run.median_row([rows[1]])["tag"] == "failed"  # no good run: the failure is the row
+
+
+def test_primed_byte_code_cache_covers_each_backend_and_mode(tmp_path):
+    run = _runner()
+    args = run.parse_args(["--models", "decode,mlp_small", "--backends", "inductor,cgtrees", "--cold-warm"])
+    primes = run.prime_specs(run.plan(args, "cuda"))
+    assert {(p["backend"], p["mode"], p["workload"]) for p in primes} == {
+        ("inductor", "infer", "decode"), ("cgtrees", "infer", "decode"),
+        ("inductor", "train", "mlp_small"), ("cgtrees", "train", "mlp_small")}  # decode is inference only
+    assert all(p["smoke"] and p["phase"] == "prime" for p in primes)
+    env = run.bytecode_env(tmp_path)
+    assert env["PYTHONPYCACHEPREFIX"].startswith(str(tmp_path)) and env["PYTHONDONTWRITEBYTECODE"] == ""

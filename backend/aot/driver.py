@@ -17,8 +17,6 @@ import torch.fx
 
 from backend import cache, codegen, counters, runtime
 from backend.aot import compat
-from backend.aot.decompositions import decomposition_table
-from backend.aot.partition import partition
 from backend.config import Config
 from backend.context import GraphContext
 from backend.logs import log, log_once
@@ -39,6 +37,9 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
     cached = cache.load_aot(gm, example_inputs, config, name, pair, wrap=_wrap)  # level 1: a hit skips AOT
     if cached is not None:
         return cached
+    from backend.aot.decompositions import decomposition_table  # a warm start never needs these
+    from backend.aot.partition import partition
+
     return compat.aot_module_simplified(
         gm, example_inputs,
         fw_compiler=_aten_compiler("forward", name, pair, config),

@@ -159,10 +159,10 @@ def main() -> None:
         # so the graph holds the kernels the raw graph holds (decomposed and unfused, a layernorm is
         # about ten kernels and the GPU time triples: that is codegen's part, see --codegen).
         from backend import codegen
-        from backend.aot import driver
+        from backend.aot import decompositions
 
         codegen.compile_graph = lambda gm, example_inputs, ctx: codegen.AtenModule(gm)
-        driver.decomposition_table = dict
+        decompositions.decomposition_table = dict
     model, x = build()
     with torch.no_grad():
         want = model(x)
