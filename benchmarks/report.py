@@ -225,6 +225,17 @@ def summary(rows: list[dict], kernels: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def _warm_method(rows: list[dict]) -> str:
+    """How the warm rows were measured: runners before --warm-runs kept one process, unprimed."""
+    text = "a second process reusing them"
+    if any(len(r.get("first3_runs") or []) > 1 for r in rows):
+        text = ("later processes reusing them, the median of their first outputs (each run listed under "
+                "'Where start-up time goes')")
+    if rows and all(r.get("bytecode_primed") for r in rows):
+        text += "; every process read Python byte code compiled beforehand, as an installed package has it"
+    return text
+
+
 def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
     env = next((r for r in rows if r.get("torch")), kernels or {})
     head = [
@@ -239,10 +250,8 @@ def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
         *([f"- Note: {meta['note']}"] if meta.get("note") else []),
         "",
         "Figures as defined in DESIGN.md: first outputs include compilation, measured from the first "
-        "call in a fresh process (cold: empty cache directories; warm: later processes reusing "
-        "them, the median of their first outputs; every run is listed under 'Where start-up time goes'; "
-        "Python byte code compiled beforehand, as in an installed package); per call is the median "
-        "over windows of many calls (CUDA events); peak allocated is "
+        f"call in a fresh process (cold: empty cache directories; warm: {_warm_method(rows)}); per call "
+        "is the median over windows of many calls (CUDA events); peak allocated is "
         "`torch.cuda.max_memory_allocated` over the steady-state calls (CUDA-graph pools are not "
         "counted there, so peak reserved is shown too); error is the largest absolute difference "
         "from eager (outputs for infer, loss and gradients for train). raw_graph is the per-call "

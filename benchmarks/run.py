@@ -243,9 +243,10 @@ def measure_all(args: argparse.Namespace, on_row: Callable[[list[dict]], None]) 
         for spec in specs:
             env = {**base, **cache_env(root, spec)}
             if spec["phase"] == "warm":
-                rows.append(run_warm(spec, env, args.timeout, args.warm_runs))
+                row = run_warm(spec, env, args.timeout, args.warm_runs)
             else:
-                rows.append(run_worker(spec, env, args.timeout))
+                row = run_worker(spec, env, args.timeout)
+            rows.append({**row, "bytecode_primed": not args.no_bytecode_cache})
             on_row(rows)
         kernels = run_kernels(root, args.timeout) if args.kernels else None
     finally:

@@ -70,3 +70,36 @@ def test_primed_byte_code_cache_covers_each_backend_and_mode(tmp_path):
     assert all(p["smoke"] and p["phase"] == "prime" for p in primes)
     env = run.bytecode_env(tmp_path)
     assert env["PYTHONPYCACHEPREFIX"].startswith(str(tmp_path)) and env["PYTHONDONTWRITEBYTECODE"] == ""
+
+
+def test_report_says_how_warm_rows_were_measured():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import report
+    finally:
+        sys.path.pop(0)
+    old = [{"phase": "warm", "first3_s": 1.0}]
+    new = [{"phase": "warm", "first3_s": 1.0, "first3_runs": [0.9, 1.0, 1.2], "bytecode_primed": True}]
+    assert "median" not in report._warm_method(old) and "byte code" not in report._warm_method(old)
+    assert "median" in report._warm_method(new) and "byte code" in report._warm_method(new)
+    assert "byte code" not in report._warm_method(old + new)  # only when every row had it
+    assert report.runs_note(new[0]) == " (median of 0.90, 1.00, 1.20)"
+
+
+def test_sampled_first_calls_name_where_the_time_went(tmp_path):
+    out = tmp_path / "start.txt"
+    env = {**os.environ, "CGTREES_CACHE_DIR": str(tmp_path / "cache"), "CGTREES_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "benchmarks/sample_start.py", "--out", str(out), "--", "--workload",
+                           "mlp_small", "--backend", "cgtrees", "--mode", "train", "--smoke", "--device", "cpu"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = json.loads(done.stdout.strip().splitlines()[-1])
+    text = out.read_text()
+    window = float(text.split()[1])
+    assert row["ok"] and abs(window - row["first3_s"]) < 0.05  # the window is the timed first calls
+    inclusive = text.split("## inclusive (s)\n")[1].split("\n\n")[0].splitlines()
+    totals = {line.split()[1]: float(line.split()[0]) for line in inclusive}
+    step = next(s for where, s in totals.items() if where.endswith("(first_outputs)"))
+    assert step > 0.5 * window  # the samples cover the window
+    ours = next(s for where, s in totals.items() if "backend/api.py:" in where and where.endswith("(__call__)"))
+    assert 0 < ours < step  # our compiler, inside the first call

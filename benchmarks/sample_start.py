@@ -1,0 +1,107 @@
+"""Where a worker's first calls spend their wall time: the main thread's stack, sampled.
+
+    python benchmarks/sample_start.py --out start.txt -- --workload convnet --backend cgtrees \\
+        --mode train --phase warm [other worker.py arguments]
+
+Runs ``worker.py`` with those arguments (caches as the environment says: run it twice on the same
+cache directories for a warm start) and, while its first outputs are timed, reads the main thread's
+stack every ``--interval`` seconds from a second thread. Each sample counts the time since the last
+one for every function on the stack (inclusive) and for the innermost one (exclusive). Unlike
+cProfile it adds little time (a few percent) and sees through Dynamo's frame evaluation; a sample
+waits while the main thread holds the GIL in C, so long C calls land on their Python caller.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import measure
+import worker
+
+SITE = "site-packages/"
+
+
+def _where(frame) -> str:
+    code = frame.f_code
+    path = code.co_filename
+    path = path[path.index(SITE) + len(SITE):] if SITE in path else path
+    return f"{path}:{code.co_firstlineno}({code.co_name})"
+
+
+class StackSampler:
+    """Samples one thread's stack until stopped; ``report()`` is the text of the totals."""
+
+    def __init__(self, thread_id: int, interval: float) -> None:
+        self.thread_id, self.interval = thread_id, interval
+        self.inclusive: collections.Counter[str] = collections.Counter()
+        self.exclusive: collections.Counter[str] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> StackSampler:
+        self._start = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._start
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(self.interval):
+            now = time.perf_counter()
+            weight, last = now - last, now
+            frame = sys._current_frames().get(self.thread_id)
+            if frame is not None:
+                self.exclusive[_where(frame)] += weight
+            seen = set()
+            while frame is not None:
+                where = _where(frame)
+                if where not in seen:
+                    seen.add(where)
+                    self.inclusive[where] += weight
+                frame = frame.f_back
+
+    def report(self, rows: int = 150) -> str:
+        lines = [f"window {self.seconds:.3f} s, sampled every {self.interval * 1e3:.1f} ms", "",
+                 "## inclusive (s)"]
+        lines += [f"{s:8.3f} {where}" for where, s in self.inclusive.most_common(rows)]
+        lines += ["", "## exclusive (s)"]
+        lines += [f"{s:8.3f} {where}" for where, s in self.exclusive.most_common(rows // 3)]
+        return "\n".join(lines) + "\n"
+
+
+def sampling(first_outputs: Callable, out: Path, interval: float) -> Callable:
+    def sampled(*args: object, **kwargs: object) -> list[float]:
+        before = set(sys.modules)
+        with StackSampler(threading.get_ident(), interval) as sampler:
+            marks = first_outputs(*args, **kwargs)
+        new = sorted(set(sys.modules) - before)
+        out.write_text(sampler.report() + f"\n## modules imported in the window ({len(new)})\n" + " ".join(new) + "\n")
+        return marks
+
+    return sampled
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="the sampled totals, as text")
+    parser.add_argument("--interval", type=float, default=0.0005, help="seconds between samples")
+    args = parser.parse_args(argv[:split])
+    measure.first_outputs = sampling(measure.first_outputs, args.out, args.interval)
+    sys.argv = [str(Path(worker.__file__)), *argv[split + 1:]]
+    worker.main()
+
+
+if __name__ == "__main__":
+    main()
