@@ -116,6 +116,7 @@ def run_warm(spec: dict, env: dict, timeout: float, runs: int) -> dict:
 
 
 def median_row(rows: list[dict]) -> dict:
+    """The middle good run (of two, the slower: never the flattering one); the first if none is good."""
     ok = sorted((r for r in rows if r.get("ok") and r.get("first3_s") is not None), key=lambda r: r["first3_s"])
     if not ok:
         return rows[0]
