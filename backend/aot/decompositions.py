@@ -9,7 +9,11 @@ pointwise and reduction parts and can fuse them:
 - hardtanh / hardsigmoid / hardswish -> clamp, mul, add
 
 Matrix products (mm, addmm, bmm), convolution and attention stay as single aten ops: codegen
-calls the vendor library for them.
+calls the vendor library for them. Attention is taken out of torch's core table on purpose: its
+entry for ``_scaled_dot_product_flash_attention_for_cpu`` returns the attention weights where the
+op returns the logsumexp, and the backward op then read them as a logsumexp (gradients off by 4x
+and more on every transformer trained on CPU). Every entry we keep is checked against eager,
+forward and backward, by ``tests/test_grad_sweep.py``.
 """
 
 from __future__ import annotations
@@ -38,8 +42,16 @@ EXTRA_DECOMPOSED = (
 )
 
 
+
+
+def is_attention(op: torch._ops.OpOverload) -> bool:
+    """SDPA and its per-backend kernels (flash, efficient, cuDNN, math, CPU flash), forward and backward."""
+    name = op.name()
+    return name.startswith("aten::_scaled_dot_product") or name.startswith("aten::scaled_dot_product")
+
+
 @functools.lru_cache(maxsize=1)
 def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
-    table = dict(core_aten_decompositions())
+    table = {op: fn for op, fn in core_aten_decompositions().items() if not is_attention(op)}
     table.update(get_decompositions(list(EXTRA_DECOMPOSED)))
     return table
