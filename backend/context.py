@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backend.config import Config
+
+if TYPE_CHECKING:
+    from backend.aot.constants import Constants
 
 
 @dataclass(frozen=True)
@@ -18,3 +21,5 @@ class GraphContext:
     # Shared by the forward and backward of one Dynamo graph; the runtime keeps there which tree
     # manager the forward ran under, so the backward uses it (autograd runs it on another thread).
     pair: Any = field(default=None, compare=False, hash=False)
+    # The graph's lifted constants (``aot.constants``): its last inputs, appended to every call.
+    constants: "Constants | None" = field(default=None, compare=False, hash=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch._dynamo.utils import counters
 
 KEYS = (
-    "graphs_compiled", "graph_fallbacks", "kernels_generated", "aten_fallbacks",
+    "graphs_compiled", "graph_fallbacks", "kernels_generated", "aten_fallbacks", "aten_gaps",
     "cache_hit", "cache_miss", "cache_bypass", "cache_corrupt",
     "cudagraph_warmup", "cudagraph_recorded", "cudagraph_replayed", "cudagraph_skips",
 )

@@ -14,6 +14,7 @@ from torch.fx.experimental.proxy_tensor import is_sym_node
 __all__ = [
     "aot_module_simplified", "make_boxed_func", "default_partition", "is_sym_node",
     "extract_fwd_bwd_modules", "forward_static_input_indices", "is_primal", "is_tangent",
+    "fake_mode_of", "fake_of",
 ]
 
 _EXTRACT_PARAMS = set(inspect.signature(_extract_fwd_bwd_modules).parameters)
@@ -56,3 +57,22 @@ def boxed(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
 
     call._boxed_call = True  # type: ignore[attr-defined]
     return call
+
+
+def fake_mode_of(placeholders: list[torch.fx.Node]) -> Any:
+    """The fake mode the graph was traced under (from its inputs' values), else the active one,
+    else a new one."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    for node in placeholders:
+        val = node.meta.get("val")
+        if isinstance(val, FakeTensor):
+            return val.fake_mode
+    return detect_fake_mode() or FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_of(value: torch.Tensor, mode: Any) -> torch.Tensor:
+    """A fake tensor with ``value``'s metadata, for a lifted constant's placeholder."""
+    return mode.from_tensor(value, static_shapes=True)
+

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from backend import cache, codegen, counters, runtime
-from backend.aot import compat
+from backend.aot import compat, constants
 from backend.config import Config
 from backend.context import GraphContext
 from backend.logs import log, log_once
@@ -56,12 +56,14 @@ def _aten_compiler(kind: str, name: str, pair: FunctionPair, config: Config) -> 
 
     def compile_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[[list[Any]], Any]:
         n = next(versions)  # a graph recompiled for new shapes gets a new name
+        static = _static_inputs(kind, gm)
+        consts = constants.lift(gm)  # get_attr tensors -> trailing inputs, appended to every call
         ctx = GraphContext(
             config=config, kind=kind, name=f"{name}_{kind}" + (f"_{n}" if n else ""),
-            static_input_indices=_static_inputs(kind, gm),
-            mutated_input_indices=mutated_inputs(gm), pair=pair,
+            static_input_indices=static + consts.indices(len(example_inputs)),
+            mutated_input_indices=mutated_inputs(gm), pair=pair, constants=consts,
         )
-        return compat.boxed(compile_aten_graph(gm, example_inputs, ctx))
+        return compat.boxed(compile_aten_graph(gm, [*example_inputs, *consts.tensors], ctx))
 
     return compile_aten
 
@@ -79,11 +81,13 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list[Any],
 
 
 def _wrap(module: Any, example_inputs: list[Any], ctx: GraphContext) -> Callable[[list[Any]], Any]:
+    """The module in the runtime; the graph's lifted constants are added to each call's arguments."""
     try:
-        return runtime.wrap(module.call, example_inputs, ctx)
+        call = runtime.wrap(module.call, example_inputs, ctx)
     except Exception as exc:  # noqa: BLE001
         _explain(ctx, "runtime", exc)
-        return module.call
+        call = module.call
+    return ctx.constants.append(call) if ctx.constants else call
 
 
 def _explain(ctx: GraphContext, stage: str, exc: Exception) -> None:

@@ -15,6 +15,7 @@ reason instead of a miss and go straight to AOTAutograd.
 
 from __future__ import annotations
 
+import base64
 from typing import Any, Callable, Sequence
 
 import torch
@@ -131,13 +132,42 @@ def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap:
 
 def _load_part(part: dict[str, Any], kind: str, config: Config, pair: Any, wrap: Wrap,
                mode: Any) -> Callable[[list[Any]], Any]:
+    consts = load_constants(part.get("constants", []))
     ctx = GraphContext(config=config, kind=kind, name=part["name"],
                        static_input_indices=tuple(part["static_inputs"]),
-                       mutated_input_indices=tuple(part["mutated_inputs"]), pair=pair)
+                       mutated_input_indices=tuple(part["mutated_inputs"]), pair=pair, constants=consts)
     module = modules.load_record(part["module"], ctx)
     if not part["wrapped"]:
-        return module.call
+        return consts.append(module.call)
     return wrap(module, compat.fake_tensors(part["inputs"], mode), ctx)
+
+
+MAX_CONSTANT_BYTES = 1 << 20  # an entry keeps its graphs' constants; larger ones are not kept
+
+
+def constant_records(consts: Any) -> list[dict[str, Any]]:
+    """A graph's lifted constants as JSON records (their bytes in base64)."""
+    if not consts:
+        return []
+    total = sum(t.numel() * t.element_size() for t in consts.tensors)
+    if total > MAX_CONSTANT_BYTES:
+        raise Uncacheable(f"graph holds {total} bytes of tensor constants (more than {MAX_CONSTANT_BYTES})")
+    return [{"name": name, **_tensor_spec(t), "data": base64.b64encode(compat.tensor_bytes(t)).decode()}
+            for name, t in zip(consts.names, consts.tensors)]
+
+
+def load_constants(records: list[dict[str, Any]]) -> Any:
+    from backend.aot.constants import Constants
+
+    tensors = []
+    for r in records:
+        dtype = getattr(torch, r["dtype"])
+        data = bytearray(base64.b64decode(r["data"]))
+        flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        value = torch.empty_strided(r["size"], r["stride"], dtype=dtype, device=r["device"])
+        value.copy_(flat.reshape(r["size"]))
+        tensors.append(value)
+    return Constants(tuple(r["name"] for r in records), tuple(tensors))
 
 
 class Recorder:
@@ -171,8 +201,9 @@ class Recorder:
              module: Any, wrapped: bool) -> None:
         if ctx.kind in self.parts:
             raise Uncacheable(f"AOTAutograd compiled a second {ctx.kind} graph")
+        num_constants = len(ctx.constants) if ctx.constants else 0
         if ctx.kind in ("forward", "inference"):
-            if len(gm.graph.find_nodes(op="placeholder")) != self.num_inputs:
+            if len(gm.graph.find_nodes(op="placeholder")) - num_constants != self.num_inputs:
                 raise Uncacheable("AOTAutograd deduplicated or merged inputs")
             if ctx.kind == "forward" and compat.saved_tensors_hooks_inlined():
                 raise Uncacheable("saved-tensor hooks are inlined")
@@ -186,6 +217,7 @@ class Recorder:
             "mutated_inputs": list(ctx.mutated_input_indices), "wrapped": wrapped,
             "inputs": [_tensor_spec(x) for x in example_inputs],
             "module": modules.module_record(gm, module),
+            "constants": constant_records(ctx.constants),
         }
 
     def _write(self) -> None:

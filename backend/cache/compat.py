@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "Uncacheable", "fw_metadata", "runtime_plan", "fake_mode", "fake_tensors", "storage_id",
     "increment_version", "view_replay", "saved_tensors_hooks_inlined", "autocast_enabled",
+    "tensor_bytes",
 ]
 
 
@@ -181,3 +182,15 @@ def functorch_config_text() -> str:
     # Callables print their address, which changes every process: key on their name only.
     return repr(sorted((k, getattr(v, "__qualname__", None) or repr(v)) for k, v in items.items()
                        if not k.startswith("_")))
+
+
+def tensor_bytes(value: torch.Tensor) -> bytes:
+    """The bytes of a real tensor in row-major order, also while a fake mode is active (inside
+    AOTAutograd, where a plain ``.cpu()`` would be dispatched to the fake mode and fail)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        flat = value.detach().to("cpu").contiguous().reshape(-1)
+        if flat.dtype.is_complex:
+            flat = torch.view_as_real(flat).reshape(-1)
+        return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -21,7 +22,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from backend.cache.compat import Uncacheable
+from backend.cache.compat import Uncacheable, tensor_bytes
 from backend.config import Config
 
 
@@ -128,18 +129,39 @@ def _target_text(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
         raise Uncacheable(f"graph calls a module ({target})")
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
         return str(target)
+    return stable_name(target)
+
+
+def stable_name(target: Any) -> str:
+    """``module.qualname`` of a Python call target; a wrapper made inside a function (its qualname
+    holds ``<locals>``, as ``F.max_pool2d``'s ``boolean_dispatch`` has) is named by where its module
+    publishes it, when that is the same object."""
     module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
-    if module is None or name is None or "<" in name:
+    if module is None or name is None:
         raise Uncacheable(f"call target {target!r} has no stable name")
+    if "<" in name:
+        public = getattr(target, "__name__", "")
+        owner = sys.modules.get(module)
+        if not public or owner is None or getattr(owner, public, None) is not target:
+            raise Uncacheable(f"call target {target!r} has no stable name")
+        name = public
     return f"{module}.{name}"
+
+
+def constants_text(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> str:
+    """The lifted constants of an aten graph (``aot.constants``): metadata and a hash of the bytes."""
+    lines = []
+    for name, value in zip(names, tensors):
+        digest = hashlib.sha256(tensor_bytes(value)).hexdigest()[:32]
+        lines.append(f"{name}: {value_text(value)} sha256={digest}")
+    return "\n".join(lines)
 
 
 def _attr_text(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         if value.numel() * value.element_size() > (1 << 20) or value.device.type == "meta":
             raise Uncacheable("graph holds a large tensor constant")
-        data = value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        return f"{value_text(value)} sha256={hashlib.sha256(data).hexdigest()[:16]}"
+        return f"{value_text(value)} sha256={hashlib.sha256(tensor_bytes(value)).hexdigest()[:16]}"
     if isinstance(value, torch.fx.GraphModule):
         return "graph{" + graph_text(value).replace("\n", "; ") + "}"
     raise Uncacheable(f"graph holds an attribute of type {type(value).__name__}")

@@ -23,7 +23,7 @@ import torch.fx
 from backend import codegen
 from backend.cache import events
 from backend.cache.compat import Uncacheable
-from backend.cache.key import CacheKey, make_key
+from backend.cache.key import CacheKey, constants_text, make_key
 from backend.cache.store import CorruptEntry, Store
 from backend.config import Config
 from backend.context import GraphContext
@@ -63,6 +63,8 @@ def compile_module(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx:
 
 def module_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext) -> CacheKey:
     context = [("kind", ctx.kind), ("mutated_inputs", ctx.mutated_input_indices)]
+    if ctx.constants:
+        context.append(("constants", constants_text(ctx.constants.names, ctx.constants.tensors)))
     return make_key(LEVEL, gm, example_inputs, ctx.config, ctx.static_input_indices, context)
 
 
