@@ -5,7 +5,9 @@
   (``perf_counter`` on the CPU);
 - peak memory: ``torch.cuda.max_memory_allocated`` (and ``max_memory_reserved``, which also counts
   CUDA-graph pools) over the steady-state calls, after ``reset_peak_memory_stats``;
-- error: the largest absolute difference from eager over all compared tensors.
+- error: the largest absolute difference from eager over all compared tensors; relative error:
+  per tensor, the largest absolute difference over the largest magnitude of eager's tensor (at
+  least ``FLOOR`` of the largest in its group: a gradient ~0 in eager is noise, see ``relative_errors``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ class Plan:
     max_calls: int = 2000
 
 
-SMOKE_PLAN = Plan(warmup_calls=1, windows=3, window_s=0.0, min_calls=2, max_calls=2)
+# Smoke runs check the plumbing (a median of windows, memory, errors), not speed: as few calls as that
+# takes, since CI runs generated kernels through Triton's interpreter (seconds per call).
+SMOKE_PLAN = Plan(warmup_calls=0, windows=1, window_s=0.0, min_calls=1, max_calls=1)
 
 
 def sync(device: torch.device) -> None:
@@ -102,6 +106,38 @@ def max_error(got: Sequence[torch.Tensor | None], want: Sequence[torch.Tensor | 
         if diff.numel():
             worst = max(worst, diff.nan_to_num(nan=math.inf).max().item())
     return worst
+
+
+FLOOR = 1e-3  # of the group's largest magnitude: below it, a tensor of eager's is ~0 (noise)
+
+
+def relative_errors(got: Sequence[torch.Tensor | None], want: Sequence[torch.Tensor | None]) -> list[float]:
+    """Per tensor, ``max|got - want| / max(max|want|, FLOOR * largest max|want| of the group)``.
+
+    The floor judges a tensor that is ~0 in eager against the group's scale, not against its own
+    rounding noise: attention's key bias, for one, has an analytically zero gradient (softmax ignores
+    a constant added to every score), so eager's is noise and any other order of sums differs from it
+    by 100%. 0 where both are missing; ``inf`` where one is missing, shapes differ, or a value is not finite.
+    """
+    if len(got) != len(want):
+        return [math.inf]
+    pairs = [(g, w) if g is None or w is None or g.shape != w.shape else
+             (g.detach().double().cpu(), w.detach().double().cpu()) for g, w in zip(got, want, strict=True)]
+    scales = [w.abs().max().item() for g, w in pairs if g is not None and w is not None and w.numel()
+              and g.shape == w.shape]
+    floor = FLOOR * max((v for v in scales if math.isfinite(v)), default=0.0)
+    errors = []
+    for g, w in pairs:
+        if g is None or w is None or g.shape != w.shape:
+            errors.append(0.0 if g is None and w is None else math.inf)
+            continue
+        if not g.numel():
+            errors.append(0.0)
+            continue
+        diff = (g - w).abs().nan_to_num(nan=math.inf).max().item()
+        scale = max(w.abs().nan_to_num(nan=math.inf).max().item(), floor)
+        errors.append(0.0 if diff == 0 else diff / scale if 0 < scale < math.inf else math.inf)
+    return errors
 
 
 def profile_table(step: Step, device: torch.device, calls: int = 10, rows: int = 15) -> str:

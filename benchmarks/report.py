@@ -119,22 +119,28 @@ def _fmt(fig: Figure, v: float | None) -> str:
     return "-" if v is None else fig.fmt.format(v)
 
 
-def table(rows: list[dict], workload: str, mode: str, all_checks: list[Check]) -> str:
-    """One markdown table: a line per figure, a column per backend, the ratio and the targets."""
+def table(rows: list[dict], workload: str, mode: str, all_checks: list[Check] | None,
+          figures: tuple[Figure, ...] = FIGURES, against: str | None = None) -> str:
+    """One markdown table: a line per figure, a column per backend, the ratio of cgtrees to
+    ``against`` (default: to the best other backend) and, unless ``all_checks`` is None, the targets."""
     present = [b for b in ORDER if any(r["backend"] == b and (r["workload"], r["mode"]) == (workload, mode)
                                        for r in rows)]
-    head = ["figure", *present, "cgtrees / best other", "target"]
+    head = ["figure", *present, f"cgtrees / {against or 'best other'}", *(["target"] if all_checks is not None else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for fig in FIGURES:
+    for fig in figures:
         cells = [value(rows, workload, mode, b, fig) for b in present]
         if all(c is None for c in cells):
             continue
-        best = best_other(rows, workload, mode, fig)
         mine = value(rows, workload, mode, "cgtrees", fig)
-        ratio = f"{mine / best[1]:.2f}x ({best[0]})" if fig.ratio and best and mine and best[1] > 0 else "-"
-        targets = "; ".join(c.text for c in all_checks
-                            if (c.workload, c.mode, c.figure) == (workload, mode, fig.label))
-        lines.append("| " + " | ".join([fig.label, *(_fmt(fig, c) for c in cells), ratio, targets]) + " |")
+        if against:
+            theirs = value(rows, workload, mode, against, fig)
+            ratio = f"{mine / theirs:.2f}x" if fig.ratio and mine is not None and theirs else "-"
+        else:
+            best = best_other(rows, workload, mode, fig)
+            ratio = f"{mine / best[1]:.2f}x ({best[0]})" if fig.ratio and best and mine and best[1] > 0 else "-"
+        targets = [] if all_checks is None else ["; ".join(
+            c.text for c in all_checks if (c.workload, c.mode, c.figure) == (workload, mode, fig.label))]
+        lines.append("| " + " | ".join([fig.label, *(_fmt(fig, c) for c in cells), ratio, *targets]) + " |")
     return "\n".join(lines)
 
 

@@ -5,6 +5,12 @@
         [--kernels] [--out results.json] [--markdown docs/benchmarks.md]
     python benchmarks/run.py --smoke                  # CPU, tiny sizes, one process (CI)
     python benchmarks/run.py --from-json a.json,b.json --markdown docs/benchmarks.md
+    python benchmarks/run.py --suite real --models gpt2 --modes train --cold-warm --budget 480 --out-dir OUT
+    python benchmarks/run.py --suite real --from-json benchmarks/results/real --markdown docs/benchmarks.md
+
+``--suite real`` measures the library models of ``real_models.py`` (eager, inductor, reduce-overhead
+and cgtrees by default, no floor rows) with the same workers; its report is the "Real models"
+section of the markdown file (``real_report.py``), which the own suite's report keeps.
 
 Each (workload, backend, mode) runs in a fresh process (``worker.py``) with fresh cache
 directories (cold); with ``--cold-warm``, backends that keep a compile cache run again in fresh
@@ -33,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import real_models
+import real_report
 import report
 import workloads
 
@@ -45,9 +53,11 @@ CACHE_VARS = {"CGTREES_CACHE_DIR": "cgtrees", "TORCHINDUCTOR_CACHE_DIR": "induct
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=",".join(workloads.WORKLOADS), help="'' with --kernels: kernels only")
+    p.add_argument("--suite", choices=("own", "real"), default="own",
+                   help="own: the workloads of workloads.py; real: the library models of real_models.py")
+    p.add_argument("--models", default=None, help="default: the whole suite ('' with --kernels: kernels only)")
     p.add_argument("--modes", default="infer,train")
-    p.add_argument("--backends", default=ALL_BACKENDS)
+    p.add_argument("--backends", default=None, help=f"default: {ALL_BACKENDS} (real: {real_report.BACKENDS})")
     p.add_argument("--cold-warm", action="store_true", help="also warm runs for cached backends")
     p.add_argument("--warm-runs", type=int, default=3,
                    help="warm processes per row; the row of the median first 3 outputs is kept")
@@ -61,12 +71,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-start", default="",
                    help="backends whose cold rows run their first calls under cProfile (slows them)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per worker process")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds: no row starts after this long (those are listed as not run), "
+                   "and no worker runs past it")
     p.add_argument("--out", help="write rows (and kernel report) as JSON here")
+    p.add_argument("--out-dir", help="write the JSON to a file named after the suite, models and modes in this folder")
     p.add_argument("--markdown", help="write the report here (e.g. docs/benchmarks.md)")
     p.add_argument("--note", default="", help="a line for the markdown report (e.g. what is partial)")
     p.add_argument("--analysis", help="a markdown file: the report's reading of its misses, after the summary")
-    p.add_argument("--from-json", help="comma-separated result files to report on, running nothing")
-    return p.parse_args(argv)
+    p.add_argument("--from-json", help="comma-separated result files or folders (their *.json) to report on, "
+                   "running nothing")
+    args = p.parse_args(argv)
+    if args.models is None:
+        real = real_models.HF_MODELS if args.smoke else real_models.MODELS
+        args.models = ",".join(real if args.suite == "real" else workloads.WORKLOADS)
+    if args.backends is None:
+        args.backends = real_report.BACKENDS if args.suite == "real" else ALL_BACKENDS
+    if args.out_dir and not args.out:
+        name = f"{args.suite}-{args.models.replace(',', '+') or 'kernels'}-{args.modes.replace(',', '+')}"
+        args.out = str(Path(args.out_dir) / f"{name}{'-smoke' if args.smoke else ''}.json")
+    return args
 
 
 def plan(args: argparse.Namespace, device: str) -> list[dict]:
@@ -77,7 +101,8 @@ def plan(args: argparse.Namespace, device: str) -> list[dict]:
         for mode in filter(None, args.modes.split(",")):
             if mode == "train" and workload in workloads.INFER_ONLY:
                 continue
-            extra = ["raw_graph"] if mode == "infer" and device == "cuda" and not args.no_floor else []
+            floor = mode == "infer" and device == "cuda" and not args.no_floor and args.suite == "own"
+            extra = ["raw_graph"] if floor else []
             for backend in backends + extra:
                 base = {"workload": workload, "backend": backend, "mode": mode, "device": device,
                         "smoke": args.smoke}
@@ -109,9 +134,12 @@ def prime_specs(specs: list[dict]) -> list[dict]:
     return list(seen.values())
 
 
-def run_warm(spec: dict, env: dict, timeout: float, runs: int) -> dict:
-    """``runs`` warm processes; the row of the median first 3 outputs, with every run's figure."""
-    rows = [run_worker(spec, env, timeout) for _ in range(max(1, runs))]
+def run_warm(spec: dict, env: dict, budget: Budget, timeout: float, runs: int) -> dict:
+    """``runs`` warm processes (fewer if the budget is spent after the first); the row of the median
+    first 3 outputs, with every run's figure."""
+    rows = [run_worker(spec, env, budget.timeout(timeout))]
+    while len(rows) < runs and not budget.spent():
+        rows.append(run_worker(spec, env, budget.timeout(timeout)))
     return median_row(rows)
 
 
@@ -169,15 +197,17 @@ def stop_group(proc: subprocess.Popen) -> None:
 
 
 def run_smoke(specs: list[dict], on_row: Callable[[list[dict]], None]) -> list[dict]:
-    """All rows in this process (CI has no time for fresh processes)."""
+    """All rows in this process (CI has no time for fresh processes); each row's counters are its own."""
     os.environ.setdefault("CGTREES_CACHE_DIR", tempfile.mkdtemp(prefix="cgtrees-smoke-"))
     import torch
+    from torch._dynamo.utils import counters
 
     import worker
 
     rows = []
     for spec in specs:
         torch._dynamo.reset()
+        counters.clear()
         start = time.perf_counter()
         row = worker.run_row(spec)
         rows.append({**row, **worker.environment(torch.device(spec["device"])),
@@ -205,8 +235,17 @@ def progress(row: dict) -> None:
     status = "ok" if row.get("ok") else f"FAILED {str(row.get('error'))[:200]}"
     print(f"{row['workload']:10} {row['mode']:5} {row['backend']:15} {row.get('phase', 'cold'):4} "
           f"first3 {f('first3_s', 1, '{:.2f}')}s  per call {f('step_s', 1e6, '{:.1f}')}us  "
-          f"peak {f('peak_alloc_mb', 1, '{:.0f}')}MB  err {f('max_err', 1, '{:.1e}')}  "
+          f"peak {f('peak_alloc_mb', 1, '{:.0f}')}MB  err {f('max_err', 1, '{:.1e}')} "
+          f"(rel {f('rel_err_out', 1, '{:.0e}')}/{f('rel_err_grad', 1, '{:.0e}')})  "
           f"[process {f('wall_s', 1, '{:.1f}')}s] {status}{report.runs_note(row)}", flush=True)
+
+
+def result_files(paths: str) -> list[Path]:
+    """The files named, a folder standing for its ``*.json`` files in name order."""
+    found: list[Path] = []
+    for path in map(Path, filter(None, paths.split(","))):
+        found += sorted(path.glob("*.json")) if path.is_dir() else [path]
+    return found
 
 
 def load(paths: str) -> tuple[list[dict], dict | None, dict]:
@@ -214,17 +253,37 @@ def load(paths: str) -> tuple[list[dict], dict | None, dict]:
     file's row replaces an earlier one for the same (workload, mode, backend, phase)."""
     by_key: dict[tuple, dict] = {}
     kernels, metas = None, []
-    for path in paths.split(","):
-        data = json.loads(Path(path).read_text())
+    for path in result_files(paths):
+        data = json.loads(path.read_text())
         for row in data["rows"]:
             by_key[(row["workload"], row["mode"], row["backend"], row["phase"])] = row
         kernels = data.get("kernels") or kernels
         metas.append(data.get("meta", {}))
-    order = {name: i for i, name in enumerate(workloads.WORKLOADS)}
+    order = {name: i for i, name in enumerate(workloads.NAMES)}
     rows = sorted(by_key.values(), key=lambda r: (order.get(r["workload"], len(order)), r["mode"] != "infer"))
     meta = {"date": ", ".join(sorted({m.get("date", "?") for m in metas})),
             "command": "`; `".join(m.get("command", "?") for m in metas)}
     return rows, kernels, meta
+
+
+class Budget:
+    """Seconds left of ``--budget`` (unbounded without it): no row starts once it is spent, and a
+    worker's timeout never runs past it."""
+
+    def __init__(self, seconds: float | None) -> None:
+        self.deadline = None if seconds is None else time.perf_counter() + seconds
+
+    def spent(self) -> bool:
+        return self.deadline is not None and time.perf_counter() >= self.deadline
+
+    def timeout(self, timeout: float) -> float:
+        if self.deadline is None:
+            return timeout
+        return max(1.0, min(timeout, self.deadline - time.perf_counter()))
+
+
+def not_run(spec: dict, budget: float | None) -> dict:
+    return {**spec, "ok": False, "error": f"not run: the --budget of {budget:.0f}s was spent"}
 
 
 def measure_all(args: argparse.Namespace, on_row: Callable[[list[dict]], None]) -> tuple[list[dict], dict | None]:
@@ -235,18 +294,23 @@ def measure_all(args: argparse.Namespace, on_row: Callable[[list[dict]], None]) 
         return run_smoke(specs, on_row), None
     root = Path(tempfile.mkdtemp(prefix="cgtrees-bench-"))
     base = {} if args.no_bytecode_cache else bytecode_env(root)
+    budget = Budget(args.budget)
     try:
         for spec in [] if args.no_bytecode_cache else prime_specs(specs):
-            row = run_worker(spec, {**base, **cache_env(root / "prime", spec)}, args.timeout)
+            if budget.spent():
+                break
+            row = run_worker(spec, {**base, **cache_env(root / "prime", spec)}, budget.timeout(args.timeout))
             print(f"primed {spec['backend']} {spec['mode']}: {'ok' if row.get('ok') else row.get('error')}",
                   flush=True)
         rows: list[dict] = []
         for spec in specs:
             env = {**base, **cache_env(root, spec)}
-            if spec["phase"] == "warm":
-                row = run_warm(spec, env, args.timeout, args.warm_runs)
+            if budget.spent():
+                row = not_run(spec, args.budget)
+            elif spec["phase"] == "warm":
+                row = run_warm(spec, env, budget, args.timeout, args.warm_runs)
             else:
-                row = run_worker(spec, env, args.timeout)
+                row = run_worker(spec, env, budget.timeout(args.timeout))
             rows.append({**row, "bytecode_primed": not args.no_bytecode_cache})
             on_row(rows)
         kernels = run_kernels(root, args.timeout) if args.kernels else None
@@ -270,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     def save(rows: list[dict], kernels: dict | None = None) -> None:
         if args.out:  # after every row, so a run cut short still leaves its results
             data = {"meta": meta, "rows": rows, "kernels": kernels}
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(data, indent=1, default=str))
 
     def on_row(rows: list[dict]) -> None:
@@ -278,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.from_json:
         rows, kernels, meta = load(args.from_json)
+        suite = real_models.MODELS if args.suite == "real" else workloads.WORKLOADS
+        rows = [r for r in rows if r["workload"] in suite]
     else:
         rows, kernels = measure_all(args, on_row)
     meta["total_s"] = time.perf_counter() - start
@@ -285,11 +352,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.analysis:
         meta["analysis"] = Path(args.analysis).read_text()
     save(rows, kernels)
+    if args.suite == "real":
+        if args.markdown:
+            real_report.write(args.markdown, rows, meta)
+        print(f"\nsummary ({meta['total_s']:.0f}s):\n" + real_report.screen(rows), flush=True)
+        return 0
     print("\n" + report.tables(rows))
     if kernels:
         print(report.kernel_table(kernels))
     if args.markdown:
-        Path(args.markdown).write_text(report.markdown(rows, kernels, meta))
+        path = Path(args.markdown)
+        kept = real_report.existing(path.read_text()) if path.exists() else ""  # the other suite's section
+        path.write_text(report.markdown(rows, kernels, meta) + ("\n" + kept if kept else ""))
     print(f"summary ({meta['total_s']:.0f}s):\n" + report.summary(rows, kernels), flush=True)
     return 0
 

@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -65,7 +66,28 @@ def raw_graph_call(model: torch.nn.Module, inputs: tuple) -> Callable:
     return call
 
 
-def infer_step(fn: Callable, inputs: tuple, mark: bool, keep: list) -> Callable[[], None]:
+@dataclass
+class Kept:
+    """What the first step produced, cloned, to compare with eager's first step.
+
+    ``outputs``: the model's output (infer), or the loss and the model's output (train);
+    ``grads``: each parameter's gradient after the first backward, named in ``names``.
+    """
+
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor | None] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+    train: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.outputs)
+
+    def absolute(self) -> list[torch.Tensor | None]:
+        """The tensors of ``max_err``: the output (infer), the loss and the gradients (train)."""
+        return [self.outputs[0], *self.grads] if self.train else self.outputs
+
+
+def infer_step(fn: Callable, inputs: tuple, mark: bool, keep: Kept) -> Callable[[], None]:
     """One inference call; the first output is cloned into ``keep`` for the error check."""
     def step() -> None:
         if mark:
@@ -73,23 +95,30 @@ def infer_step(fn: Callable, inputs: tuple, mark: bool, keep: list) -> Callable[
         with torch.no_grad():
             out = fn(*inputs)
         if not keep:
-            keep.append(out.detach().clone())
+            keep.outputs.append(out.detach().clone())
     return step
 
 
 def train_step(fn: Callable, inputs: tuple, loss_fn: Callable, model: torch.nn.Module,
-               mark: bool, keep: list) -> Callable[[], None]:
-    """Forward, loss, backward, eager SGD step, zero_grad; the first loss and grads go to ``keep``."""
-    params = list(model.parameters())
+               mark: bool, keep: Kept) -> Callable[[], None]:
+    """Forward, loss, backward, eager SGD step, zero_grad; the first loss, output and grads go to ``keep``."""
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
     opt = torch.optim.SGD(params, lr=1e-3)
+    keep.train = True
 
     def step() -> None:
         if mark:
             torch.compiler.cudagraph_mark_step_begin()
-        loss = loss_fn(fn(*inputs))
+        out = fn(*inputs)
+        first_out = None if keep else out.detach().clone()
+        loss = loss_fn(out)
+        del out  # held no longer than before: only what the loss's backward saves
         loss.backward()
         if not keep:
-            keep.extend([loss.detach().clone()] + [_clone(p.grad) for p in params])
+            keep.outputs.extend([loss.detach().clone(), first_out])
+            keep.grads.extend(_clone(p.grad) for p in params)
+            keep.names.extend(name for name, _ in named)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
@@ -99,7 +128,7 @@ def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().clone()
 
 
-def make_step(spec: dict, device: torch.device, keep: list) -> Callable[[], None]:
+def make_step(spec: dict, device: torch.device, keep: Kept) -> Callable[[], None]:
     """Build the workload (seeded), put it on the device, and wrap one call of it as a step."""
     model, input_fn, loss_fn = workloads.build(spec["workload"], smoke=spec["smoke"])
     model.to(device).train(spec["mode"] == "train")
@@ -121,9 +150,9 @@ def make_step(spec: dict, device: torch.device, keep: list) -> Callable[[], None
     return train_step(fn, inputs, loss_fn, model, mark, keep)
 
 
-def reference(spec: dict, device: torch.device) -> list:
-    """Eager's first output (infer) or first loss and grads (train), from the same seed."""
-    keep: list = []
+def reference(spec: dict, device: torch.device) -> Kept:
+    """Eager's first output (infer) or first loss, output and grads (train), from the same seed."""
+    keep = Kept()
     make_step({**spec, "backend": "eager"}, device, keep)()
     return keep
 
@@ -136,11 +165,43 @@ def environment(device: torch.device) -> dict:
             "python": sys.version.split()[0]}
 
 
-def _counters() -> dict:
+INDUCTOR_COUNTERS = {
+    "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass", "cudagraph_skips"),
+    "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"),
+}
+
+
+def _counters(backend: str) -> dict:
+    """This process's counters: ours (every known key, zero when never bumped), Dynamo's graph breaks
+    (count and first reasons) and graphs, Inductor's caches and graph skips."""
     from torch._dynamo.utils import counters
 
-    return {"cgtrees": dict(counters.get("cgtrees", {})),
-            "graph_breaks": sum(counters.get("graph_break", {}).values())}
+    ours = dict(counters.get("cgtrees", {}))
+    if backend == "cgtrees":
+        from backend import counters as cgtrees_counters
+
+        ours = cgtrees_counters.snapshot()
+    breaks = counters.get("graph_break", {})
+    found = {"cgtrees": ours, "graph_breaks": sum(breaks.values()),
+             "graph_break_reasons": [str(reason)[:300] for reason in list(breaks)[:5]],
+             "unique_graphs": counters.get("stats", {}).get("unique_graphs", 0)}
+    for group, keys in INDUCTOR_COUNTERS.items():
+        found[group] = {k: counters.get(group, {}).get(k, 0) for k in keys}
+    return found
+
+
+def compare(row: dict, keep: Kept, want: Kept) -> None:
+    """Errors vs eager into ``row``: largest absolute, and relative for outputs and gradients
+    (the worst gradient named)."""
+    row["max_err"] = measure.max_error(keep.absolute(), want.absolute())
+    if len(keep.outputs) != len(want.outputs) or keep.names != want.names:
+        row["rel_err_out"] = row["rel_err_grad"] = float("inf")
+        return
+    row["rel_err_out"] = max(measure.relative_errors(keep.outputs, want.outputs), default=None)
+    grads = measure.relative_errors(keep.grads, want.grads)
+    if grads:
+        worst = max(range(len(grads)), key=grads.__getitem__)
+        row.update(rel_err_grad=grads[worst], worst_grad=keep.names[worst])
 
 
 class Phases:
@@ -162,7 +223,7 @@ def run_row(spec: dict) -> dict:
     row: dict = {**spec, "ok": False, "error": None}
     phases = Phases()
     try:
-        keep: list = []
+        keep = Kept()
         step = make_step(spec, device, keep)
         phases.next("first calls")
         if spec.get("profile_start"):  # slower under cProfile: these start times are not comparable
@@ -177,13 +238,13 @@ def run_row(spec: dict) -> dict:
             row["profile"] = measure.profile_table(step, device)
         phases.next("error vs eager")
         del step
-        row["max_err"] = measure.max_error(keep, reference(spec, device))
+        compare(row, keep, reference(spec, device))
         row["ok"] = True
     except Exception as exc:  # the row says what failed; the run goes on
         row["error"] = f"{phases.name}: {type(exc).__name__}: {exc}"[:2000]
         row["traceback"] = traceback.format_exc()[-4000:]
     phases.next("counters")
-    row["counters"] = _counters()
+    row["counters"] = _counters(spec["backend"])
     row["compile_phases"] = measure.compile_phases()
     phases.next("done")
     row["phase_s"] = phases.seconds
@@ -193,7 +254,7 @@ def run_row(spec: dict) -> dict:
 def main() -> None:
     start = time.time()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", required=True, choices=sorted(workloads.WORKLOADS))
+    parser.add_argument("--workload", required=True, choices=sorted(workloads.NAMES))
     parser.add_argument("--backend", required=True, choices=BACKENDS)
     parser.add_argument("--mode", required=True, choices=("infer", "train"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import real_models
+
 Workload = tuple[nn.Module, Callable[[torch.device], tuple], Callable[[torch.Tensor], torch.Tensor]]
 
 
@@ -200,7 +202,10 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {
 INFER_ONLY = {"decode"}
 
 
+NAMES = (*WORKLOADS, *real_models.MODELS)  # our own workloads, then the real-model suite's
+
+
 def build(name: str, smoke: bool = False, seed: int = 0) -> Workload:
-    """The same weights for the same (name, smoke, seed), in any process."""
+    """The same weights for the same (name, smoke, seed), in any process (a real model's too)."""
     torch.manual_seed(seed)
-    return WORKLOADS[name](smoke=smoke)
+    return {**WORKLOADS, **real_models.MODELS}[name](smoke=smoke)

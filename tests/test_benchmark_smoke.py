@@ -32,7 +32,7 @@ def test_smoke_run_measures_every_row(tmp_path):
             assert math.isfinite(r[key]) and r[key] > 0, f"{name}: {key}={r[key]}"
         assert r["max_err"] < 1e-4, f"{name}: error vs eager {r['max_err']}"
 
-    # One process: the counters add up row after row.
+    # The runner clears the counters before each row: these are the row's own.
     for r in rows:
         if r["backend"] == "cgtrees":
             ours = r["counters"]["cgtrees"]

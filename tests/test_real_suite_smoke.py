@@ -1,0 +1,155 @@
+"""The real-model suite (issue 16) never rots: `benchmarks/run.py --suite real --smoke` runs the Hugging
+Face models at tiny sizes, inference and training, eager and cgtrees, in one process on the CPU, with
+cgtrees's kernels through Triton's interpreter; every row comes back measured and matching eager. Nothing
+here needs timm or torchvision (they import only on the GPU machine): the vision models must say so
+when built, and the suite must import without them. The rest checks the runner's plan, its budget and
+the report's section of docs/benchmarks.md on made-up rows."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HF = ("gpt2", "llama", "bert")
+
+
+def _bench(name):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_smoke_run_measures_every_hf_row(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nThe own suite's report.\n")
+    env = {**os.environ, "CGTREES_CACHE_DIR": str(tmp_path / "cache"), "CGTREES_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "benchmarks/run.py", "--suite", "real", "--smoke", "--out-dir",
+                           str(tmp_path / "out"), "--markdown", str(doc)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "summary" in done.stdout and "rel grad" in done.stdout  # the one-screen table
+    rows = json.loads((tmp_path / "out" / "real-gpt2+llama+bert-infer+train-smoke.json").read_text())["rows"]
+
+    assert {(r["workload"], r["mode"], r["backend"]) for r in rows} == {
+        (m, mode, b) for m in HF for mode in ("infer", "train") for b in ("eager", "cgtrees")}
+    for r in rows:
+        name = f"{r['workload']}/{r['mode']}/{r['backend']}"
+        assert r["ok"], f"{name}: {r['error']}\n{r.get('traceback', '')}"
+        for key in ("first_s", "first3_s", "step_s"):
+            assert math.isfinite(r[key]) and r[key] > 0, f"{name}: {key}={r[key]}"
+        # fp32, sums in another order: ~5e-7 measured; 1e-4 is far below any real mistake.
+        assert r["rel_err_out"] < 1e-4, f"{name}: outputs off eager by {r['rel_err_out']}"
+        if r["mode"] == "train":
+            assert r["rel_err_grad"] < 1e-4, f"{name}: gradient {r['worst_grad']} off by {r['rel_err_grad']}"
+        if r["backend"] == "cgtrees":  # the runner clears counters per row: these are the row's own
+            ours = r["counters"]["cgtrees"]
+            assert ours["graph_fallbacks"] == 0, f"{name}: a graph ran through aten: {ours}"
+            assert ours["kernels_generated"] > 0, f"{name}: no kernel was generated: {ours}"
+            assert ours["aten_fallbacks"] >= ours["aten_gaps"] >= 0, ours  # gaps are some of the aten calls
+
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nThe own suite's report.\n")  # the rest of the file is left alone
+    assert "| figure | eager | cgtrees | cgtrees / reduce-overhead |" in text and "### llama / train" in text
+
+
+def test_vision_models_say_what_they_need_and_the_suite_imports_without_it():
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import run, worker, real_report\n"
+            "heavy = {'transformers', 'timm', 'torchvision'} & set(sys.modules)\n"
+            "assert not heavy, heavy")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    worker = _bench("worker")
+    for name, needs in (("vit_tiny", "timm/torchvision"), ("resnet18", "torchvision")):
+        missing = [p for p in needs.split("/") if not _imports(p)]
+        if not missing:
+            continue  # the GPU machine: the models build (the GPU run measures them)
+        row = worker.run_row({"workload": name, "backend": "eager", "mode": "train", "device": "cpu",
+                              "phase": "cold", "smoke": True})
+        assert not row["ok"] and f"{name} needs {needs}" in row["error"], row["error"]
+        assert row["error"].startswith("build: MissingPackage")
+
+
+def _imports(package):
+    try:
+        __import__(package)
+        return True
+    except Exception:  # a CUDA-only torchvision on a CPU machine fails with more than ImportError
+        return False
+
+
+def test_real_plan_runs_four_backends_cold_and_warm_into_one_file(tmp_path):
+    run = _bench("run")
+    args = run.parse_args(["--suite", "real", "--models", "gpt2", "--modes", "train", "--cold-warm",
+                           "--out-dir", str(tmp_path)])
+    specs = run.plan(args, "cuda")
+    assert [(s["backend"], s["phase"]) for s in specs] == [
+        ("eager", "cold"), ("inductor", "cold"), ("inductor", "warm"), ("reduce-overhead", "cold"),
+        ("reduce-overhead", "warm"), ("cgtrees", "cold"), ("cgtrees", "warm")]  # no raw_graph floor
+    assert args.out == str(tmp_path / "real-gpt2-train.json")
+    assert run.parse_args(["--suite", "real", "--smoke"]).models == "gpt2,llama,bert"  # no timm/torchvision
+    assert "vit_tiny" in run.parse_args(["--suite", "real"]).models
+    assert run.parse_args([]).models == "mlp_small,norm_act,gpt_block,convnet,decode"  # the own suite unchanged
+
+
+def test_a_spent_budget_starts_no_row_and_says_so():
+    run = _bench("run")
+    args = run.parse_args(["--suite", "real", "--models", "bert", "--modes", "infer", "--cold-warm",
+                           "--budget", "0", "--device", "cuda"])
+    rows, _ = run.measure_all(args, lambda rows: None)  # no worker starts, so no GPU is needed
+    assert len(rows) == 7 and all(not r["ok"] and "--budget of 0s" in r["error"] for r in rows)
+
+
+def _row(model, mode, backend, phase, step_s, first3_s, **counters):
+    ours = {"graph_fallbacks": 0, "aten_fallbacks": 9, "aten_gaps": 2, "cache_hit": 0, "cache_hit_aot": 0,
+            "cache_bypass": 0, "cudagraph_skips": 0}
+    ours.update(counters)
+    return {"workload": model, "mode": mode, "backend": backend, "phase": phase, "ok": True, "step_s": step_s,
+            "first3_s": first3_s, "peak_alloc_mb": 100.0, "rel_err_out": 1e-7, "rel_err_grad": 2e-7,
+            "worst_grad": "model.lm_head.weight",
+            "counters": {"cgtrees": ours if backend == "cgtrees" else {}, "graph_breaks": 1,
+                         "graph_break_reasons": ["a reason"], "unique_graphs": 2,
+                         "inductor": {"fxgraph_cache_hit": 2, "fxgraph_cache_bypass": 0, "cudagraph_skips": 0},
+                         "aot_autograd": {"autograd_cache_hit": 1, "autograd_cache_bypass": 0}}}
+
+
+def test_report_section_has_the_columns_and_replaces_only_itself(tmp_path):
+    real_report, run = _bench("real_report"), _bench("run")
+    rows = [_row("gpt2", "train", "eager", "cold", 4e-3, 1.0),
+            _row("gpt2", "train", "inductor", "cold", 2e-3, 40.0), _row("gpt2", "train", "inductor", "warm", 2e-3, 8.0),
+            _row("gpt2", "train", "reduce-overhead", "cold", 2e-3, 50.0),
+            _row("gpt2", "train", "reduce-overhead", "warm", 2e-3, 10.0),
+            _row("gpt2", "train", "cgtrees", "cold", 1e-3, 20.0),
+            _row("gpt2", "train", "cgtrees", "warm", 1e-3, 2.5, cache_hit=3, cache_hit_aot=1),
+            _row("mlp_small", "infer", "eager", "cold", 1e-4, 0.1)]  # the own suite's: not in this section
+    section = real_report.section(rows, {"date": "today", "command": "run"})
+    assert "| per call (ms) | 4.000 | 2.000 | 2.000 | 1.000 | 0.50x |" in section  # the ratio to reduce-overhead
+    assert "| first 3 outputs, warm (s) | - | 8.00 | 10.00 | 2.50 | 0.25x |" in section
+    assert "| aten calls that are gaps (aten_gaps) | - | - | - | 2 | - |" in section
+    assert "| graph breaks | - | 1 | 1 | 1 | - |" in section  # eager has none to count
+    assert "| cache hits, warm (cache_hit) | - | 3 | 3 | 3 | - |" in section  # Inductor's: FX graph + AOT
+    assert "mlp_small" not in section and "`model.lm_head.weight`" in section
+    screen = real_report.screen(rows)
+    assert "cgtrees / reduce-overhead: per call 0.50x, first 3 cold 0.40x, warm 0.25x, peak 1.00x" in screen
+    assert len(screen.splitlines()) < 25
+
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(real_report.splice("# Benchmarks\n\nold own report\n", real_report.section([], {})))
+    assert "No results yet" in doc.read_text()
+    real_report.write(str(doc), rows, {})
+    text = doc.read_text()
+    assert text.count(real_report.BEGIN) == 1 and "No results yet" not in text and "old own report" in text
+
+    # Rebuilding the own suite's report keeps the real-model section.
+    own = os.path.join(ROOT, "benchmarks", "results", "7-mlp_small.json")
+    run.main(["--from-json", own, "--markdown", str(doc)])
+    rebuilt = doc.read_text()
+    assert "old own report" not in rebuilt and "### mlp_small / infer" in rebuilt
+    assert real_report.existing(rebuilt) == real_report.existing(text)
