@@ -1,7 +1,8 @@
 """runtime: wraps each kernel module in tree-managed CUDA graphs (R1-R8 of DESIGN.md).
 
     wrap(call, example_inputs, ctx):
-        reason_to_skip        # CPU / several devices / sparse / uncapturable op -> no graphs (R7)
+        reason_to_skip        # CPU / several devices / sparse / uncapturable op -> no graphs (R7);
+                              # the ops are read from the module's graph or its aten listing
         GraphFunction         # warmup -> record -> replay under the tree manager of
                               # (device, thread of the forward); one pool per manager
 
@@ -31,11 +32,16 @@ def wrap(call: Callable[[list[Any]], Any], example_inputs: list[Any], ctx: Graph
         return call
     gm = skips.graph_of(call)
     reason, device = skips.reason_to_skip(example_inputs, ctx, gm)
+    listing = None
+    if reason is None and gm is None:
+        listing = skips.listing_of(call)  # a kernel module's aten listing: its ops and outputs
+        reason = skips.listing_reason(listing)
     if reason is not None:
         skip(ctx.name, reason)  # one skip per function, logged once
         _skipped[ctx.name] = reason
         return call
-    fn = GraphFunction(call, example_inputs, ctx, device, _managers, skips.output_ops(gm))
+    output_ops = skips.output_ops(gm) if gm is not None else (listing.outputs if listing else [])
+    fn = GraphFunction(call, example_inputs, ctx, device, _managers, output_ops)
     _functions.add(fn)
     return fn
 

@@ -1,12 +1,20 @@
 """Reasons, known when a graph is wrapped, why it must run without CUDA graphs (R7).
 
-Invariants: each check looks only at the example inputs and the aten graph (when the kernel module
-exposes it); the first reason found is the one reported. Reasons found later, at run time (a
-capture that fails, too many shapes, a static input that keeps moving), live in ``function.py``.
+Invariants: each check looks only at the example inputs and the aten graph; the first reason found
+is the one reported. Reasons found later, at run time (a capture that fails, too many shapes, a
+static input that keeps moving), live in ``function.py``.
+
+The graph behind a module is read from what the module keeps: an ``AtenModule``'s ``gm``, else the
+straight-line aten listing in its source (``call_aten`` of a generated kernel module, ``forward``
+of a cached FX module), read as a ``Listing``: its ops (for R7) and the op behind each output (for
+R1's message). A module that keeps neither gives an empty listing: no R7 check before capture (a
+capture that fails still runs the graph without CUDA graphs) and R1 names "an unknown op".
 """
 
 from __future__ import annotations
 
+import ast
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -28,6 +36,89 @@ def graph_of(call: Callable[..., Any]) -> torch.fx.GraphModule | None:
     owner = getattr(call, "__self__", None)
     gm = getattr(owner, "gm", None)
     return gm if isinstance(gm, torch.fx.GraphModule) else None
+
+
+@dataclass
+class Listing:
+    """What a module's aten listing says: every op it calls, and the op behind each output."""
+
+    ops: list[torch._ops.OpOverload] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+
+def listing_of(call: Callable[..., Any]) -> Listing | None:
+    """The aten listing kept in the source of ``call``'s module (a generated kernel module's
+    ``call_aten``, a cached FX module's ``forward``); None where there is none or it cannot be read."""
+    owner = getattr(call, "__self__", None)
+    source, name = getattr(owner, "source", None), "call_aten"
+    if not isinstance(source, str):
+        source, name = getattr(owner, "code", None), "forward"
+    if not isinstance(source, str):
+        return None
+    try:
+        return _read_listing(source, name)
+    except Exception:  # noqa: BLE001 - a listing we cannot read is no listing (as before)
+        return None
+
+
+def _read_listing(source: str, name: str) -> Listing | None:
+    lines = source.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(f"def {name}(")), None)
+    if start is None:
+        return None
+    end = start + 1
+    while end < len(lines) and (not lines[end].strip() or lines[end][0] in " \t"):
+        end += 1  # the function ends at the first line that is not indented
+    func = ast.parse("\n".join(lines[start:end])).body[0]
+    if not isinstance(func, ast.FunctionDef):
+        return None
+    listing = Listing()
+    produced: dict[str, str] = {a.arg: f"input {a.arg}" for a in func.args.args if a.arg != "self"}
+    for stmt in func.body:
+        if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+            target, value = stmt.targets[0], stmt.value
+            if isinstance(target, ast.Tuple):  # ``arg0_1, arg1_1, = args``: the inputs
+                for elt in target.elts:
+                    if isinstance(elt, ast.Name):
+                        produced[elt.id] = f"input {elt.id}"
+            elif isinstance(target, ast.Name):
+                produced[target.id] = _produced_by(value, produced, listing)
+        elif isinstance(stmt, ast.Return) and stmt.value is not None:
+            results = stmt.value.elts if isinstance(stmt.value, (ast.Tuple, ast.List)) else [stmt.value]
+            listing.outputs = [produced.get(r.id, "an unknown op") if isinstance(r, ast.Name) else "a constant"
+                               for r in results]
+    return listing
+
+
+def _produced_by(value: ast.expr, produced: dict[str, str], listing: Listing) -> str:
+    if isinstance(value, ast.Subscript) and isinstance(value.value, ast.Name):
+        return produced.get(value.value.id, "an unknown op")  # ``getitem = split[0]``
+    if isinstance(value, ast.Call):
+        op = _op_of(value.func)
+        if op is not None:
+            listing.ops.append(op)
+            return str(op)
+    return "an unknown op"
+
+
+def _op_of(func: ast.expr) -> torch._ops.OpOverload | None:
+    """``aten.op.overload`` or ``torch.ops.ns.op.overload`` as the OpOverload it names."""
+    parts = []
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    if not isinstance(func, ast.Name):
+        return None
+    parts.append(func.id)
+    parts.reverse()
+    if parts[0] == "aten" and len(parts) == 3:
+        ns, op, overload = parts
+    elif parts[:2] == ["torch", "ops"] and len(parts) == 5:
+        ns, op, overload = parts[2:]
+    else:
+        return None
+    found = getattr(getattr(getattr(torch.ops, ns), op), overload)
+    return found if isinstance(found, torch._ops.OpOverload) else None
 
 
 def reason_to_skip(example_inputs: list[Any], ctx: GraphContext,
@@ -58,6 +149,14 @@ def reason_to_skip(example_inputs: list[Any], ctx: GraphContext,
     return None, device.index if device.index is not None else torch.cuda.current_device()
 
 
+def listing_reason(listing: Listing | None) -> str | None:
+    """R7 for a module without a graph: the first op of its listing that cannot be captured."""
+    for target in listing.ops if listing is not None else ():
+        if _uncapturable(target):
+            return f"op {target} cannot be captured in a CUDA graph"
+    return None
+
+
 def _mutated_aliased_input(example_inputs: list[Any], ctx: GraphContext) -> str | None:
     """A mutated input that shares memory with another input cannot be copied into its own slot."""
     static = set(ctx.static_input_indices)
@@ -78,13 +177,17 @@ def _mutated_aliased_input(example_inputs: list[Any], ctx: GraphContext) -> str 
     return None
 
 
-def _uncapturable_op(gm: torch.fx.GraphModule) -> str | None:
+def _uncapturable(target: torch._ops.OpOverload) -> bool:
     unsafe_tag = getattr(torch.Tag, "cudagraph_unsafe", None)
+    name = target._schema.name.split("::")[-1]
+    return name in _UNCAPTURABLE or (unsafe_tag is not None and unsafe_tag in target.tags)
+
+
+def _uncapturable_op(gm: torch.fx.GraphModule) -> str | None:
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
-        name = node.target._schema.name.split("::")[-1]
-        if name in _UNCAPTURABLE or (unsafe_tag is not None and unsafe_tag in node.target.tags):
+        if _uncapturable(node.target):
             return f"op {node.target} cannot be captured in a CUDA graph"
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and val.device.type == "cpu" and val.dim() > 0:

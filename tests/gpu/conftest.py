@@ -32,14 +32,13 @@ def _fresh_runtime():
     torch._dynamo.reset()
 
 
-@pytest.fixture
-def aten_kernels(monkeypatch):
-    """Runtime tests run the aten graphs as kernel modules (codegen's placeholder behaviour), so a
-    codegen bug cannot hide a runtime result; CGTREES_RUNTIME_TESTS_CODEGEN=1 keeps real codegen."""
-    import os
-
+@pytest.fixture(params=["aten", "codegen"])
+def kernel_modules(request, monkeypatch):
+    """Every runtime test runs twice: with the aten graphs as kernel modules (codegen's placeholder
+    behaviour, so a codegen bug cannot hide a runtime result) and with our generated modules (the
+    path users take). The cache is off, so each test compiles what it runs."""
     monkeypatch.setenv("CGTREES_CACHE", "0")
-    if os.environ.get("CGTREES_RUNTIME_TESTS_CODEGEN") == "1":
+    if request.param == "codegen":
         return
     from backend import codegen
 

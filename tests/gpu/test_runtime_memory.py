@@ -14,7 +14,7 @@ import backend
 import backend.runtime as runtime
 
 DEV = "cuda"
-pytestmark = pytest.mark.usefixtures("aten_kernels")
+pytestmark = pytest.mark.usefixtures("kernel_modules")
 
 
 def cg(fn, **kw):
