@@ -10,7 +10,9 @@ Invariants:
   (allocated outside the pool, so no recording can reuse it). Mutated copied inputs are written back.
 - Outputs are rebuilt on every replay as fresh tensors over the same pool memory (storages without
   a deleter: the pool, not the tensor, owns the memory); outputs that alias an input are rebuilt as
-  views of that input; non-tensor outputs are constants of the recording.
+  views of that input; non-tensor outputs are constants of the recording. Outputs that shared one
+  storage when recorded share one on every replay, also in copy-out mode (each pool storage is
+  copied once and every output is rebuilt over its copy), so aliasing is eager's.
 - The allocator checkpoint is taken right after the first replay, while the outputs and every
   protected storage are alive: restoring it gives back exactly those blocks (R5).
 """
@@ -175,14 +177,15 @@ class GraphNode:
                 self.first_output_of.setdefault(s, j)
 
     def _first_outputs(self, outs: list[Any], args: list[Any]) -> list[Any]:
+        if self.copy_out:  # one copy of each pool storage: outputs that share one still do
+            return self._rebuild(args, [outs[self.first_output_of[s]].untyped_storage().clone()
+                                        for s in range(len(self.pool_storages))])
         result = []
         for o, (kind, a, b) in zip(outs, self.out_plan):
             if kind == _INPUT:
                 base = args[a]
                 o = base.as_strided(b[0], b[1], base.storage_offset() + b[2])
             result.append(o)
-        if self.copy_out:
-            return [o.clone() if kind == _POOL else o for o, (kind, _, _) in zip(result, self.out_plan)]
         storages: dict[int, torch.UntypedStorage] = {}
         for o, (kind, s, _) in zip(result, self.out_plan):
             if kind == _POOL:
@@ -218,14 +221,14 @@ class GraphNode:
         self.replays += 1
         device = self.device
         storages = [compat.storage_from_pointer(p, device, n) for p, n in self.pool_storages]
+        if self.copy_out:  # one copy of each pool storage: outputs that share one still do
+            storages = [s.clone() for s in storages]
         if self.simple:
             tensor_from_storage = compat.tensor_from_storage
             outs = [tensor_from_storage(m, s) for m, s in zip(self.metas, storages)]
         else:
             outs = self._rebuild(args, storages)
-        if self.copy_out:
-            outs = [o.clone() if kind == _POOL else o for o, (kind, _, _) in zip(outs, self.out_plan)]
-        else:
+        if not self.copy_out:
             self._track(storages, outs)
         args.clear()
         return outs if self.returns_list else outs[0]
