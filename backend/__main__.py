@@ -7,7 +7,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m backend", description="cgtrees: demo and cache tools")
+    parser = argparse.ArgumentParser(
+        prog="python -m backend",
+        description="cgtrees: with no argument, runs the demo (compiles a GPT block with backend='cgtrees', "
+                    "checks outputs and gradients against eager, prints compile and per-call times); "
+                    "'cache info|clear' manages the persistent compile cache.")
     sub = parser.add_subparsers(dest="command")
     cache = sub.add_parser("cache", help="inspect or clear the persistent compile cache")
     cache.add_argument("action", choices=["info", "clear"])

@@ -89,6 +89,9 @@ def main() -> int:
         ours_us = _per_call_us(compiled, x, device, iters)
     print(f"steady state per call: eager {eager_us:.0f} us, cgtrees {ours_us:.0f} us "
           f"({eager_us / ours_us:.2f}x eager)")
+    if device.type != "cuda":
+        print("  (on CPU the compiled graphs run as plain aten calls: correct, not accelerated; the "
+              "Triton kernels and CUDA graphs need an NVIDIA GPU)")
 
     c = counters.snapshot()
     print("cache: " + ", ".join(f"{k}={c[k]}" for k in ("cache_hit", "cache_miss", "cache_bypass", "cache_corrupt")))
