@@ -1,0 +1,247 @@
+"""Tiny Hugging Face ``transformers`` models (random weights, built from configs) and the checks that
+compare a model compiled with ``backend="cgtrees"`` against eager on a deep copy.
+
+Nothing is downloaded: no weights, no tokenizers; token ids are random. Every config leaves the
+model's own defaults where they matter (``use_cache``, the attention implementation, which is
+``sdpa``) and sets every dropout to 0, so eager and compiled runs are deterministic.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+VOCAB, BATCH, SEQ, TARGET_SEQ = 100, 2, 12, 8
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model builder and the inputs of one training call (labels included: the model returns a loss)."""
+
+    build: Callable[[], torch.nn.Module]
+    inputs: Callable[[], dict[str, torch.Tensor]]
+    seq2seq: bool = False
+
+    def inference_inputs(self) -> dict[str, torch.Tensor]:
+        """No labels (an encoder-decoder gets its decoder's ids instead), so nothing turns off the KV
+        cache: BART, for one, sets ``use_cache=False`` when it is given labels."""
+        inputs = self.inputs()
+        labels = inputs.pop("labels")
+        if self.seq2seq:
+            inputs["decoder_input_ids"] = _ids(*labels.shape)
+        return inputs
+
+
+def _ids(*shape: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, shape)  # ids 0-2 are the special tokens below
+
+
+def _padding_mask() -> torch.Tensor:
+    """The second sequence is right-padded by 3 tokens, so the padding path of the mask is used."""
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, -3:] = 0
+    return mask
+
+
+def _causal_lm_inputs() -> dict[str, torch.Tensor]:
+    ids, mask = _ids(BATCH, SEQ), _padding_mask()
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def _masked_lm_inputs() -> dict[str, torch.Tensor]:
+    ids, mask = _ids(BATCH, SEQ), _padding_mask()
+    picked = (torch.arange(SEQ) % 3 == 1).expand(BATCH, SEQ) & (mask == 1)  # every third real token
+    return {"input_ids": ids.masked_fill(picked, 2), "attention_mask": mask,
+            "labels": ids.masked_fill(~picked, -100)}
+
+
+def _seq2seq_inputs() -> dict[str, torch.Tensor]:
+    labels = _ids(BATCH, TARGET_SEQ)
+    labels[1, -2:] = -100
+    return {"input_ids": _ids(BATCH, SEQ), "attention_mask": _padding_mask(), "labels": labels}
+
+
+def _special(pad: int = 0, bos: int = 1, eos: int = 2) -> dict[str, int]:
+    return {"pad_token_id": pad, "bos_token_id": bos, "eos_token_id": eos}
+
+
+def _gpt2() -> torch.nn.Module:
+    import transformers
+
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **_special()))
+
+
+def _llama() -> torch.nn.Module:
+    import transformers
+
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(  # grouped-query attention: 4 heads, 2 kv heads
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, **_special()))
+
+
+def _qwen2() -> torch.nn.Module:
+    import transformers
+
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, **_special()))
+
+
+def _bert() -> torch.nn.Module:
+    import transformers
+
+    return transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        pad_token_id=0))
+
+
+def _t5() -> torch.nn.Module:
+    import transformers
+
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
+        decoder_start_token_id=0, **_special()))
+
+
+def _bart() -> torch.nn.Module:
+    import transformers
+
+    return transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=2,
+        forced_eos_token_id=None, **_special(pad=1, bos=0, eos=2)))
+
+
+CASES = {
+    "gpt2": Case(_gpt2, _causal_lm_inputs),
+    "llama": Case(_llama, _causal_lm_inputs),
+    "qwen2": Case(_qwen2, _causal_lm_inputs),
+    "bert": Case(_bert, _masked_lm_inputs),
+    "t5": Case(_t5, _seq2seq_inputs, seq2seq=True),
+    "bart": Case(_bart, _seq2seq_inputs, seq2seq=True),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    model = CASES[name].build()
+    if model.loss_type is None:  # e.g. "GPT2LMHeadModel": transformers would warn (a graph break) and pick this
+        model.loss_type = "ForCausalLM"
+    return model
+
+
+def tensors(value: Any, prefix: str = "out") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in a model output, named: loss, logits, and each layer's cached keys and values."""
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, dict):  # ModelOutput is an OrderedDict of the fields that are set
+        for key, item in value.items():
+            yield from tensors(item, f"{prefix}.{key}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from tensors(item, f"{prefix}[{i}]")
+    elif hasattr(value, "self_attention_cache"):  # EncoderDecoderCache
+        yield from tensors(value.self_attention_cache, f"{prefix}.self_attention")
+        yield from tensors(value.cross_attention_cache, f"{prefix}.cross_attention")
+    elif hasattr(value, "layers"):  # DynamicCache
+        for i, layer in enumerate(value.layers):
+            yield from tensors((layer.keys, layer.values), f"{prefix}.layers[{i}]")
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, noise: float = 0.0) -> None:
+    """Within float32 reassociation error, scaled with the tensor: an entry ~0 in eager is noise.
+
+    ``noise`` is an absolute floor for tensors that are zero in exact arithmetic, where the tensor's
+    own largest entry is itself rounding noise (e.g. the gradient of an attention key's bias: a
+    softmax does not change when every logit of a row moves by the same q . b_k).
+    """
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, (what, actual.shape, expected.shape)
+    if not expected.is_floating_point():
+        torch.testing.assert_close(actual, expected, atol=0, rtol=0, msg=what)
+        return
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    atol = max(1e-5 * scale, noise, 1e-30)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=atol,
+                               msg=lambda m: f"{what} (max |eager| {scale:.3g}, atol {atol:.3g}): {m}")
+
+
+def assert_outputs_close(out: Any, ref: Any, what: str) -> int:
+    got, want = dict(tensors(out)), dict(tensors(ref))
+    assert got.keys() == want.keys(), (what, sorted(got), sorted(want))
+    for name in want:
+        assert_close(got[name], want[name], f"{what}: {name}")
+    return len(want)
+
+
+def compile_model(model: torch.nn.Module, options: dict[str, Any]) -> Callable[..., Any]:
+    """The whole model in one Dynamo graph (``fullgraph``): every op goes through our backend."""
+    return torch.compile(model, backend="cgtrees", fullgraph=True, options=options)
+
+
+def check_inference(name: str, options: dict[str, Any]) -> None:
+    case = CASES[name]
+    model = build(name).eval()
+    ref = copy.deepcopy(model)
+    compiled = compile_model(model, options)
+    with torch.no_grad():
+        for call in range(2):  # the second call on new values, after the first compiled
+            inputs = case.inference_inputs()
+            assert_outputs_close(compiled(**inputs), ref(**inputs), f"{name} inference call {call}")
+
+
+def check_training(name: str, options: dict[str, Any], steps: int = 2, lr: float = 0.1) -> None:
+    """Forward, loss, backward and an SGD step, ``steps`` times: outputs, loss and every gradient.
+
+    SGD (not Adam) so a gradient difference reaches the next step's values in proportion, and a
+    gradient that is noise around 0 is not blown up to a full step by normalisation.
+    """
+    case = CASES[name]
+    model = build(name).train()
+    ref = copy.deepcopy(model)
+    compiled = compile_model(model, options)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
+    for step in range(steps):
+        inputs = case.inputs()
+        out, ref_out = compiled(**inputs), ref(**inputs)
+        assert_outputs_close(out, ref_out, f"{name} step {step}")
+        out.loss.backward()
+        ref_out.loss.backward()
+        assert_grads_close(model, ref, f"{name} step {step}")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+
+
+def assert_grads_close(model: torch.nn.Module, ref: torch.nn.Module, what: str) -> None:
+    """Every parameter's gradient, each within ``assert_close`` of eager's.
+
+    A gradient that is zero in exact arithmetic (an attention key's bias: softmax ignores a shift
+    shared by a whole row of logits) comes out of eager float32 as rounding noise, about one ulp of
+    its module's weight gradient (measured: 0.4 to 1.6 ulp for BERT's and BART's key biases). So the
+    noise floor of a parameter is 16 ulps (2**-19) of the largest gradient in its own module: for a
+    tensor of its module's own scale that is 5x below the 1e-5 tolerance its values give it.
+    """
+    params, ref_params = dict(model.named_parameters()), dict(ref.named_parameters())
+    assert params.keys() == ref_params.keys()
+    module_scale: dict[str, float] = {}
+    for pname, p in ref_params.items():
+        if p.grad is not None:
+            owner = pname.rpartition(".")[0]
+            module_scale[owner] = max(module_scale.get(owner, 0.0), p.grad.abs().max().item())
+    with_grad = 0
+    for pname, p in params.items():
+        want = ref_params[pname].grad
+        assert (p.grad is None) == (want is None), f"{what}: gradient of {pname}: {p.grad} vs eager {want}"
+        if want is not None:
+            noise = module_scale[pname.rpartition(".")[0]] * 2.0**-19
+            assert_close(p.grad, want, f"{what}: gradient of {pname}", noise)
+            with_grad += 1
+    assert with_grad > 0, f"{what}: no parameter has a gradient"
