@@ -91,8 +91,8 @@ def test_real_plan_runs_four_backends_cold_and_warm_into_one_file(tmp_path):
                            "--out-dir", str(tmp_path)])
     specs = run.plan(args, "cuda")
     assert [(s["backend"], s["phase"]) for s in specs] == [
-        ("eager", "cold"), ("inductor", "cold"), ("inductor", "warm"), ("reduce-overhead", "cold"),
-        ("reduce-overhead", "warm"), ("cgtrees", "cold"), ("cgtrees", "warm")]  # no raw_graph floor
+        ("eager", "cold"), ("cgtrees", "cold"), ("cgtrees", "warm"), ("reduce-overhead", "cold"),
+        ("reduce-overhead", "warm"), ("inductor", "cold"), ("inductor", "warm")]  # no raw_graph floor
     assert args.out == str(tmp_path / "real-gpt2-train.json")
     assert run.parse_args(["--suite", "real", "--smoke"]).models == "gpt2,llama,bert"  # no timm/torchvision
     assert "vit_tiny" in run.parse_args(["--suite", "real"]).models
