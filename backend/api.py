@@ -12,6 +12,14 @@ from backend.config import Config
 from backend.logs import forget, log
 
 
+def restart_exceptions() -> tuple[type[BaseException], ...]:
+    """Exceptions Dynamo raises through a backend to ask for a new trace of the frame: they are
+    not failures, and must reach Dynamo (swallowed, a dynamic-shape LayerNorm never compiled)."""
+    from torch._dynamo import exc
+
+    return tuple(e for e in (getattr(exc, "RestartAnalysis", None),) if e is not None)
+
+
 class CgtreesBackend:
     """``backend(gm, example_inputs, mode=None, options=None) -> callable``.
 
@@ -33,6 +41,8 @@ class CgtreesBackend:
             from backend.aot.driver import compile_dynamo_graph
 
             compiled = compile_dynamo_graph(gm, example_inputs, config, graph_id)
+        except restart_exceptions():
+            raise  # Dynamo's own signal to trace the frame again (e.g. a float input made a tensor)
         except Exception as exc:  # noqa: BLE001 - the user's program must not die of our bug
             counters.bump("graph_fallbacks")
             log.warning("cgtrees: graph g%d could not be compiled (%s: %s); it runs eagerly",

@@ -114,3 +114,15 @@ def test_reset_hooks(reset, monkeypatch):
     torch.compile(lambda x: x + 1, backend="cgtrees")(torch.ones(2))
     backend.reset() if reset == "backend" else torch._dynamo.reset()
     assert calls
+
+
+def test_dynamic_layernorm_is_compiled_not_run_eagerly(cgtrees_counters):
+    """Dynamo asks for a second trace (a RestartAnalysis raised through the backend) when a float
+    becomes a tensor; swallowed as a failure, every dynamic LayerNorm model ran eagerly."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    compiled = torch.compile(model, backend="cgtrees", dynamic=True)
+    for batch in (3, 5):
+        x = torch.randn(batch, 8)
+        torch.testing.assert_close(compiled(x), model(x))
+    assert cgtrees_counters["graph_fallbacks"] == 0
+    assert cgtrees_counters["graphs_compiled"] >= 1
