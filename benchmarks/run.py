@@ -88,7 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.backends is None:
         args.backends = real_report.BACKENDS if args.suite == "real" else ALL_BACKENDS
     if args.out_dir and not args.out:
-        name = f"{args.suite}-{args.models.replace(',', '+') or 'kernels'}-{args.modes.replace(',', '+')}"
+        # letters, digits, '-', '_' and '.' only: the device tool returns no file named otherwise
+        name = f"{args.suite}-{args.models.replace(',', '_') or 'kernels'}-{args.modes.replace(',', '_')}"
         args.out = str(Path(args.out_dir) / f"{name}{'-smoke' if args.smoke else ''}.json")
     return args
 
