@@ -1,0 +1,193 @@
+"""Gradient sweep: every differentiable op in torch's OpInfo database, through our pipeline.
+
+For each op with autograd and a float32 CPU kernel, one OpInfo sample is traced by AOTAutograd
+with OUR decomposition table and OUR partitioner, then every aten graph it hands over is run
+
+- ``aten``: as the driver runs a CPU graph (codegen's module of aten calls), and
+- ``interpret``: when its graphs hold an op we lower, through our generated Triton kernels under
+  Triton's interpreter,
+
+and the outputs and the gradient of every differentiable input (for random cotangents) are
+compared with eager, within a tolerance scaled by the reference's magnitude. Every entry of our
+decomposition table that an OpInfo sample reaches is so checked forward and backward; the
+entries we add to torch's core table are asserted to fire (``OUR_DECOMPOSITIONS``).
+
+Not swept: ops without autograd or without a float32 CPU kernel (nothing of theirs reaches a
+backward), and the ``SKIP`` list below, each with its reason. float64 is not swept: tracing is
+most of the time (about 0.2 s an op), and a second dtype would double it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from grad_sweep_helpers import MODES, Case, NoSample, Pipeline, case, compare, eager, op_id
+from torch.testing._internal.common_methods_invocations import op_db
+
+from backend.aot.decompositions import EXTRA_DECOMPOSED
+
+aten = torch.ops.aten
+DTYPES = (torch.float32,)
+
+RANDOM = "random output: eager and compiled draw different numbers (dropout: test_dropout_mask_and_gradient)"
+DATA_DEPENDENT = "data-dependent output shape or value: AOTAutograd cannot trace it with static shapes"
+SPARSE = "sparse tensors: AOTAutograd's fake tensors do not take sparse inputs"
+SKIP = {
+    "bernoulli": RANDOM,
+    "normal": RANDOM,
+    "normal.number_mean": RANDOM,
+    "nn.functional.dropout": RANDOM,
+    "nn.functional.dropout2d": RANDOM,
+    "nn.functional.dropout3d": RANDOM,
+    "nn.functional.alpha_dropout": RANDOM,
+    "nn.functional.feature_alpha_dropout.with_train": RANDOM,
+    "nn.functional.rrelu": RANDOM,
+    "nn.functional.fractional_max_pool2d": RANDOM,
+    "nn.functional.fractional_max_pool3d": RANDOM,
+    "combinations": DATA_DEPENDENT,  # masked_select
+    "masked_select": DATA_DEPENDENT,
+    "corrcoef": DATA_DEPENDENT,  # aten.equal
+    "cov": DATA_DEPENDENT,  # aten.equal
+    "narrow": DATA_DEPENDENT,  # its start is a tensor
+    "tensor_split": DATA_DEPENDENT,  # its indices are a tensor
+    "index_fill": DATA_DEPENDENT,  # _unique
+    "index_put": DATA_DEPENDENT,  # nonzero of a boolean index
+    "nn.functional.ctc_loss": DATA_DEPENDENT,
+    "nn.functional.gaussian_nll_loss": DATA_DEPENDENT,  # checks the variance's values
+    "linalg.lstsq": DATA_DEPENDENT,
+    "linalg.lstsq.grad_oriented": DATA_DEPENDENT,
+    "sparse.sampled_addmm": SPARSE,
+    "sparse.mm.reduce": SPARSE,
+    "to_sparse": SPARSE,
+}
+# Random inside, deterministic outside: the sample's matrix has rank <= q, so the random projection
+# finds the same subspace whatever it draws (both modes match eager).
+RANDOM_INSIDE = {"svd_lowrank": "randn projection", "pca_lowrank": "randn projection"}
+# Keyword arguments that make a sample deterministic (its op is swept without its randomness).
+OVERRIDES = {"nn.functional.multi_head_attention_forward": {"training": False}}  # dropout 0.5 otherwise
+# Graphs codegen writes no module for (in either mode; the driver then runs the FX graph itself,
+# which is what is checked). Listed so that a new gap fails, and so that a gap closed fails too
+# until its entry goes: the list only shrinks.
+_EFFECTS = "with_effects around _linalg_check_errors (an effectful op): not written (graph.py, wrapper.py)"
+_CONSTANTS = "a graph constant (get_attr, the mask): not written (graph.py, wrapper.py)"
+NOT_GENERATED = {
+    "linalg.cholesky": _EFFECTS, "linalg.eig": _EFFECTS, "linalg.lu_factor": _EFFECTS, "linalg.inv": _EFFECTS,
+    "linalg.solve": _EFFECTS, "linalg.tensorinv": _EFFECTS, "linalg.tensorsolve": _EFFECTS,
+    **{f"masked.{n}": _CONSTANTS for n in ("sum", "prod", "cumsum", "cumprod", "amax", "amin", "mean", "median",
+                                         "norm", "var", "std", "softmax", "log_softmax", "softmin", "logaddexp",
+                                         "logsumexp")},
+}
+# The entries we add to torch's core table, each with the swept sample that reaches it (asserted
+# to fire there), or a case of its own below.
+OUR_DECOMPOSITIONS = {
+    aten._softmax.default: "softmax",
+    aten._log_softmax.default: "log_softmax",
+    aten.native_layer_norm.default: "nn.functional.layer_norm",
+    aten._native_batch_norm_legit.default: "nn.functional.batch_norm",
+    aten._native_batch_norm_legit_no_training.default: "nn.functional.batch_norm",
+    aten._native_batch_norm_legit_functional.default: "nn.functional.instance_norm",
+    aten.gelu.default: "nn.functional.gelu",
+    aten.hardtanh.default: "nn.functional.hardtanh",
+    aten.hardsigmoid.default: "nn.functional.hardsigmoid",
+    aten.hardswish.default: "nn.functional.hardswish",
+}
+OWN_CASES = {  # (function, input shapes); every input gets a gradient
+    aten._native_batch_norm_legit.no_stats: (
+        lambda x, w, b: (F.batch_norm(x, None, None, w, b, training=True),), [(6, 3, 5), (3,), (3,)]),
+}
+# Entries that nothing reaches through AOTAutograd: functionalization rewrites out= overloads to
+# functional ones first, and native_batch_norm to _native_batch_norm_legit*. Dropout is random:
+# test_dropout_mask_and_gradient checks it.
+UNREACHED = {aten.native_batch_norm.default}
+RANDOM_DECOMPOSITIONS = {aten.native_dropout.default}
+
+OPS = {op_id(op): op for op in op_db if op.supports_autograd and DTYPES[0] in op.supported_dtypes("cpu")}
+
+
+def _params():
+    for name, op in OPS.items():
+        marks = [pytest.mark.skip(reason=SKIP[name])] if name in SKIP else []
+        for dtype in DTYPES:
+            if dtype in op.supported_dtypes("cpu"):
+                for mode in MODES:
+                    yield pytest.param(name, dtype, mode, id=f"{name}-{str(dtype)[6:]}-{mode}", marks=marks)
+
+
+@functools.lru_cache(maxsize=1)  # the parameters run op by op: both modes share one trace
+def _traced(name: str, dtype: torch.dtype):
+    try:
+        sample = case(OPS[name], dtype, overrides=OVERRIDES.get(name))
+    except NoSample as exc:
+        pytest.skip(str(exc))
+    expected = eager(sample)
+    pipeline = Pipeline(sample)
+    return expected, pipeline, pipeline.run("aten")
+
+
+@pytest.mark.parametrize("name,dtype,mode", list(_params()))
+def test_grad(name, dtype, mode):
+    expected, pipeline, actual = _traced(name, dtype)
+    if name not in RANDOM_INSIDE:
+        assert not pipeline.random_ops(), f"random ops in its graphs: {pipeline.random_ops()}; eager is no reference"
+    if mode == "interpret":
+        if not pipeline.lowered_ops():
+            pytest.skip("no op of its graphs is lowered: the aten mode covers it")
+        actual = pipeline.run("interpret")
+    if name in NOT_GENERATED:
+        assert pipeline.gaps(mode), f"{name} is generated now: take it off NOT_GENERATED"
+    else:
+        assert not pipeline.gaps(mode), f"codegen gave graphs to aten: {pipeline.gaps(mode)}"
+    compare(actual, expected, mode)
+    for op, swept in OUR_DECOMPOSITIONS.items():
+        if swept == name:
+            assert op in pipeline.decomposed, f"{op} is not decomposed in this sample any more"
+
+
+def test_our_decompositions_are_swept():
+    """Every entry we add to torch's table is checked against eager by a swept sample or a case of
+    its own (test_grad asserts that the entry fires there)."""
+    ours = {op for packet in EXTRA_DECOMPOSED for op in (getattr(packet, name) for name in packet.overloads())}
+    functional = {op for op in ours if not any(arg.is_out for arg in op._schema.arguments)}
+    checked = set(OUR_DECOMPOSITIONS) | set(OWN_CASES) | UNREACHED | RANDOM_DECOMPOSITIONS
+    assert functional - checked == set()
+    assert not {op: name for op, name in OUR_DECOMPOSITIONS.items() if name not in OPS or name in SKIP}
+
+
+@pytest.mark.parametrize("op", list(OWN_CASES), ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_own_case(op, mode):
+    fn, shapes = OWN_CASES[op]
+    sample = Case(str(op), fn, [torch.randn(s) for s in shapes], list(range(len(shapes))))
+    pipeline = Pipeline(sample)
+    compare(pipeline.run(mode), eager(sample), mode)
+    assert op in pipeline.decomposed
+    assert not pipeline.gaps(mode)
+
+
+def test_skip_list_names_swept_ops():
+    """A stale entry (an op renamed or gone) fails here, so the lists stay short and true."""
+    assert set(SKIP) - set(OPS) == set()
+    assert set(NOT_GENERATED) - set(OPS) == set()
+    assert set(OVERRIDES) - set(OPS) == set()
+    assert set(RANDOM_INSIDE) - set(OPS) == set()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_mask_and_gradient(mode):
+    """Dropout is random, so eager cannot be its reference: its output must be the input, scaled,
+    or zero, and its gradient the cotangent through the same mask (our table decomposes it)."""
+    p = 0.3
+    x = torch.randn(37, 29)
+    sample = Case("dropout", lambda t: (F.dropout(t, p, training=True),), [x], [0])
+    pipeline = Pipeline(sample)
+    result = pipeline.run(mode)
+    assert aten.native_dropout.default in pipeline.decomposed
+    assert not pipeline.gaps(mode)
+    (y,), (grad,), (cotangent,) = result.outputs, result.grads, result.cotangents
+    kept = y != 0
+    assert 0.2 < 1 - kept.float().mean().item() < 0.4, "the share of dropped elements is far from p"
+    torch.testing.assert_close(y[kept], x[kept] / (1 - p))
+    torch.testing.assert_close(grad, cotangent * kept / (1 - p))
