@@ -159,10 +159,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def cast(expr: Expr, dtype: torch.dtype) -> Expr:
-    if expr_dtype(expr) == dtype:
+    src = expr_dtype(expr)
+    if src == dtype:
         return expr
     if isinstance(expr, Const) and not isinstance(expr.value, sympy.Expr):
         return Const(_py_cast(expr.value, dtype), dtype)
+    # Eager converts to and from bfloat16 through float32 (c10::BFloat16 holds a float), rounding
+    # to nearest even; Triton's interpreter casts bfloat16 to anything but float32 as its raw
+    # uint16 bits, and truncates float32 to bfloat16 (``to_bf16`` rounds there as eager does).
+    if dtype == torch.bfloat16:
+        return Op("to_bf16", (cast(expr, torch.float32),), dtype)
+    if src == torch.bfloat16 and dtype != torch.float32:
+        return Op("cast", (Op("cast", (expr,), torch.float32),), dtype)
     return Op("cast", (expr,), dtype)
 
 

@@ -93,6 +93,11 @@ OPS: dict[str, OpDef] = {
     "asinh": OpDef(f"{_LD}.asinh({{0}})", None),
     "acosh": OpDef(f"{_LD}.acosh({{0}})", None),
     "atanh": OpDef(f"{_LD}.atanh({{0}})", None),
+    # float32 -> bfloat16, rounded to nearest even (the interpreter's own cast truncates): the bits
+    # plus 0x7FFF plus the lowest kept bit, then the top half (c10's round_to_nearest_even)
+    "to_bf16": OpDef("{0}.to(tl.bfloat16)",
+                     "((({0}.to(tl.uint32, bitcast=True) + 0x7FFF + (({0}.to(tl.uint32, bitcast=True) >> 16) & 1))"
+                     " >> 16).to(tl.uint16)).to(tl.bfloat16, bitcast=True)"),
     # casts: ``to_<dtype>``, rendered by the kernel printer (bool is ``!= 0``)
     "cast": OpDef("{0}.to({dtype})"),
 }
