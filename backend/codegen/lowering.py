@@ -163,7 +163,7 @@ def cast(expr: Expr, dtype: torch.dtype) -> Expr:
     if src == dtype:
         return expr
     if isinstance(expr, Const) and not isinstance(expr.value, sympy.Expr):
-        return Const(_py_cast(expr.value, dtype), dtype)
+        return const(_py_cast(expr.value, dtype), dtype)
     # Eager converts to and from bfloat16 through float32 (c10::BFloat16 holds a float), rounding
     # to nearest even; Triton's interpreter casts bfloat16 to anything but float32 as its raw
     # uint16 bits, and truncates float32 to bfloat16 (``to_bf16`` rounds there as eager does).
@@ -214,7 +214,16 @@ def scalar(value: Any, dtype: torch.dtype | None) -> Expr:
         dtype = torch.bool if isinstance(value, bool) else torch.int64 if isinstance(value, int) else torch.float32
     if isinstance(value, sympy.Expr):
         return cast(Const(value, torch.int64), dtype)
-    return Const(_py_cast(value, dtype), dtype)
+    return const(_py_cast(value, dtype), dtype)
+
+
+def const(value: Any, dtype: torch.dtype) -> Expr:
+    """A python scalar as an element of ``dtype``. Triton types a float literal as float32, so
+    where literals meet only each other (``0.4 - 1.0``, ``tl.where(c, 0.4, -0.6)``) a float64 graph
+    would compute in float32: a float64 constant is a float64 value in the kernel instead."""
+    if dtype == torch.float64 and isinstance(value, float):
+        return Op("fp64_const", (Const(value, dtype),), dtype)
+    return Const(value, dtype)
 
 
 def pointwise(ctx: LowerCtx, name: str, args: list[Any], *, compute: torch.dtype | None = None,

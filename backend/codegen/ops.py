@@ -93,6 +93,8 @@ OPS: dict[str, OpDef] = {
     "asinh": OpDef(f"{_LD}.asinh({{0}})", None),
     "acosh": OpDef(f"{_LD}.acosh({{0}})", None),
     "atanh": OpDef(f"{_LD}.atanh({{0}})", None),
+    # a float64 constant (a bare literal is a float32 one)
+    "fp64_const": OpDef("tl.full([], {0}, tl.float64)"),
     # float32 -> bfloat16, rounded to nearest even (the interpreter's own cast truncates): the bits
     # plus 0x7FFF plus the lowest kept bit, then the top half (c10's round_to_nearest_even)
     "to_bf16": OpDef("{0}.to(tl.bfloat16)",
