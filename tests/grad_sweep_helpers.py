@@ -12,6 +12,7 @@ The cotangents are random (seeded), so a gradient that is right only for a loss 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -113,7 +114,7 @@ class Pipeline:
         self.compiled = aot_function(case.fn, fw_compiler=self._compiler("forward"),
                                      bw_compiler=self._compiler("backward"),
                                      inference_compiler=self._compiler("inference"),
-                                     partition_fn=partition, decompositions=recording_table(self.decomposed),
+                                     partition_fn=partition, decompositions=recording_table(),
                                      keep_inference_input_mutations=True)
 
     def lowered_ops(self) -> set[str]:
@@ -132,6 +133,7 @@ class Pipeline:
         """Outputs and gradients with every graph run in ``mode``; ``gaps(mode)`` then says which
         graphs codegen gave to aten, and why."""
         self.mode = mode
+        _Fired.into = self.decomposed  # the first run traces
         result = _run(self.case, self.compiled)
         for kind, module in self.modules.items():
             if kind[0] == mode and getattr(module, "failure", None):
@@ -173,13 +175,20 @@ class Pipeline:
         return self.modules[self.mode, kind]
 
 
-def recording_table(fired: set) -> dict:
-    """Our decomposition table, each entry noting in ``fired`` that it ran (nothing else changes)."""
+class _Fired:
+    """Where the recording table notes the entries that run: the set of the pipeline tracing now."""
+
+    into: set = set()
+
+
+@functools.lru_cache(maxsize=1)  # 970 entries: made once, not per trace
+def recording_table() -> dict:
+    """Our decomposition table, each entry noting in ``_Fired.into`` that it ran (nothing else changes)."""
     from backend.aot.decompositions import decomposition_table
 
     def record(op: torch._ops.OpOverload, fn: Callable) -> Callable:
         def decomposition(*args: Any, **kwargs: Any) -> Any:
-            fired.add(op)
+            _Fired.into.add(op)
             return fn(*args, **kwargs)
 
         return decomposition
