@@ -179,7 +179,8 @@ def section(rows: list[dict], meta: dict) -> str:
              f"{env.get('triton', '?')}, Python {env.get('python', '?')}",
              f"- Date: {meta.get('date', '?')}", f"- Command: `{meta.get('command', '?')}`",
              *([f"- Note: {meta['note']}"] if meta.get("note") else []), "",
-             "### Summary", "", "```", screen(rows), "```", ""]
+             "### Summary", "", "```", screen(rows), "```", "",
+             *([meta["analysis"].rstrip("\n"), ""] if meta.get("analysis") else [])]
     for workload, mode in report.groups(rows):
         body += [f"### {workload} / {mode}", "",
                  report.table(rows, workload, mode, None, figures=FIGURES, against=AGAINST), ""]
