@@ -145,9 +145,13 @@ class Pipeline:
 
     def _compiler(self, kind: str) -> Callable:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-            self.graphs[kind] = (gm, list(example_inputs))
+            from backend.aot import constants
+
+            consts = constants.lift(gm)  # as the driver does: get_attr tensors become trailing inputs
+            self.graphs[kind] = (gm, [*example_inputs, *consts.tensors])
 
             def call(args: list) -> Any:
+                args.extend(consts.tensors)
                 return self._module(kind).call(args)
 
             call._boxed_call = True

@@ -76,11 +76,10 @@ RANDOM_INSIDE = {"svd_lowrank": "randn projection", "pca_lowrank": "randn projec
 OVERRIDES = {"nn.functional.multi_head_attention_forward": {"training": False}}  # dropout 0.5 otherwise
 # Graphs codegen writes no module for (in either mode; the driver then runs the FX graph itself,
 # which is what is checked), by the node that stops it. A graph given to aten without one fails.
-# Torch 2.13 wraps linalg's error checks in with_effects (2.11 does not); masked.* ops keep their
-# mask as a graph constant.
+# Torch 2.13 wraps linalg's error checks in with_effects (2.11 does not). Graph constants (masked.*
+# ops keep their mask as one) are lifted to inputs first, as the driver does (aot/constants.py).
 NOT_GENERATED = {
     "with_effects": "an effectful op (_linalg_check_errors) under with_effects: not written (graph.py, wrapper.py)",
-    "get_attr": "a graph constant (get_attr): not written (graph.py, wrapper.py)",
 }
 # The entries we add to torch's core table, each with the swept sample that reaches it (asserted
 # to fire there), or a case of its own below.
@@ -163,7 +162,7 @@ def test_grad(name, dtype, mode):
 def _known_gap(pipeline: Pipeline, kind: str) -> bool:
     """The graph holds a node of ``NOT_GENERATED``."""
     gm, _ = pipeline.graphs[kind]
-    return any(n.op == "get_attr" or n.target is torch.ops.higher_order.with_effects for n in gm.graph.nodes)
+    return any(n.target is torch.ops.higher_order.with_effects for n in gm.graph.nodes)
 
 
 def test_our_decompositions_are_swept():
