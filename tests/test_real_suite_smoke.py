@@ -35,7 +35,7 @@ def test_smoke_run_measures_every_hf_row(tmp_path):
                           text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "summary" in done.stdout and "rel grad" in done.stdout  # the one-screen table
-    rows = json.loads((tmp_path / "out" / "real-gpt2+llama+bert-infer+train-smoke.json").read_text())["rows"]
+    rows = json.loads((tmp_path / "out" / "real-gpt2_llama_bert-infer_train-smoke.json").read_text())["rows"]
 
     assert {(r["workload"], r["mode"], r["backend"]) for r in rows} == {
         (m, mode, b) for m in HF for mode in ("infer", "train") for b in ("eager", "cgtrees")}
