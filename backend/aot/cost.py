@@ -1,26 +1,37 @@
 """The partitioner's cost model: what a value costs to keep, and what may be recomputed.
 
 Recomputing is allowed for ops that are cheap next to a memory round trip and deterministic:
-pointwise math, reductions, views, casts and constants. Never recomputed: matrix products,
-convolutions, attention, random ops, in-place/mutating ops, and anything we do not know.
+pointwise math, views, casts, constants, and *row* reductions. Never recomputed: matrix products,
+convolutions, attention, random ops, in-place/mutating ops, anything we do not know, and reductions
+that are not row reductions.
+
+A row reduction reduces the trailing dimensions of its input, at most ``ROW_LIMIT`` elements per
+output (layer norm's statistics, softmax's max and sum): codegen reduces each row in one program,
+and the backward reads that row anyway, so recomputing it costs little. A reduction over leading
+dimensions (batch norm's per-channel statistics over N, H, W) or over a large extent is a pass of
+its own over the whole tensor: its small result is saved instead.
 """
 
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import torch
 import torch.fx
 
 aten = torch.ops.aten
 
-_RECOMPUTABLE_PACKETS = {
-    # reductions
+ROW_LIMIT = 1 << 16
+
+_REDUCTIONS = {
     aten.sum, aten.mean, aten.amax, aten.amin, aten.prod, aten.var, aten.var_mean, aten.std,
     aten.argmax, aten.argmin, aten.max, aten.min, aten.logsumexp, aten.any, aten.all,
+}
+_RECOMPUTABLE_PACKETS = {
     # views and layout
     aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.transpose, aten.t, aten.expand,
-    aten.squeeze, aten.unsqueeze, aten.slice, aten.select, aten.alias, aten.as_strided,
+    aten.detach, aten.squeeze, aten.unsqueeze, aten.slice, aten.select, aten.alias, aten.as_strided,
     aten.clone, aten._to_copy, aten.cat, aten.split, aten.split_with_sizes, aten.unbind,
     aten.constant_pad_nd, aten.flip, aten.repeat,
     # constants
@@ -47,7 +58,39 @@ def is_recomputable(node: torch.fx.Node) -> bool:
         return False
     if torch.Tag.nondeterministic_seeded in target.tags:
         return False
-    return torch.Tag.pointwise in target.tags or target.overloadpacket in _RECOMPUTABLE_PACKETS
+    if torch.Tag.pointwise in target.tags or target.overloadpacket in _RECOMPUTABLE_PACKETS:
+        return True
+    return target.overloadpacket in _REDUCTIONS and _is_row_reduction(node)
+
+
+def _is_row_reduction(node: torch.fx.Node) -> bool:
+    """Does ``node`` reduce only trailing dimensions, at most ``ROW_LIMIT`` elements per output?"""
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return False
+    dims = _reduced_dims(node, val.dim())
+    extent = 1
+    for d in dims:
+        extent *= _hint(val.shape[d])
+    return dims == list(range(val.dim() - len(dims), val.dim())) and extent <= ROW_LIMIT
+
+
+def _reduced_dims(node: torch.fx.Node, ndim: int) -> list[int]:
+    """The dimensions a reduction reduces, sorted and non-negative (no ``dim``: all of them)."""
+    dim = _argument(node, "dim")
+    if dim is None or dim == []:
+        return list(range(ndim))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted({d % max(ndim, 1) for d in dims})
+
+
+def _argument(node: torch.fx.Node, name: str) -> Any:
+    """``node``'s argument ``name``, given by position or keyword; None where it is not given."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    names = [a.name for a in node.target._schema.arguments]
+    index = names.index(name) if name in names else len(node.args)
+    return node.args[index] if index < len(node.args) else None
 
 
 def saved_bytes(node: torch.fx.Node) -> int | None:

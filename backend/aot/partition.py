@@ -3,7 +3,8 @@
 A min cut over the forward part of the joint graph. Each forward value is a pair of vertices
 (in -> out) whose edge costs the bytes it would keep alive; values the backward needs connect to
 the sink; values the backward may not recompute (inputs, matrix products, convolutions, random
-ops) connect to the source. The cheapest cut is the set of values to save; everything between the
+ops, reductions other than row reductions such as batch norm's statistics: see cost.py) connect to
+the source. The cheapest cut is the set of values to save; everything between the
 cut and the backward is recomputed there. Parameters cost (almost) nothing to save: they are alive
 anyway.
 
@@ -45,8 +46,11 @@ def partition(joint_module: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_
 
 
 def _tangent_dependent(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The backward's nodes. Not the output node: its forward outputs are no backward's input."""
     out: set[torch.fx.Node] = set()
     for node in graph.nodes:
+        if node.op == "output":
+            continue
         if compat.is_tangent(node) or any(a in out for a in node.all_input_nodes):
             out.add(node)
     return out
