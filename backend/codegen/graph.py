@@ -16,7 +16,14 @@ import torch
 import torch.fx
 
 from backend import counters
-from backend.codegen import ir, lower_pointwise, lower_reductions, lower_views, ops  # noqa: F401  (register lowerings)
+from backend.codegen import (  # noqa: F401  (register lowerings)
+    ir,
+    lower_indexing,
+    lower_pointwise,
+    lower_reductions,
+    lower_views,
+    ops,
+)
 from backend.codegen.lowering import (
     LOWERINGS,
     CannotLower,

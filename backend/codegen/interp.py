@@ -7,11 +7,15 @@ decorated when ``triton`` was first imported, usually by ``torch._dynamo``, long
 from an interpreted kernel they fail ("Cannot call @triton.jit'd outside of the scope of a
 kernel"). ``enable()`` sets the variable and re-wraps those library functions as interpreted ones
 (the same replacement object everywhere, so the interpreter's fast paths, which compare combine
-functions by identity, still apply). Never mix interpreted and compiled kernels in one process.
+functions by identity, still apply). It also turns the interpreter's ``tl.device_assert`` on (our
+kernels assert that indices read from data are in range; the interpreter ignores asserts unless
+its builder runs in debug mode), leaving its integer-overflow checks off as they are in compiled
+kernels. Never mix interpreted and compiled kernels in one process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 _done = False
@@ -35,4 +39,8 @@ def enable() -> None:
                 if new is None:
                     new = converted[id(obj)] = InterpretedFunction(obj.fn)
                 setattr(module, name, new)
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    builder.options = dataclasses.replace(builder.options, debug=True, sanitize_overflow=False)
     _done = True

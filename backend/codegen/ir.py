@@ -5,7 +5,12 @@ Two layers:
 - *Values* (``Expr`` subclasses) describe how ONE element is computed, as a tree over index symbols
   ``x0, x1, ...`` (one per dimension of the iteration space). ``Load`` reads a buffer at a sympy
   index, ``Const`` is a scalar, ``IndexValue`` is an index expression used as data (``arange``),
-  ``Op`` applies an entry of ``backend.codegen.ops.OPS``.
+  ``Op`` applies an entry of ``backend.codegen.ops.OPS``, ``Indirect`` is an index read from data
+  (``embedding``'s token ids), range-checked.
+- A ``Load`` may read where a condition holds only (``mask``: ``cat`` and ``constant_pad_nd`` read
+  each input only inside its own range, 0 elsewhere), and its index may hold indirect symbols
+  ``ind0, ind1, ...``, bound to the ``Indirect`` values in its ``indirect`` (a gather: ``weight[ids[x0],
+  x1]`` is ``Load(weight, 32*ind0 + x1, indirect=(Indirect(Load(ids, x0), 100),))``).
 - *Steps* (``Compute``, ``Extern``, ``Alias``) form the straight-line program that ``call(args)``
   runs: a ``Compute`` fills a buffer (pointwise, or a reduction over some dimensions), an ``Extern``
   calls an aten op, an ``Alias`` is a strided view of an existing buffer.
@@ -35,11 +40,27 @@ def index_symbols(n: int, prefix: str = "x") -> tuple[sympy.Symbol, ...]:
 
 
 # ---------------------------------------------------------------------------------------- values
+def indirect_symbol(k: int) -> sympy.Symbol:
+    """The symbol that stands for ``load.indirect[k]`` in a load's index."""
+    return sympy.Symbol(f"ind{k}", integer=True)
+
+
+def is_kernel_symbol(s: sympy.Symbol) -> bool:
+    """An index symbol (``x0``, ``r0``, ``ind0``), not a size (``s0``, ``u0``)."""
+    name = s.name
+    return (name[:1] in ("x", "r") and name[1:].isdigit()) or (name[:3] == "ind" and name[3:].isdigit())
+
+
 @dataclass(frozen=True)
 class Load:
+    """``buf[index]``. Where ``mask`` (a bool value) is given, only where it holds (0 elsewhere, and
+    nothing is read there). ``index`` may use ``indirect_symbol(k)`` for ``indirect[k]``."""
+
     buf: str
     index: Index
     dtype: torch.dtype
+    mask: "Expr | None" = None
+    indirect: tuple["Indirect", ...] = ()
 
 
 @dataclass(frozen=True)
@@ -62,6 +83,20 @@ class Op:
 
 
 @dataclass(frozen=True)
+class Indirect:
+    """An integer value used as an index into a dimension of ``size`` elements, as int64. Negative
+    values count from the end where ``wrap`` (``x[idx]``; ``gather`` and ``embedding`` do not wrap).
+    Kernels assert ``0 <= index < size`` (where ``mask`` holds) and mask the loads that use it, so an
+    index out of range never reads memory: it raises, as eager does."""
+
+    value: "Expr"
+    size: Index
+    wrap: bool
+    mask: "Expr | None" = None
+    dtype: torch.dtype = torch.int64
+
+
+@dataclass(frozen=True)
 class Ref:
     """Inside a fused kernel: the per-row value of another member (a reduction result)."""
 
@@ -69,40 +104,72 @@ class Ref:
     dtype: torch.dtype
 
 
-Expr = Union[Load, Const, IndexValue, Op, Ref]
+Expr = Union[Load, Const, IndexValue, Op, Indirect, Ref]
+
+
+def children(expr: Expr) -> tuple[Expr, ...]:
+    """The values ``expr`` is computed from (an op's arguments, a load's mask and indirect indices)."""
+    if isinstance(expr, Op):
+        return expr.args
+    if isinstance(expr, Load):
+        return ((expr.mask,) if expr.mask is not None else ()) + expr.indirect
+    if isinstance(expr, Indirect):
+        return (expr.value,) + ((expr.mask,) if expr.mask is not None else ())
+    return ()
+
+
+def map_children(expr: Expr, fn: Any) -> Expr:
+    """``expr`` with ``fn`` applied to each of its ``children``."""
+    if isinstance(expr, Op):
+        return Op(expr.name, tuple(fn(a) for a in expr.args), expr.dtype)
+    if isinstance(expr, Load) and (expr.mask is not None or expr.indirect):
+        mask = fn(expr.mask) if expr.mask is not None else None
+        return Load(expr.buf, expr.index, expr.dtype, mask, tuple(fn(i) for i in expr.indirect))
+    if isinstance(expr, Indirect):
+        mask = fn(expr.mask) if expr.mask is not None else None
+        return Indirect(fn(expr.value), expr.size, expr.wrap, mask, expr.dtype)
+    return expr
+
+
+def walk(expr: Expr) -> list[Expr]:
+    """``expr`` and every value below it, parents first."""
+    out = [expr]
+    for child in children(expr):
+        out += walk(child)
+    return out
 
 
 def map_indices(expr: Expr, subs: dict) -> Expr:
     """Substitute index symbols in every index expression of ``expr`` (views, broadcasting)."""
+    expr = map_children(expr, lambda e: map_indices(e, subs))
     if isinstance(expr, Load):
-        return Load(expr.buf, sympy.expand(sympy.sympify(expr.index).xreplace(subs)), expr.dtype)
+        index = sympy.expand(sympy.sympify(expr.index).xreplace(subs))
+        return Load(expr.buf, index, expr.dtype, expr.mask, expr.indirect)
     if isinstance(expr, IndexValue):
         return IndexValue(sympy.expand(sympy.sympify(expr.index).xreplace(subs)), expr.dtype)
-    if isinstance(expr, Op):
-        return Op(expr.name, tuple(map_indices(a, subs) for a in expr.args), expr.dtype)
+    return expr
+
+
+def mask_loads(expr: Expr, cond: Expr) -> Expr:
+    """``expr`` with every load (and index check) in it done only where ``cond`` holds."""
+    expr = map_children(expr, lambda e: mask_loads(e, cond))
+    if isinstance(expr, Load):
+        mask = cond if expr.mask is None else Op("and", (expr.mask, cond), torch.bool)
+        return Load(expr.buf, expr.index, expr.dtype, mask, expr.indirect)
+    if isinstance(expr, Indirect):
+        mask = cond if expr.mask is None else Op("and", (expr.mask, cond), torch.bool)
+        return Indirect(expr.value, expr.size, expr.wrap, mask, expr.dtype)
     return expr
 
 
 def loads(expr: Expr) -> list[Load]:
     """Every ``Load`` in ``expr``, in first-use order (duplicates kept once)."""
-    out: dict[Load, None] = {}
-
-    def walk(e: Expr) -> None:
-        if isinstance(e, Load):
-            out[e] = None
-        elif isinstance(e, Op):
-            for a in e.args:
-                walk(a)
-
-    walk(expr)
-    return list(out)
+    return list(dict.fromkeys(e for e in walk(expr) if isinstance(e, Load)))
 
 
 def size_of(expr: Expr) -> int:
     """Number of nodes in the expression tree (used to decide when to stop inlining)."""
-    if isinstance(expr, Op):
-        return 1 + sum(size_of(a) for a in expr.args)
-    return 1
+    return len(walk(expr))
 
 
 # ---------------------------------------------------------------------------------------- buffers

@@ -67,6 +67,7 @@ class KernelWriter:
         self.ptrs: dict[str, str] = {}
         self.ptr_dtypes: dict[str, torch.dtype] = {}
         self.row_vars: dict[str, str] = {}
+        self.in_range: dict[str, str] = {}  # an indirect index's variable -> its range check
         self.helpers: set[str] = set()
         self.libdevice = False
         self.two_d = kernel.is_reduction
@@ -109,9 +110,7 @@ class KernelWriter:
         if isinstance(e, ir.Load) and e.buf in seen:
             member = self.members[e.buf]
             return resolved[e.buf] if member.role == "full" else ir.Ref(e.buf, member.step.dtype)
-        if isinstance(e, ir.Op):
-            return ir.Op(e.name, tuple(self._replace(a, seen, resolved) for a in e.args), e.dtype)
-        return e
+        return ir.map_children(e, lambda a: self._replace(a, seen, resolved))
 
     def _simplify(self, bodies: dict, stores: dict) -> tuple[dict, dict, list]:
         indices = [ld.index for b in bodies.values() for ld in ir.loads(b)]
@@ -316,7 +315,10 @@ class KernelWriter:
         if hit is not None:
             return hit
         if isinstance(e, ir.Load):
-            text = self._load_text(e)
+            text = self._load_text(e, scope)
+        elif isinstance(e, ir.Indirect):
+            scope.cache[e] = self._indirect_var(e, scope)
+            return scope.cache[e]
         elif isinstance(e, ir.IndexValue):
             index = printer.expr(e.index, triton=True)
             text = f"({index})" if e.index.free_symbols else f"tl.full([1], {index}, tl.int64)"
@@ -327,8 +329,10 @@ class KernelWriter:
         scope.cache[e] = var
         return var
 
-    def _load_text(self, e: ir.Load) -> str:
+    def _load_text(self, e: ir.Load, scope: _Scope) -> str:
         ptr = self._ptr(e.buf, e.dtype)
+        if e.mask is not None or e.indirect:
+            return self._guarded_load_text(e, ptr, scope)
         index = printer.expr(e.index, triton=True)
         names = _symbol_kinds(e.index)
         if not names and self.interpret:  # the interpreter mixes 0-d and block values badly: load a block
@@ -338,6 +342,47 @@ class KernelWriter:
             return f"tl.load({ptr} + {index})"
         mask = "xmask & rmask" if "r" in names else "xmask"
         return f"tl.load({ptr} + ({index}), {mask}, other=0)"
+
+    def _guarded_load_text(self, e: ir.Load, ptr: str, scope: _Scope) -> str:
+        """A load that reads only where its mask holds and its indirect indices are in range."""
+        need = _kinds(e) | {"x"}  # the mask has xmask's shape at least
+        subs, conds = {}, [self._mask(need)]
+        for k, ind in enumerate(e.indirect):
+            index = self.value(ind, scope)
+            subs[ir.indirect_symbol(k)] = sympy.Symbol(index, integer=True)
+            conds.append(self.in_range[index])
+        if e.mask is not None:
+            conds.append(self.value(e.mask, scope))
+        offset = printer.expr(sympy.sympify(e.index).xreplace(subs), triton=True)
+        if need - _kinds(ir.Load(e.buf, e.index, e.dtype, None, e.indirect)):  # pointers must span the mask
+            offset += f" + tl.zeros({self._shape(need)}, tl.int32)"
+        return f"tl.load({ptr} + ({offset}), {' & '.join(conds)}, other=0)"
+
+    def _indirect_var(self, e: ir.Indirect, scope: _Scope) -> str:
+        """The index as int64 (negative ones wrapped where allowed), asserted to be in range; the
+        range check is kept (``in_range``) to mask the loads that use it."""
+        value = self.value(e.value, scope)
+        if _is_literal(value):
+            value = f"tl.full([1], {value}, tl.int64)"
+        size = printer.expr(e.size, triton=True)
+        index = value if e.value.dtype == torch.int64 else self._var(scope, f"{value}.to(tl.int64)")
+        if e.wrap:
+            index = self._var(scope, f"tl.where({index} < 0, {index} + {size}, {index})")
+        ok = self._var(scope, f"(0 <= {index}) & ({index} < {size})")
+        mask = self._mask(_kinds(e)) + (f" & {self.value(e.mask, scope)}" if e.mask is not None else "")
+        low = f"-{printer.expr(e.size)}" if e.wrap else "0"
+        message = f"index out of range: an index is outside [{low}, {printer.expr(e.size)})"
+        scope.lines.append(f'tl.device_assert({ok}, "{message}", {mask})')
+        self.in_range[index] = ok
+        return index
+
+    def _mask(self, kinds: set[str]) -> str:
+        return "xmask & rmask" if "r" in kinds else "xmask"
+
+    def _shape(self, kinds: set[str]) -> str:
+        if not self.two_d:
+            return "[XBLOCK]"
+        return "[XBLOCK, RBLOCK]" if "r" in kinds else "[XBLOCK, 1]"
 
     def _op_text(self, e: ir.Op, scope: _Scope) -> str:
         args = [self.value(a, scope) for a in e.args]
@@ -383,8 +428,13 @@ def _size_symbols(kernel: Kernel, xnumel: sympy.Expr, rnumel: sympy.Expr | None)
             out |= sympy.sympify(ld.index).free_symbols
         for c in _consts(m.step.body):
             out |= c.value.free_symbols
+        for e in ir.walk(m.step.body):
+            if isinstance(e, ir.Indirect):
+                out |= sympy.sympify(e.size).free_symbols
+            elif isinstance(e, ir.IndexValue):
+                out |= sympy.sympify(e.index).free_symbols
         out |= sympy.sympify(m.step.layout.index(ir.index_symbols(len(m.step.layout.size)))).free_symbols
-    return {s for s in out if not (s.name[0] in "xr" and s.name[1:].isdigit())}
+    return {s for s in out if not ir.is_kernel_symbol(s)}
 
 
 def _symbol_kinds(index: sympy.Expr) -> set[str]:
@@ -392,28 +442,27 @@ def _symbol_kinds(index: sympy.Expr) -> set[str]:
     return {s.name[0] for s in sympy.sympify(index).free_symbols if s.name[0] in "xr" and s.name[1:].isdigit()}
 
 
+def _kinds(e: ir.Expr) -> set[str]:
+    """Which block dimensions a value varies along (its loads', index values' and row values')."""
+    out: set[str] = set()
+    for v in ir.walk(e):
+        if isinstance(v, (ir.Load, ir.IndexValue)):
+            out |= _symbol_kinds(v.index)
+        elif isinstance(v, ir.Ref):
+            out.add("x")
+    return out
+
+
 def _consts(e: ir.Expr) -> list[ir.Const]:
-    if isinstance(e, ir.Const) and isinstance(e.value, sympy.Expr):
-        return [e]
-    if isinstance(e, ir.Op):
-        return [c for a in e.args for c in _consts(a)]
-    return []
+    return [c for c in ir.walk(e) if isinstance(c, ir.Const) and isinstance(c.value, sympy.Expr)]
 
 
 def _index_values(e: ir.Expr) -> list[ir.IndexValue]:
-    if isinstance(e, ir.IndexValue):
-        return [e]
-    if isinstance(e, ir.Op):
-        return [v for a in e.args for v in _index_values(a)]
-    return []
+    return [v for v in ir.walk(e) if isinstance(v, ir.IndexValue)]
 
 
 def _refs(e: ir.Expr) -> set[str]:
-    if isinstance(e, ir.Ref):
-        return {e.name}
-    if isinstance(e, ir.Op):
-        return set().union(*(_refs(a) for a in e.args)) if e.args else set()
-    return set()
+    return {v.name for v in ir.walk(e) if isinstance(v, ir.Ref)}
 
 
 def _cast(e: ir.Expr, dtype: torch.dtype) -> ir.Expr:

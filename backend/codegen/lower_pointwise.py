@@ -322,6 +322,12 @@ def _full(ctx: LowerCtx, size: Any, value: Any, **kwargs: Any) -> TensorValue:
     return TensorValue(meta_size(meta), meta.dtype, broadcast(value, (), meta.dtype))
 
 
+@lowering(aten.full_like.default, can_lower=_plain_device)
+def _full_like(ctx: LowerCtx, x: TensorValue, value: Any, **kwargs: Any) -> TensorValue:
+    meta = ctx.out_meta()  # its strides (memory_format) are the node's, as every realized value's
+    return TensorValue(meta_size(meta), meta.dtype, broadcast(value, (), meta.dtype))
+
+
 @lowering(aten.scalar_tensor.default, can_lower=_plain_device)
 def _scalar_tensor(ctx: LowerCtx, value: Any, **kwargs: Any) -> TensorValue:
     meta = ctx.out_meta()
