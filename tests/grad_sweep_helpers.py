@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -143,6 +144,17 @@ class Pipeline:
     def gaps(self, mode: str) -> dict[str, str]:
         return {kind: why for (m, kind), why in self.not_generated.items() if m == mode}
 
+    def aten_calls(self, mode: str) -> set[str]:
+        """The aten ops that the generated modules of ``mode`` still call (their fallbacks), in
+        graphs without complex values (codegen writes no complex code: those ops go to aten)."""
+        calls: set[str] = set()
+        for (m, kind), module in self.modules.items():
+            source = getattr(module, "source", None)
+            if m == mode and source and not _has_complex(self.graphs[kind][0]):
+                body = source.split("\ndef call(")[1].split("\ndef call_aten(")[0]
+                calls |= set(re.findall(r"\baten\.[\w.]+", body))
+        return calls
+
     def _compiler(self, kind: str) -> Callable:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
             from backend.aot import constants
@@ -177,6 +189,11 @@ class Pipeline:
                 module = codegen.AtenModule(gm)
             self.modules[self.mode, kind] = module
         return self.modules[self.mode, kind]
+
+
+def _has_complex(gm: torch.fx.GraphModule) -> bool:
+    vals = [v for n in gm.graph.nodes for v in pytree.tree_leaves(n.meta.get("val"))]
+    return any(isinstance(v, torch.Tensor) and v.is_complex() for v in vals)
 
 
 class _Fired:

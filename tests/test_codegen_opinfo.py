@@ -4,6 +4,8 @@ dtype's tolerance. An op that codegen hands to aten is still run (and must still
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -33,6 +35,14 @@ OPS = {
     "permute", "transpose", "t", "expand", "unsqueeze", "squeeze", "select", "narrow", "view", "reshape", "flatten",
     "movedim", "split", "chunk", "unbind", "diagonal", "as_strided", "expand_as", "view_as", "flip", "roll", "cat",
     "stack", "tril", "triu",
+    # indexing (lower_indexing.py)
+    "nn.functional.embedding", "gather", "take_along_dim", "index_select", "__getitem__", "constant_pad_nd",
+    "nn.functional.pad.constant", "slice_scatter", "select_scatter", "scatter", "scatter_add",
+}
+# Ops whose sample graph must be generated whole: no aten call is left in the module's ``call``.
+GENERATED = {
+    "nn.functional.embedding", "gather", "take_along_dim", "index_select", "__getitem__", "constant_pad_nd",
+    "nn.functional.pad.constant", "slice_scatter", "select_scatter", "cat", "full_like",
 }
 # Graphs codegen does not generate on purpose (the whole graph then runs through aten, still checked):
 WHOLE_GRAPH_ATEN = {"narrow"}  # its sample takes the start from a tensor: data-dependent sizes
@@ -87,6 +97,15 @@ def check_sample(op, dtype: torch.dtype, device: str) -> None:
         actual = module.call([t.clone() for t in tensors])
     else:
         actual = run(module, *[t.clone() for t in tensors])
+    name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+    if name in GENERATED:
+        assert not aten_calls(module), f"{name} runs through aten: {aten_calls(module)}"
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     actual = list(actual) if isinstance(actual, (tuple, list)) else [actual]
     torch.testing.assert_close(actual, list(expected), equal_nan=True, **_tolerance(dtype))
+
+
+def aten_calls(module) -> list[str]:
+    """The aten ops a generated module's ``call`` still runs (its fallbacks)."""
+    body = module.source.split("\ndef call(")[1].split("\ndef call_aten(")[0]
+    return re.findall(r"\baten\.[\w.]+", body)

@@ -236,7 +236,10 @@ class KernelWriter:
         shape = ("[XBLOCK, RBLOCK]" if full else "[XBLOCK, 1]") if self.two_d else "[XBLOCK]"
         mask = "xmask & rmask" if (self.two_d and full) else "xmask"
         dtype = printer.TRITON_DTYPES[m.step.dtype]
-        if _is_literal(value):
+        if _is_literal(value) and self.interpret and m.step.dtype == torch.bfloat16:
+            # the interpreter has no bfloat16 constants: fill float32 with the value eager rounds to
+            value = f"tl.full({shape}, {_bf16_literal(value)}, tl.float32).to(tl.bfloat16)"
+        elif _is_literal(value):
             value = f"tl.full({shape}, {value}, {dtype})"
         else:
             value = f"tl.broadcast_to({value}, {shape})"
@@ -477,6 +480,12 @@ def _cast_text(value: str, src: torch.dtype, dst: torch.dtype) -> str:
     if dst == torch.bool:
         return f"({value} != 0)"
     return f"{value}.to({printer.TRITON_DTYPES[dst]})"
+
+
+def _bf16_literal(text: str) -> str:
+    """A float literal rounded to bfloat16 (exact in float32), as source text."""
+    value = float(eval(text, {"float": float}))  # noqa: S307 - our own printer.literal output
+    return printer.literal(torch.tensor(value, dtype=torch.bfloat16).item())
 
 
 def _is_literal(text: str) -> bool:

@@ -81,8 +81,9 @@ def _dim(d: int, n: int) -> int:
     return d + n if d < 0 else d
 
 
-def _int_indices(*positions: int):
-    """``can_lower``: the index tensors (args at ``positions``, lists included) are integers."""
+def _int_indices(*positions: int, scalar_ok: bool = False):
+    """``can_lower``: the index tensors (args at ``positions``, lists included) are integers (and
+    the indexed tensor is not 0-d, unless ``scalar_ok``)."""
 
     def check(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
         for p in positions:
@@ -90,7 +91,7 @@ def _int_indices(*positions: int):
             for a in arg if isinstance(arg, (list, tuple)) else [arg]:
                 if isinstance(a, torch.fx.Node) and a.meta["val"].dtype not in INTEGER_INDEX:
                     return f"a {a.meta['val'].dtype} index tensor (masks have data-dependent sizes)"
-        if node.args[0].meta["val"].dim() == 0:
+        if node.args[0].meta["val"].dim() == 0 and not scalar_ok:
             return "indexing a 0-d tensor"
         return None
 
@@ -108,15 +109,29 @@ def _embedding(ctx: LowerCtx, weight: TensorValue, indices: TensorValue, padding
     return TensorValue(meta_size(meta), meta.dtype, _take(ctx, weight, [row, ir.index_symbol(len(indices.size))]))
 
 
-@lowering(aten.gather.default, can_lower=_int_indices(2))
+@lowering(aten.gather.default, can_lower=_int_indices(2, scalar_ok=True))
 def _gather(ctx: LowerCtx, x: TensorValue, dim: int, index: TensorValue, sparse_grad: bool = False) -> TensorValue:
     meta = ctx.out_meta()
-    dim = _dim(dim, len(x.size))
     if len(index.size) != len(x.size):
         raise CannotLower("gather with an index of another rank")
-    coords = [ir.Indirect(index.body, x.size[d], wrap=False) if d == dim else ir.index_symbol(d)
-              for d in range(len(x.size))]
-    return TensorValue(meta_size(meta), meta.dtype, _take(ctx, x, coords))
+    return TensorValue(meta_size(meta), meta.dtype, _take(ctx, x, _along(x, dim, index.body)))
+
+
+@lowering(aten.index_select.default, can_lower=_int_indices(2, scalar_ok=True))
+def _index_select(ctx: LowerCtx, x: TensorValue, dim: int, index: TensorValue) -> TensorValue:
+    meta = ctx.out_meta()
+    dim = _dim(dim, len(x.size)) if x.size else 0
+    at = ir.map_indices(index.body, {ir.index_symbol(0): ir.index_symbol(dim)}) if index.size else index.body
+    return TensorValue(meta_size(meta), meta.dtype, _take(ctx, x, _along(x, dim, at)))
+
+
+def _along(x: TensorValue, dim: int, index: ir.Expr) -> list[Any]:
+    """Coordinates into ``x``: ``index`` (checked, not wrapped) along ``dim``, the output's own
+    symbols along the others. A 0-d ``x`` counts as one element along dimension 0."""
+    if not x.size:
+        return [ir.Indirect(index, sympy.Integer(1), wrap=False)]
+    dim = _dim(dim, len(x.size))
+    return [ir.Indirect(index, x.size[d], wrap=False) if d == dim else ir.index_symbol(d) for d in range(len(x.size))]
 
 
 @lowering(aten.index.Tensor, can_lower=_int_indices(1))
