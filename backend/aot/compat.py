@@ -51,7 +51,15 @@ def forward_static_input_indices() -> tuple[int, ...]:
 
 
 def boxed(fn: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
-    """Mark ``fn(args: list)`` as taking its inputs boxed (AOTAutograd may then free them early)."""
+    """Mark ``fn(args: list)`` as taking its inputs boxed (AOTAutograd may then free them early);
+    marked in place where ``fn`` takes attributes (a runtime ``GraphFunction``: no extra frame on
+    every call), else through a wrapper."""
+    try:
+        fn._boxed_call = True  # type: ignore[attr-defined]
+        return fn
+    except AttributeError:
+        pass
+
     def call(args: list[Any]) -> Any:
         return fn(args)
 

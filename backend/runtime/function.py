@@ -33,7 +33,8 @@ from backend.runtime.manager import Managers, TreeManager
 from backend.runtime.node import GraphNode
 
 log = logging.getLogger("backend.runtime")
-_STATIC_MOVED, _LIVE, _PARENT = 1, 2, 3
+_STATIC_MOVED, _LIVE, _PARENT, _ORPHANS = 1, 2, 3, 4
+_WORTH_RECORDING = 8  # replays that pay for a recording (a capture costs about what 10 calls do)
 _record_lock = threading.RLock()
 
 
@@ -113,7 +114,7 @@ class GraphFunction:
                 self.shape_keys.append(key)
             nodes = by_key[key] = []
         else:
-            why = self._why_nodes_fail(args, manager, nodes)
+            why = self._drop_orphans(manager, nodes) or self._why_nodes_fail(args, manager, nodes)
             if why == _STATIC_MOVED:
                 self.rerecords += 1
                 if self.rerecords > self.config.max_rerecords_per_function:
@@ -131,6 +132,21 @@ class GraphFunction:
                 return self.call(args)  # kept outputs stay right; no more recordings for this shape
         return self._record(args, manager, key, nodes)
 
+    def _drop_orphans(self, manager: TreeManager, nodes: list[GraphNode]) -> int:
+        """Free the nodes whose parameters no longer exist (their model was deleted and a new one
+        calls the same compiled code, or a parameter's ``.data`` was replaced): their graphs and
+        input slots go. The new recording counts against ``max_rerecords_per_function`` only when
+        a dropped graph replayed too few times to have been worth recording (parameters replaced
+        every few calls); a sweep of models, each trained a while, records each one.
+        Returns _STATIC_MOVED when it counts, _ORPHANS when not, 0 when no node was dropped."""
+        orphans = [node for node in nodes if node.orphaned()]
+        for node in orphans:
+            nodes.remove(node)
+            node.release()
+        if not orphans:
+            return 0
+        return _STATIC_MOVED if any(node.replays < _WORTH_RECORDING for node in orphans) else _ORPHANS
+
     def _max_nodes_per_shape(self) -> int:
         c = self.config
         return 2 * (c.max_live_branches_per_function + c.max_rerecords_per_function + 2)
@@ -146,7 +162,15 @@ class GraphFunction:
     def _warmup(self, args: list[Any], manager: TreeManager, key: Any) -> Any:
         self.warmed.add((manager, key))
         counters.bump("cudagraph_warmup")
-        return self.call(args)
+        outs = self.call(args)
+        # cuBLAS keeps a workspace (32 MiB on an H100) per handle and stream, made by the warmup's
+        # first matmul on this thread; every later matmul of this graph runs inside a recording,
+        # with its own, so the eager one would stay allocated for nothing (measured: 64 MiB of a
+        # training step's peak, one workspace for the forward's thread and one for autograd's).
+        if compat.clear_cublas_workspaces is not None:
+            with _record_lock:  # not while another thread captures
+                compat.clear_cublas_workspaces()
+        return outs
 
     def _record(self, args: list[Any], manager: TreeManager, key: Any, nodes: list[GraphNode]) -> Any:
         # One recording at a time in the process: a capture's device synchronize, empty_cache and

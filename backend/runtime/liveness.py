@@ -46,6 +46,22 @@ class LiveOutput:
         self._free(self.cdata)
 
 
+class WeakStorage:
+    """A weak reference to a tensor's StorageImpl: whether a static input (a parameter) still exists."""
+
+    __slots__ = ("cdata", "_free")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.cdata = tensor.untyped_storage()._weak_ref()
+        self._free = torch.UntypedStorage._free_weak_ref
+
+    def alive(self) -> bool:
+        return compat.storage_use_count(self.cdata) > 0
+
+    def __del__(self) -> None:
+        self._free(self.cdata)
+
+
 def overwritten_message(node: "GraphNode", index: int, why: str) -> str:
     op = node.output_op(index)
     return (f"cgtrees: this tensor is output {index} of {node.function_name} (produced by {op}), "

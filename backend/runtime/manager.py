@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,7 +45,9 @@ class TreeManager:
         self.live: list[LiveOutput] = []
         self.stale = False
         self.last_node: GraphNode | None = None
-        self.nodes: list[GraphNode] = []
+        # weak: a node lives as long as its function (or the last node, or a live output) holds it,
+        # so the graphs of a compiled function that was freed are freed with it
+        self.nodes: list[weakref.ref[GraphNode]] = []
         self.generation = 0
         self.mark_seen = compat.mark_step_counter()
         self.backward_ran = False
@@ -105,7 +108,8 @@ class TreeManager:
         return live
 
     def after_recording(self, node: "GraphNode") -> None:
-        self.nodes.append(node)
+        self.nodes = [ref for ref in self.nodes if ref() is not None]
+        self.nodes.append(weakref.ref(node))
         self.last_node = node
         self.stale = False
 
@@ -114,11 +118,14 @@ class TreeManager:
         """Invalidate what is live (copying out gradients), drop every graph (the pool goes with them)."""
         live, self.live = self.live, []
         liveness.release_all(live, "cgtrees reset()")
-        for node in self.nodes:
+        self.last_node = None
+        for node in self.alive_nodes():
             node.release()
         self.nodes.clear()
-        self.last_node = None
         self.closed = True
+
+    def alive_nodes(self) -> list["GraphNode"]:
+        return [node for node in (ref() for ref in self.nodes) if node is not None]
 
     def pool_bytes(self) -> int:
         try:
@@ -130,9 +137,9 @@ class TreeManager:
 
     def describe(self) -> str:
         lines = [f"tree cuda:{self.device} thread={self.thread} generation={self.generation} "
-                 f"nodes={len(self.nodes)} live_outputs={len(liveness.still_alive(self.live))} "
+                 f"nodes={len(self.alive_nodes())} live_outputs={len(liveness.still_alive(self.live))} "
                  f"pool_bytes={self.pool_bytes()} invalidated={self.invalidated}"]
-        lines += ["  " + node.describe() for node in self.nodes]
+        lines += ["  " + node.describe() for node in self.alive_nodes()]
         return "\n".join(lines)
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from backend.runtime import compat
-from backend.runtime.liveness import LiveOutput
+from backend.runtime.liveness import LiveOutput, WeakStorage
 
 if TYPE_CHECKING:
     from backend.runtime.function import GraphFunction
@@ -89,6 +89,7 @@ class GraphNode:
                      mutated: tuple[int, ...]) -> None:
         self.check_index: list[int] = []
         self.static_index: list[int] = []  # the checked inputs that are not pool outputs
+        self.static_storages: list[WeakStorage] = []  # theirs, to see when their model is gone
         self.check_ptrs: list[int | None] = [None] * len(args)
         self.copy_index: list[int] = []
         self.slots: list[torch.Tensor] = []
@@ -104,6 +105,7 @@ class GraphNode:
             if in_place:
                 if a.untyped_storage().data_ptr() not in live_ptrs:
                     self.static_index.append(i)
+                    self.static_storages.append(WeakStorage(a))
                 self.check_index.append(i)
                 self.check_ptrs[i] = a.data_ptr()
                 self.input_storages.setdefault(a.untyped_storage().data_ptr(), (i, a.storage_offset()))
@@ -209,6 +211,11 @@ class GraphNode:
         """Whether a static input (not a pool output) is at another address than when recorded."""
         return bool(self.static_index) and not compat.ptrs_equal(args, self.check_ptrs, self.static_index)
 
+    def orphaned(self) -> bool:
+        """Whether a static input this graph reads (a parameter) no longer exists: its model was
+        deleted, so the graph can never replay again (a new model's parameters are elsewhere)."""
+        return any(not s.alive() for s in self.static_storages)
+
     def replay(self, args: list[Any]) -> Any:
         """The hot path: copy inputs, replay, rebuild outputs. Everything else was precomputed."""
         if self.single_slot is not None:
@@ -268,7 +275,11 @@ class GraphNode:
                 f"protected={len(self.protected)}" + (" copy-out" if self.copy_out else ""))
 
     def release(self) -> None:
+        """Free the graph and the input slots. The checkpoint stays while this node is the
+        manager's last one: the next recording restores it (R5)."""
         self.graph = self.graph_replay = None
-        self.checkpoint = None
+        if self.manager.last_node is not self:
+            self.checkpoint = None
         self.slots = self.copy_dst = []
         self.single_slot = None
+        self.static_storages = []

@@ -1,7 +1,8 @@
 """Per-call time of mlp_small inference: raw torch.cuda.CUDAGraph vs cgtrees vs backend="cudagraphs".
 
-Not a test (no test_ prefix): ``python tests/gpu/percall_mlp_small.py [--codegen]``. Medians of CUDA-event
-windows. By default the kernel modules are the undecomposed aten graphs (the kernels the raw graph
+Not a test (no test_ prefix): ``python tests/gpu/percall_mlp_small.py [--codegen] [--history]``.
+``--history`` first runs a dozen other compiled functions in the process (``test_runtime_percall``).
+Medians of CUDA-event windows. By default the kernel modules are the undecomposed aten graphs (the kernels the raw graph
 replays too), so the figure is the runtime's own cost; ``--codegen`` uses our decompositions and
 generated kernels. ``--profile`` adds host-time figures and a cProfile of the call path.
 """
@@ -109,7 +110,9 @@ def runtime_only(ours, x: torch.Tensor) -> None:
     import backend.runtime as runtime
     from backend.runtime.function import GraphFunction
 
-    fn = next(f for f in runtime._functions if f.kind == "inference")
+    # the function that replayed most: mlp_small's (others ran before it with --history)
+    fn = max((f for f in runtime._functions if f.kind == "inference"),
+             key=lambda f: sum(n.replays for by_key in f.trees.values() for ns in by_key.values() for n in ns))
     seen: list[list] = []
 
     class Spy(GraphFunction):
@@ -132,7 +135,14 @@ def runtime_only(ours, x: torch.Tensor) -> None:
         node.single_slot.copy_(src)
         node.graph_replay()
 
-    for name, f in (("full compiled call", ours), ("runtime wrapper only", wrapper), ("bare copy+replay", bare)):
+    def replay_only(_x):
+        node.graph_replay()
+
+    def copy_only(_x):
+        node.single_slot.copy_(src)
+
+    for name, f in (("full compiled call", ours), ("runtime wrapper only", wrapper), ("bare copy+replay", bare),
+                    ("replay only", replay_only), ("copy only", copy_only)):
         print(f"host us/call mlp_small {name:22s} {host_us(f, x):8.1f} us  (GPU-bound: {per_call_us(f, x):6.1f} us)")
 
 
@@ -152,6 +162,51 @@ def host_us(fn, x: torch.Tensor, calls: int = 300) -> float:
     return best
 
 
+def history() -> None:
+    """A dozen other compiled functions first, as a real process has: inference, training, dynamic
+    shapes, a graph break, two threads, several models, then ``torch._dynamo.reset()``."""
+    import threading
+
+    torch.manual_seed(1)
+
+    def run(f, *shapes, grad=False, calls=4):
+        for _ in range(calls):
+            for shape in shapes:
+                x = torch.randn(*shape, device="cuda", requires_grad=grad)
+                out = f(x)
+                if grad:
+                    out.float().sum().backward()
+
+    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).cuda().eval()
+    with torch.no_grad():
+        run(torch.compile(conv, backend="cgtrees"), (2, 3, 16, 16))
+    mlp = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64)).cuda()
+    run(torch.compile(mlp, backend="cgtrees"), (8, 64), grad=True)
+    run(torch.compile(lambda x: (x.sin() * 2).cumsum(0), backend="cgtrees", dynamic=True),
+        (8, 4), (16, 4), (24, 4), (40, 4))
+
+    def branchy(x):
+        y = x.relu()
+        if y.sum() > 0:  # a graph break
+            return y * 2
+        return y - 1
+    run(torch.compile(branchy, backend="cgtrees"), (32,), (32,))
+    for width in (16, 48, 96):
+        m = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width)).cuda()
+        run(torch.compile(m, backend="cgtrees"), (4, width), grad=True)
+    shared = torch.compile(nn.Linear(32, 32).cuda(), backend="cgtrees")
+    with torch.no_grad():
+        threads = [threading.Thread(target=run, args=(shared, (4, 32))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    run(torch.compile(lambda x: x.softmax(-1) @ x.t(), backend="cgtrees"), (8, 8), (16, 16), grad=True)
+    torch._dynamo.reset()
+    run(torch.compile(lambda x: x.exp().mean(0), backend="cgtrees"), (8, 8))
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     os.environ.setdefault("CGTREES_CACHE", "0")
     if "--codegen" not in sys.argv:
@@ -163,6 +218,8 @@ def main() -> None:
 
         codegen.compile_graph = lambda gm, example_inputs, ctx: codegen.AtenModule(gm)
         decompositions.decomposition_table = dict
+    if "--history" in sys.argv:
+        history()
     model, x = build()
     with torch.no_grad():
         want = model(x)

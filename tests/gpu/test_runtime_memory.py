@@ -93,3 +93,59 @@ def test_two_threads_two_trees():
     assert not errors, errors
     assert len(runtime._managers.all()) >= 2, runtime.describe()
     assert counters["cgtrees"]["cudagraph_replayed"] >= 4, runtime.describe()
+
+
+def _deep_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(6):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    return nn.Sequential(*layers).to(DEV)
+
+
+def _training_peak(backend_name: str, steps: int = 6) -> int:
+    """Peak allocated bytes above the model and its input over ``steps`` SGD steps, compiled with
+    ``backend_name`` (the pool's graphs, input slots, activations and gradients included)."""
+    model = _deep_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(256, 1024, device=DEV)
+    f = torch.compile(model, backend=backend_name)
+    base = _settled_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        f(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del f, model, opt
+    torch._dynamo.reset()
+    backend.reset()
+    return peak
+
+
+def test_training_peak_at_most_cudagraphs_backend(kernel_modules):
+    """Issue 17: a 6-layer 1024-wide MLP's training peak is no more than ``backend="cudagraphs"``'s
+    (input slots in the pool, saved activations read in place rather than copied)."""
+    theirs = _training_peak("cudagraphs")
+    ours = _training_peak("cgtrees")
+    print(f"training peak above the model: cgtrees {ours / 2**20:.1f} MiB, cudagraphs {theirs / 2**20:.1f} MiB")
+    assert ours <= theirs, f"cgtrees {ours} bytes > backend='cudagraphs' {theirs} bytes\n{runtime.describe()}"
+
+
+def test_deleted_model_frees_its_memory():
+    """Compiling, training and deleting a model three times, without reset(): once nothing holds
+    their outputs, the deleted models' graphs and pool memory are freed (no growth per round)."""
+    after = []
+    for _ in range(3):
+        model = _deep_mlp()
+        f = cg(model)
+        x = torch.randn(256, 1024, device=DEV)
+        for _ in range(4):
+            f(x).square().mean().backward()
+            model.zero_grad(set_to_none=True)
+        del f, model, x
+        after.append(_settled_allocated())
+    print(f"allocated after each round: {[a // 2**20 for a in after]} MiB; "
+          f"{len(runtime._functions)} functions alive\n{runtime.describe()}")
+    assert after[2] <= after[0] + (1 << 20), f"memory grew per round: {after}\n{runtime.describe()}"

@@ -1,0 +1,35 @@
+"""Per-call cost independent of what ran before (issue 17): mlp_small inference, measured in a fresh
+process after a dozen other compiled functions ran in it (inference, training, dynamic shapes, a
+graph break, two threads, several models, ``torch._dynamo.reset()``), against the raw CUDA graph of
+the same model in the same process. The figure is ``percall_mlp_small.py --history``'s."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).with_name("percall_mlp_small.py")
+TARGET = 1.25
+
+
+def _ratio(*flags: str) -> tuple[float, str]:
+    env = {**os.environ, "CGTREES_CACHE": "0"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    found = re.search(r"cgtrees/raw_graph = ([0-9.]+)", proc.stdout)
+    assert found, proc.stdout
+    return float(found.group(1)), proc.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_per_call_after_history_within_target():
+    ratio, text = _ratio("--history")
+    print(text)
+    assert ratio <= TARGET, f"mlp_small per call {ratio:.2f}x the raw graph after history (target {TARGET})\n{text}"
