@@ -131,3 +131,19 @@ def test_constant_pad(pad):
 def test_slice_scatter_with_a_step():
     base, src = torch.randn(10, 4), torch.randn(4, 4)
     generated(lambda b, s: torch.slice_scatter(b, s, 0, 1, 9, 2) + 1, base, src, kernels=1)
+
+
+def test_dynamic_shapes():
+    """Symbolic sizes: index checks against a symbolic dimension, and kernel dimensions such as
+    ``s0 + 2`` (a padded or concatenated size; ``xindex // s0 + 2`` once divided by ``s0`` alone)."""
+    def fn(w, ids, a, b):
+        return F.embedding(ids, w) * 2, torch.cat([a, -b], 0) + 1, F.pad(a, (1, 1)), a[ids.view(-1) % a.shape[0]]
+
+    def inputs(vocab, n, m):
+        return torch.randn(vocab, 7), torch.randint(0, vocab, (2, n)), torch.randn(m, 7), torch.randn(3, 7)
+
+    module = compile_fn(fn, *inputs(10, 5, 4), dynamic=True)
+    assert not aten_calls(module), aten_calls(module)
+    for sizes in [(10, 5, 4), (12, 3, 6)]:
+        args = inputs(*sizes)
+        torch.testing.assert_close(list(run(module, *args)), list(fn(*args)))

@@ -152,9 +152,8 @@ class KernelWriter:
         lines, stride = [], sympy.Integer(1)
         for i, (s, n) in enumerate(reversed(dims)):
             outer = i == len(dims) - 1
-            div = printer.expr(stride)
-            q = flat if stride == 1 else f"({flat} // {div})"
-            lines.append(f"{s.name} = {q}" if outer else f"{s.name} = {q} % {printer.expr(n)}")
+            q = flat if stride == 1 else f"({flat} // {_operand(stride)})"
+            lines.append(f"{s.name} = {q}" if outer else f"{s.name} = {q} % {_operand(n)}")
             stride = stride * n
         return list(reversed(lines))
 
@@ -486,6 +485,13 @@ def _bf16_literal(text: str) -> str:
     """A float literal rounded to bfloat16 (exact in float32), as source text."""
     value = float(eval(text, {"float": float}))  # noqa: S307 - our own printer.literal output
     return printer.literal(torch.tensor(value, dtype=torch.bfloat16).item())
+
+
+def _operand(e: sympy.Expr) -> str:
+    """A size as the right operand of ``//`` or ``%`` (``x // (s0 + 2)``, not ``x // s0 + 2``)."""
+    e = sympy.sympify(e)
+    text = printer.expr(e)
+    return text if e.is_Atom else f"({text})"
 
 
 def _is_literal(text: str) -> bool:
