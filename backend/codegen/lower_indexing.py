@@ -4,7 +4,10 @@
   tensor (``ir.Indirect``): ``out[i, j] = weight[ids[i], j]``. The input is realized first (a
   buffer), the index tensor stays lazy (it fuses). Kernels check every such index against the
   dimension's size and raise where eager raises (``x[idx]`` counts negative indices from the end,
-  ``gather`` and ``embedding`` do not); an index out of range is never read.
+  ``gather`` and ``embedding`` do not); an index out of range is never read. The check is a
+  ``tl.device_assert``: Triton's interpreter runs it (``interp.enable``), compiled Triton only in
+  debug mode (``TRITON_DEBUG=1``, or a kernel compiled with ``debug=True``); without it, an
+  element at an index out of range reads nothing and is 0.
 - ``cat``, ``constant_pad_nd``, ``slice_scatter``, ``select_scatter`` are a ``where`` over the
   output index, each input read only inside its own range (``ir.mask_loads``), so they fuse into
   their consumers: ``cat([-x2, x1]) * cos`` is one kernel.
