@@ -80,8 +80,10 @@ def _reduced_dims(node: torch.fx.Node, ndim: int) -> list[int]:
     dim = _argument(node, "dim")
     if dim is None or dim == []:
         return list(range(ndim))
+    if ndim == 0:  # a 0-d input: ``dim`` 0 or -1 names the tensor itself, nothing to index
+        return []
     dims = [dim] if isinstance(dim, int) else list(dim)
-    return sorted({d % max(ndim, 1) for d in dims})
+    return sorted({d % ndim for d in dims})
 
 
 def _argument(node: torch.fx.Node, name: str) -> Any:

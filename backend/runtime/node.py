@@ -275,11 +275,12 @@ class GraphNode:
                 f"protected={len(self.protected)}" + (" copy-out" if self.copy_out else ""))
 
     def release(self) -> None:
-        """Free the graph and the input slots. The checkpoint stays while this node is the
-        manager's last one: the next recording restores it (R5)."""
-        self.graph = self.graph_replay = None
-        if self.manager.last_node is not self:
-            self.checkpoint = None
+        """Free the input slots and, unless this is the manager's last node, the graph. The last
+        node's checkpoint is what the next recording restores (R5), and torch restores a pool's
+        checkpoint only while a graph still uses the pool: both go when another node is last."""
         self.slots = self.copy_dst = []
         self.single_slot = None
         self.static_storages = []
+        if self.manager.last_node is not self:
+            self.graph = self.graph_replay = None
+            self.checkpoint = None
