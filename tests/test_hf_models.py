@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
 
 from codegen_helpers import INTERPRET  # noqa: E402
-from hf_helpers import CASES, check_inference, check_training  # noqa: E402
+from hf_helpers import BROKEN, CASES, check_inference, check_training  # noqa: E402
 
 INTERPRETED = ["gpt2", "llama"]
 needs_interpreter = pytest.mark.skipif(
@@ -27,7 +27,9 @@ def _assert_whole_graphs_compiled(counters, *, kernels: bool) -> None:
     seen = dict(counters)
     assert seen.get("graphs_compiled", 0) >= 1, seen
     assert seen.get("graph_fallbacks", 0) == 0, seen
-    assert seen.get("cache_bypass", 0) == 0, seen
+    # Only where Dynamo (torch < 2.13) broke the model up: level 1 bypasses dynamic-shape graphs
+    dynamic_bypass = seen.get("cache_bypass_aot", 0) if BROKEN else 0
+    assert seen.get("cache_bypass", 0) == dynamic_bypass, seen
     if kernels:
         assert seen.get("kernels_generated", 0) >= 1, seen
 
