@@ -188,9 +188,6 @@ def assert_outputs_close(out: Any, ref: Any, what: str) -> int:
 # every graph still goes through our backend and the counters are still checked. CI's torch (2.13)
 # compiles every model whole, and there a graph break fails the test.
 WHOLE_GRAPH_REQUIRED = torch.__version__ >= (2, 13)
-# Models compiled with graph breaks in this process: Dynamo then recompiles some graphs with
-# dynamic sizes, and the level-1 cache bypasses graphs with SymInt inputs (BART on torch 2.11).
-BROKEN: set[str] = set()
 
 
 def compile_model(model: torch.nn.Module, options: dict[str, Any], fullgraph: bool = True) -> Callable[..., Any]:
@@ -199,45 +196,45 @@ def compile_model(model: torch.nn.Module, options: dict[str, Any], fullgraph: bo
 
 
 def first_call(model: torch.nn.Module, options: dict[str, Any], inputs: dict[str, torch.Tensor]):
-    """The compiled model and its first output: whole-graph, or (before torch 2.13, where Dynamo
-    refuses to trace the model whole) with Dynamo's graph breaks and a warning naming the break."""
+    """(compiled model, its first output, whether it was broken up): whole-graph, or (before torch
+    2.13, where Dynamo refuses to trace the model whole) with Dynamo's graph breaks and a warning."""
     compiled = compile_model(model, options)
     try:
-        return compiled, compiled(**inputs)
+        return compiled, compiled(**inputs), False
     except torch._dynamo.exc.Unsupported as e:
         if WHOLE_GRAPH_REQUIRED:
             raise
         warnings.warn(f"torch {torch.__version__}: Dynamo cannot trace the model whole, "
                       f"compiled with graph breaks: {str(e).splitlines()[0]}", stacklevel=2)
         torch._dynamo.reset()
-        BROKEN.add(type(model).__name__)
         compiled = compile_model(model, options, fullgraph=False)
-        return compiled, compiled(**inputs)
+        return compiled, compiled(**inputs), True
 
 
-def check_inference(name: str, options: dict[str, Any]) -> None:
+def check_inference(name: str, options: dict[str, Any]) -> bool:
+    """Two calls against eager; returns whether Dynamo broke the model up (torch < 2.13)."""
     case = CASES[name]
-    BROKEN.clear()  # what it says is about this check's model only
     model = build(name).eval()
     ref = copy.deepcopy(model)
     with torch.no_grad():
         for call in range(2):  # the second call on new values, after the first compiled
             inputs = case.inference_inputs()
             if call == 0:
-                compiled, out = first_call(model, options, inputs)
+                compiled, out, broken = first_call(model, options, inputs)
             else:
                 out = compiled(**inputs)
             assert_outputs_close(out, ref(**inputs), f"{name} inference call {call}")
+    return broken
 
 
-def check_training(name: str, options: dict[str, Any], steps: int = 2, lr: float = 0.1) -> None:
+def check_training(name: str, options: dict[str, Any], steps: int = 2, lr: float = 0.1) -> bool:
     """Forward, loss, backward and an SGD step, ``steps`` times: outputs, loss and every gradient.
 
     SGD (not Adam) so a gradient difference reaches the next step's values in proportion, and a
-    gradient that is noise around 0 is not blown up to a full step by normalisation.
+    gradient that is noise around 0 is not blown up to a full step by normalisation. Returns whether
+    Dynamo broke the model up (torch < 2.13).
     """
     case = CASES[name]
-    BROKEN.clear()
     model = build(name).train()
     ref = copy.deepcopy(model)
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=lr), torch.optim.SGD(ref.parameters(), lr=lr)
@@ -245,7 +242,7 @@ def check_training(name: str, options: dict[str, Any], steps: int = 2, lr: float
     for step in range(steps):
         inputs = case.inputs()
         if compiled is None:
-            compiled, out = first_call(model, options, inputs)
+            compiled, out, broken = first_call(model, options, inputs)
         else:
             out = compiled(**inputs)
         ref_out = ref(**inputs)
@@ -257,6 +254,7 @@ def check_training(name: str, options: dict[str, Any], steps: int = 2, lr: float
         ref_opt.step()
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
+    return broken
 
 
 def assert_grads_close(model: torch.nn.Module, ref: torch.nn.Module, what: str) -> None:

@@ -25,41 +25,37 @@ if TYPE_CHECKING:
     from backend.runtime.node import GraphNode
 
 
-class LiveOutput:
+class WeakStorage:
+    """A weak reference to a StorageImpl: whether anything still holds the storage (a static
+    input's parameter, a pool output the user kept)."""
+
+    __slots__ = ("cdata", "_free")
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.cdata = storage._weak_ref()
+        self._free = torch.UntypedStorage._free_weak_ref  # kept: torch may be gone at shutdown
+
+    def alive(self) -> bool:
+        return compat.storage_use_count(self.cdata) > 0
+
+    def __del__(self) -> None:
+        self._free(self.cdata)
+
+
+class LiveOutput(WeakStorage):
     """One storage of pool memory that we handed out, held by a weak reference to its StorageImpl."""
 
-    __slots__ = ("cdata", "key", "node", "index", "tensors", "_free")
+    __slots__ = ("key", "node", "index", "tensors")
 
     def __init__(self, storage: torch.UntypedStorage, key: tuple[int, int], node: "GraphNode", index: int,
                  tensors: list[weakref.ref] | None) -> None:
+        # WeakStorage's two fields set here, not through super().__init__: one made every replay
         self.cdata = storage._weak_ref()
-        self._free = torch.UntypedStorage._free_weak_ref  # kept: torch may be gone at shutdown
+        self._free = torch.UntypedStorage._free_weak_ref
         self.key = key  # (data pointer, bytes): what a node's ``protected`` set is made of
         self.node = node
         self.index = index  # the first output of ``node`` that lives in this storage
         self.tensors = tensors  # weak refs to the tensors a backward returned (R4), else None
-
-    def alive(self) -> bool:
-        return compat.storage_use_count(self.cdata) > 0
-
-    def __del__(self) -> None:
-        self._free(self.cdata)
-
-
-class WeakStorage:
-    """A weak reference to a tensor's StorageImpl: whether a static input (a parameter) still exists."""
-
-    __slots__ = ("cdata", "_free")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.cdata = tensor.untyped_storage()._weak_ref()
-        self._free = torch.UntypedStorage._free_weak_ref
-
-    def alive(self) -> bool:
-        return compat.storage_use_count(self.cdata) > 0
-
-    def __del__(self) -> None:
-        self._free(self.cdata)
 
 
 def overwritten_message(node: "GraphNode", index: int, why: str) -> str:

@@ -105,7 +105,7 @@ class GraphNode:
             if in_place:
                 if a.untyped_storage().data_ptr() not in live_ptrs:
                     self.static_index.append(i)
-                    self.static_storages.append(WeakStorage(a))
+                    self.static_storages.append(WeakStorage(a.untyped_storage()))
                 self.check_index.append(i)
                 self.check_ptrs[i] = a.data_ptr()
                 self.input_storages.setdefault(a.untyped_storage().data_ptr(), (i, a.storage_offset()))
