@@ -24,15 +24,22 @@ Boxed = Callable[[list[Any]], Any]
 
 
 def inference_function(call: Boxed, plan: dict[str, Any]) -> Callable[..., Any]:
+    """The whole per-call cost of the wrapper, which replaces AOTAutograd's also on a miss. Grad
+    mode goes off only when it is on: AOTAutograd also makes an inference graph for inputs that
+    require grad when no output does, and an aten call on them would then record history."""
     bump = plan["bump_versions"]
+    grad_enabled, no_grad = torch.is_grad_enabled, torch.no_grad
 
     def run(*args: Any) -> list[Any]:
         flat = list(args)
         if bump:
             compat.increment_version([flat[i] for i in bump])
-        with torch.no_grad():
+        if grad_enabled():
+            with no_grad():
+                outs = call(flat)
+        else:
             outs = call(flat)
-        return list(outs)
+        return outs if type(outs) is list else list(outs)
 
     return run
 
