@@ -21,6 +21,7 @@ from backend.codegen import (  # noqa: F401  (register lowerings)
     lower_indexing,
     lower_pointwise,
     lower_reductions,
+    lower_scatter,
     lower_views,
     ops,
 )
@@ -267,6 +268,11 @@ class GraphLowerer:
         self.layouts[name] = layout
         self.meta_offsets[name] = sympy.Integer(0)
         return load_buffer(name, layout, dtype)
+
+    def add_scatter(self, name: str, dtype: torch.dtype, ranges: tuple, body: ir.Expr, where: ir.Scatter) -> None:
+        """A step writing into buffer ``name``, which an earlier step filled (its layout is kept)."""
+        self.steps.append(ir.Compute(name, self.layouts[name], dtype, ranges, body, origins=self._current_origins,
+                                     writes_input=True, scatter=where))
 
     def materialize(self, node: torch.fx.Node) -> str:
         """The name of a tensor holding ``node``'s value (realizing it, or aliasing a view)."""

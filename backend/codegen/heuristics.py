@@ -23,6 +23,10 @@ least ``SPLIT_PROGRAMS`` programs, keeping chunks of at least ``SPLIT_MIN_CHUNK`
 reductions (under ``SPLIT_MIN_NUMEL`` elements in all) stay one kernel: a second launch would cost
 more than it saves.
 
+Scans (cumsum) hold a whole row in one block of ``RBLOCK = next_pow2(row)`` columns, rows of at
+most ``SCAN_LIMIT`` elements (longer ones run through aten), rows per program as for a persistent
+reduction, whether the scanned dimension is the innermost in memory or not.
+
 Under Triton's interpreter every program costs Python time, so blocks are larger there.
 """
 
@@ -41,6 +45,7 @@ SPLIT_MIN_RNUMEL = 8192
 SPLIT_MIN_NUMEL = 1 << 18  # below this the one-kernel reduction is a few microseconds anyway
 SPLIT_PROGRAMS = 1024
 SPLIT_MIN_CHUNK = 256
+SCAN_LIMIT = 1 << 14
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,18 @@ def reduction(xnumel: sympy.Expr, rnumel: sympy.Expr, inner: bool, interpret: bo
     if interpret:
         return Config(64, 64, 8, False)
     return Config(COLUMN_XBLOCK, COLUMN_RBLOCK, 8, False)
+
+
+def scan(xnumel: sympy.Expr, rnumel: sympy.Expr, interpret: bool) -> Config:
+    """One block holds whole rows (the lowering checked ``rnumel <= SCAN_LIMIT``)."""
+    r, x = _concrete(rnumel), _concrete(xnumel)
+    assert r is not None and r <= SCAN_LIMIT, f"a scan over {rnumel} elements"
+    rblock = max(2, next_pow2(r))
+    xblock = max(1, (16384 if interpret else 4096) // rblock)
+    if x is not None:
+        xblock = max(1, min(xblock, next_pow2(x)))
+    elements = xblock * rblock
+    return Config(xblock, rblock, 4 if elements <= 2048 else 8 if elements <= 8192 else 16, True)
 
 
 def split_reduction(size: tuple[sympy.Expr, ...], dims: tuple[int, ...]) -> tuple[int, int] | None:

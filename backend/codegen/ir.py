@@ -201,6 +201,31 @@ class Reduce(enum.Enum):
     ARGMAX = "argmax"
     ARGMIN = "argmin"
     ANY = "any"
+    CUMSUM = "cumsum"  # scans: one result per element (the running sum along the reduced dim)
+    CUMPROD = "cumprod"
+
+    @property
+    def is_scan(self) -> bool:
+        return self in (Reduce.CUMSUM, Reduce.CUMPROD)
+
+
+class Write(enum.Enum):
+    """How a scatter writes an element: ``STORE`` (where several land on one place, one of them
+    wins: eager leaves that undefined too) or ``ADD`` (an atomic add: all of them count)."""
+
+    STORE = "store"
+    ADD = "add"
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """Where a scatter step writes the element it computes: ``index`` into its buffer, whose
+    indirect symbols ``ind{k}`` stand for ``indirect[k]`` (checked like a load's: an index out of
+    range raises where the kernel asserts, and is never written)."""
+
+    index: Index
+    indirect: tuple[Indirect, ...]
+    mode: Write
 
 
 # ------------------------------------------------------------------------------------------ steps
@@ -210,7 +235,11 @@ class Compute:
 
     Pointwise: ``reduced`` is empty and ``ranges == layout.size``. Reduction: the dimensions in
     ``reduced`` are combined with ``reduction``; the layout is the result with those dimensions
-    either kept as size 1 (keepdim) or removed.
+    either kept as size 1 (keepdim) or removed. Scan (``reduction.is_scan``): one reduced dimension,
+    along which every element gets the running result; the layout is that of ``ranges``.
+    Scatter (``scatter`` set): ``ranges`` is the space of the values written, each written at the
+    place ``scatter`` gives into the existing buffer ``name`` (``writes_input``; an earlier step
+    filled it). Scans and scatters are kernels of their own.
     """
 
     name: str
@@ -221,7 +250,13 @@ class Compute:
     reduced: tuple[int, ...] = ()
     reduction: Reduce | None = None
     origins: tuple[str, ...] = ()  # the aten nodes it came from, for the comment above the kernel
-    writes_input: bool = False  # an ``aten.copy_`` into a graph input: the buffer is that input
+    writes_input: bool = False  # the buffer exists: a graph input (``aten.copy_``), or a scatter's target
+    scatter: Scatter | None = None
+
+    @property
+    def alone(self) -> bool:
+        """A kernel of its own: a scatter writes anywhere, a scan's values depend on a whole row."""
+        return self.scatter is not None or (self.reduction is not None and self.reduction.is_scan)
 
     @property
     def is_reduction(self) -> bool:
@@ -229,7 +264,9 @@ class Compute:
 
     def store_index(self, syms: tuple[sympy.Expr, ...]) -> Index:
         """Where the element computed at ``syms`` (symbols of ``ranges``) is stored."""
-        if not self.is_reduction:
+        if self.scatter is not None:
+            return self.scatter.index
+        if not self.is_reduction or self.reduction.is_scan:
             return self.layout.index(syms)
         kept = [s for d, s in enumerate(syms) if d not in self.reduced]
         if len(self.layout.size) == len(self.ranges):  # keepdim

@@ -5,6 +5,10 @@ tutorials' shape). Pointwise kernels are 1-D over ``xnumel`` elements. Reduction
 blocks ``[XBLOCK rows, RBLOCK columns]``; a persistent one holds its whole row in registers, a looped
 one walks the row in one loop per dependent reduction (softmax: max, then sum of exp; the output
 is written in a last loop).
+
+Kernels of one step of their own: a scan holds its whole row in a block (``tl.cumsum`` along the
+columns); a scatter computes its values pointwise and writes each at the place its indices say
+(``tl.store``, or ``tl.atomic_add`` where writes accumulate), masked where an index is out of range.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ class KernelWriter:
         self.helpers: set[str] = set()
         self.libdevice = False
         self.two_d = kernel.is_reduction
+        self.targets: dict[str, tuple[ir.Indirect, ...]] = {}  # a scatter's indices, as its body sees them
 
     # -------------------------------------------------------------------------------------- entry
     def write(self) -> KernelCode:
@@ -80,8 +85,12 @@ class KernelWriter:
         xnumel = sympy.Mul(*[n for _, n, red in dims if not red])
         rnumel = sympy.Mul(*[n for _, n, red in dims if red]) if self.two_d else None
         inner = bool(dims) and dims[-1][2]
-        cfg = (heuristics.reduction(xnumel, rnumel, inner, self.interpret) if self.two_d
-               else heuristics.pointwise(xnumel, self.interpret))
+        if any(m.step.alone and m.step.is_reduction for m in self.kernel.members):
+            cfg = heuristics.scan(xnumel, rnumel, self.interpret)
+        elif self.two_d:
+            cfg = heuristics.reduction(xnumel, rnumel, inner, self.interpret)
+        else:
+            cfg = heuristics.pointwise(xnumel, self.interpret)
         self.cfg = cfg
         self.int64 = self._needs_int64(bodies, stores, dims)
         outer = _Scope(None, "    ")
@@ -102,6 +111,9 @@ class KernelWriter:
             bodies[m.name] = body
             if m.role == "full":
                 resolved[m.name] = _cast(body, m.step.dtype)
+            if m.step.scatter is not None:
+                self.targets[m.name] = tuple(self._replace(ir.map_indices(i, dict(m.subs)), seen, resolved)
+                                             for i in m.step.scatter.indirect)
             seen.add(m.name)
         stores = {m.name: m.store_index() for m in self.kernel.members if m.name in self.kernel.stored}
         return bodies, stores
@@ -113,11 +125,13 @@ class KernelWriter:
         return ir.map_children(e, lambda a: self._replace(a, seen, resolved))
 
     def _simplify(self, bodies: dict, stores: dict) -> tuple[dict, dict, list]:
-        indices = [ld.index for b in bodies.values() for ld in ir.loads(b)]
-        indices += [iv.index for b in bodies.values() for iv in _index_values(b)]
+        exprs = [*bodies.values(), *(i for t in self.targets.values() for i in t)]
+        indices = [ld.index for b in exprs for ld in ir.loads(b)]
+        indices += [iv.index for b in exprs for iv in _index_values(b)]
         indices += list(stores.values())
         dims, subs = merge_dims(self.kernel.ranges, self.kernel.reduced, indices)
         bodies = {k: ir.map_indices(b, subs) for k, b in bodies.items()}
+        self.targets = {k: tuple(ir.map_indices(i, subs) for i in t) for k, t in self.targets.items()}
         stores = {k: sympy.expand(sympy.sympify(i).xreplace(subs)) for k, i in stores.items()}
         return bodies, stores, dims
 
@@ -129,7 +143,8 @@ class KernelWriter:
             maxes[s] = max(int(n) - 1, 0)
         if sympy.Mul(*[n for _, n, _ in dims]) > INT32_LIMIT:
             return True
-        indices = [ld.index for b in bodies.values() for ld in ir.loads(b)] + list(stores.values())
+        exprs = [*bodies.values(), *(i for t in self.targets.values() for i in t)]
+        indices = [ld.index for b in exprs for ld in ir.loads(b)] + list(stores.values())
         for index in indices:
             bound = sum(abs(t.xreplace(maxes)) for t in sympy.Add.make_args(sympy.expand(index)))
             if not sympy.sympify(bound).is_number or bound > INT32_LIMIT:
@@ -169,7 +184,14 @@ class KernelWriter:
         if self.two_d:
             self._row_loop_header(scope, looped=False)
         for m in self.kernel.members:
-            if m.role == "reduce":
+            if m.step.scatter is not None:
+                self._scatter(m, self.value(bodies[m.name], scope), stores[m.name], scope)
+            elif m.role == "reduce" and m.step.reduction.is_scan:
+                value = self._full_value(bodies[m.name], scope)
+                masked = self._var(scope, f"tl.where(xmask & rmask, {value}, {self._identity(m)})")
+                scanned = self._var(scope, self._scan_text(m, masked))
+                self._store(m, _cast_text(scanned, m.step.body.dtype, m.step.dtype), stores[m.name], scope, full=True)
+            elif m.role == "reduce":
                 value = self._full_value(bodies[m.name], scope)
                 masked = self._var(scope, f"tl.where(xmask & rmask, {value}, {self._identity(m)})")
                 self._finish_reduction(m, self._reduce_text(m, masked), scope, stores)
@@ -249,6 +271,35 @@ class KernelWriter:
             offset += f" + tl.zeros({shape}, tl.int32)"
         scope.lines.append(f"tl.store({ptr} + ({offset}), {value}, {mask})")
 
+    def _scatter(self, m: Member, value: str, index: sympy.Expr, scope: _Scope) -> None:
+        """Write (or atomically add) each element where its indices say, where they are in range."""
+        subs, conds = {}, ["xmask"]
+        for k, ind in enumerate(self.targets[m.name]):
+            var = self.value(ind, scope)
+            subs[ir.indirect_symbol(k)] = sympy.Symbol(var, integer=True)
+            conds.append(self.in_range[var])
+        offset = printer.expr(sympy.sympify(index).xreplace(subs), triton=True)
+        if "x" not in _symbol_kinds(index).union(*(_kinds(i) for i in self.targets[m.name])):
+            offset += " + tl.zeros([XBLOCK], tl.int32)"  # pointers must span the block
+        dtype = printer.TRITON_DTYPES[m.step.dtype]
+        if _is_literal(value) and self.interpret and m.step.dtype == torch.bfloat16:
+            value = f"tl.full([XBLOCK], {_bf16_literal(value)}, tl.float32).to(tl.bfloat16)"  # no bf16 constants
+        elif _is_literal(value):
+            value = f"tl.full([XBLOCK], {value}, {dtype})"
+        else:
+            value = f"tl.broadcast_to({_cast_text(value, m.step.body.dtype, m.step.dtype)}, [XBLOCK])"
+        ptr, mask = self._ptr(m.name, m.step.dtype), " & ".join(conds)
+        if m.step.scatter.mode == ir.Write.ADD:
+            scope.lines.append(f"tl.atomic_add({ptr} + ({offset}), {value}, {mask}, sem=\"relaxed\")")
+        else:
+            scope.lines.append(f"tl.store({ptr} + ({offset}), {value}, {mask})")
+
+    def _scan_text(self, m: Member, value: str) -> str:
+        if m.step.reduction == ir.Reduce.CUMSUM:
+            return f"tl.cumsum({value}, 1)"
+        self.helpers.add("_prod")
+        return f"tl.associative_scan({value}, 1, _prod)"
+
     # ----------------------------------------------------------------------------- reductions
     def _full_value(self, body: ir.Expr, scope: _Scope) -> str:
         value = self.value(body, scope)
@@ -260,9 +311,9 @@ class KernelWriter:
     def _identity(self, m: Member) -> str:
         dtype = m.step.body.dtype
         kind = m.step.reduction
-        if kind == ir.Reduce.SUM:
+        if kind in (ir.Reduce.SUM, ir.Reduce.CUMSUM):
             return "0"
-        if kind == ir.Reduce.PROD:
+        if kind in (ir.Reduce.PROD, ir.Reduce.CUMPROD):
             return "1"
         high = kind in (ir.Reduce.MIN, ir.Reduce.ARGMIN)
         if m.step.dtype == torch.bool:
@@ -426,11 +477,14 @@ def _size_symbols(kernel: Kernel, xnumel: sympy.Expr, rnumel: sympy.Expr | None)
     for e in [*kernel.ranges, xnumel, rnumel or 0]:
         out |= sympy.sympify(e).free_symbols
     for m in kernel.members:
-        for ld in ir.loads(m.step.body):
+        targets = m.step.scatter.indirect if m.step.scatter is not None else ()
+        if m.step.scatter is not None:
+            out |= sympy.sympify(m.step.scatter.index).free_symbols
+        for ld in [ld for e in [m.step.body, *targets] for ld in ir.loads(e)]:
             out |= sympy.sympify(ld.index).free_symbols
         for c in _consts(m.step.body):
             out |= c.value.free_symbols
-        for e in ir.walk(m.step.body):
+        for e in [e for t in [m.step.body, *targets] for e in ir.walk(t)]:
             if isinstance(e, ir.Indirect):
                 out |= sympy.sympify(e.size).free_symbols
             elif isinstance(e, ir.IndexValue):

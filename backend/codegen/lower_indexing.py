@@ -11,11 +11,8 @@
 - ``cat``, ``constant_pad_nd``, ``slice_scatter``, ``select_scatter`` are a ``where`` over the
   output index, each input read only inside its own range (``ir.mask_loads``), so they fuse into
   their consumers: ``cat([-x2, x1]) * cos`` is one kernel.
-- ``scatter`` / ``scatter_add`` whose index holds one entry per row along ``dim`` (the one-hot of a
-  loss's backward: ``zeros.scatter(1, target[:, None], -1.0)``) are a ``where`` too: ``out[i, j] =
-  src[i] if j == index[i, 0] else base[i, j]``. Other scatters, ``index_put``, and
-  ``embedding_dense_backward`` write at data-dependent places (possibly several times: they
-  accumulate), which the IR has no step for: they run through aten.
+- Writes at indices taken from data (``scatter``, ``index_put``, ``embedding_dense_backward``)
+  are in ``lower_scatter.py``.
 """
 
 from __future__ import annotations
@@ -139,26 +136,44 @@ def _along(x: TensorValue, dim: int, index: ir.Expr) -> list[Any]:
 
 @lowering(aten.index.Tensor, can_lower=_int_indices(1))
 def _index(ctx: LowerCtx, x: TensorValue, indices: list[Any]) -> TensorValue:
-    """``x[i0, :, i2]``: the index tensors broadcast to one shape ``B``; its dims sit where the
-    indexed dims were if those are adjacent, else in front (numpy's rule)."""
     meta = ctx.out_meta()
     size = meta_size(meta)
+    return TensorValue(size, meta.dtype, _take(ctx, x, advanced_coords(x.size, indices, size)))
+
+
+def indexed_size(x_size: tuple, indices: list[Any]) -> tuple:
+    """The size of ``x[indices]`` (``indices``: index tensors or None, as ``aten.index`` takes them)."""
     picked = [d for d, t in enumerate(indices) if t is not None]
-    rank_b = len(size) - (len(x.size) - len(picked))
+    b_size: list = []
+    for t in (indices[d] for d in picked):  # broadcast the index tensors' sizes (right-aligned)
+        b_size = [sympy.Integer(1)] * (len(t.size) - len(b_size)) + b_size
+        for j, n in enumerate(t.size, start=len(b_size) - len(t.size)):
+            b_size[j] = n if b_size[j] == 1 else b_size[j]
+    rest = [n for d, n in enumerate(x_size) if d not in picked]
+    at = picked[0] if picked == list(range(picked[0], picked[-1] + 1)) else 0
+    return tuple(rest[:at] + b_size + rest[at:])
+
+
+def advanced_coords(x_size: tuple, indices: list[Any], size: tuple) -> list[Any]:
+    """Coordinates into ``x`` of element ``(x0, x1, ...)`` of ``x[i0, :, i2]`` (of ``size``): the
+    index tensors broadcast to one shape ``B``; its dims sit where the indexed dims were if those
+    are adjacent, else in front (numpy's rule). Negative indices count from the end."""
+    picked = [d for d, t in enumerate(indices) if t is not None]
+    rank_b = len(size) - (len(x_size) - len(picked))
     adjacent = picked == list(range(picked[0], picked[-1] + 1))
     b_at = picked[0] if adjacent else 0  # where B's dims start in the output
     b_size = size[b_at:b_at + rank_b]
     shift = {ir.index_symbol(j): ir.index_symbol(b_at + j) for j in range(rank_b)}
     rest = iter([d for d in range(len(size)) if not b_at <= d < b_at + rank_b])  # output dims of x's others
     coords = []
-    for d in range(len(x.size)):
+    for d in range(len(x_size)):
         t = indices[d] if d < len(indices) else None
         if t is None:
             coords.append(ir.index_symbol(next(rest)))
         else:
             value = ir.map_indices(broadcast(t, b_size), shift)
-            coords.append(ir.Indirect(value, x.size[d], wrap=True))
-    return TensorValue(size, meta.dtype, _take(ctx, x, coords))
+            coords.append(ir.Indirect(value, x_size[d], wrap=True))
+    return coords
 
 
 # ------------------------------------------------------------------------------ pieces side by side
@@ -259,34 +274,3 @@ def _put(meta: torch.Tensor, base: TensorValue, src: ir.Expr, inside: ir.Expr) -
     compute = compute_dtype(meta.dtype)
     body = _where(inside, ir.mask_loads(cast(src, compute), inside), cast(base.body, compute), compute)
     return TensorValue(meta_size(meta), meta.dtype, cast(body, meta.dtype))
-
-
-# ------------------------------------------------------------------------ one-entry-per-row scatters
-def _one_per_row(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
-    base, dim, index = (a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args[:3])
-    if node.kwargs.get("reduce") is not None or len(node.args) > 4:
-        return "scatter with a reduction"
-    if base.dim() == 0 or index.dim() != base.dim() or index.dtype not in INTEGER_INDEX:
-        return "scatter of a 0-d tensor or with an index of another rank"
-    dim = _dim(dim, base.dim())
-    if index.shape[dim] != 1 or any(index.shape[d] != base.shape[d] for d in range(base.dim()) if d != dim):
-        return "scatter of several entries per row (writes at data-dependent places)"
-    return None
-
-
-@lowering(aten.scatter.value, aten.scatter.src, aten.scatter_add.default, can_lower=_one_per_row)
-def _scatter(ctx: LowerCtx, base: TensorValue, dim: int, index: TensorValue, src: Any) -> TensorValue:
-    """``out[.., j, ..] = src[.., 0, ..]`` where ``j == index[.., 0, ..]`` (plus ``base`` for
-    scatter_add), ``base`` elsewhere; the index is checked against the dimension's size."""
-    meta = ctx.out_meta()
-    size = meta_size(meta)
-    dim = _dim(dim, len(size))
-    compute = compute_dtype(meta.dtype)
-    row = {ir.index_symbol(dim): sympy.Integer(0)}
-    target = ir.Indirect(_shift(index, row), size[dim], wrap=False)
-    value = cast(_shift(src, row), compute) if isinstance(src, TensorValue) else broadcast(src, (), compute)
-    base_value = cast(base.body, compute)
-    if ctx.node.target == aten.scatter_add.default:
-        value = Op("add", (base_value, value), compute)
-    body = _where(_cmp("eq", _index_at(dim), target), value, base_value, compute)
-    return TensorValue(size, meta.dtype, cast(body, meta.dtype))

@@ -121,6 +121,17 @@ class LowerCtx:
             return value
         return self.builder.realize_input(value, self.node)
 
+    def fresh(self, value: TensorValue, suffix: str = "") -> TensorValue:
+        """A new buffer holding ``value``, even where ``value`` is a buffer already (a scatter then
+        writes into it): named after the current node (plus ``suffix``), laid out as its result
+        where the suffix is empty, else contiguous."""
+        return self.builder.realize(TensorValue(value.size, value.dtype, value.body), self.node, suffix=suffix)
+
+    def scatter_into(self, buf: str, dtype: torch.dtype, ranges: tuple[sympy.Expr, ...], body: Expr,
+                     where: ir.Scatter) -> None:
+        """Add a step that writes ``body`` (over ``ranges``) into buffer ``buf`` where ``where`` says."""
+        self.builder.add_scatter(buf, dtype, ranges, body, where)
+
     def add_reduction(self, name: str, layout: ir.Layout, dtype: torch.dtype, ranges: tuple[sympy.Expr, ...],
                       reduced: tuple[int, ...], kind: ir.Reduce, body: Expr) -> TensorValue:
         """Add a reduction step writing a new buffer; returns the buffer as a value."""

@@ -17,6 +17,11 @@ row kernel and one kernel per group of column sums, not a row kernel cut in two 
 calls that do not read the open kernel's buffers run before it, so an aten call between two
 fusable steps does not split them; once a step was passed over, aten calls keep their order.
 Softmax, log_softmax, layer norm forward and backward each end up as one kernel.
+
+Scatters and scans are kernels of their own (``Compute.alone``): a scatter writes where its data
+says, so no other step may read its buffer in the same kernel, and a scan's element depends on
+its whole row. A scatter writes into a buffer an earlier step filled (``writes_input``): steps
+after it never join a kernel opened before it, as for any write into an existing buffer.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ class Member:
 
     def store_index(self) -> sympy.Expr:
         own = ir.index_symbols(len(self.step.ranges))
-        if self.role == "reduce":
+        if self.role == "reduce" or self.step.scatter is not None:
             return self.step.store_index(own).xreplace(dict(self.subs))
         return self.step.layout.index(own).xreplace(dict(self.subs))
 
@@ -98,6 +103,8 @@ class _Open:
         return None
 
     def try_add(self, step: ir.Compute) -> bool:
+        if self.members and (step.alone or self.members[0].step.alone):
+            return False
         fit = self.role_of(step)
         if fit is None:
             return False
@@ -146,7 +153,8 @@ def schedule(program: ir.Program) -> list[Item]:
         kernel = _Open(step.ranges)
         ok = kernel.try_add(step)
         assert ok, step.name
-        pending = _fill(kernel, pending, items)
+        if not step.alone:
+            pending = _fill(kernel, pending, items)
         items.extend(kernel.close())
     return _mark_stored(items, program)
 
@@ -210,7 +218,9 @@ def reads(item: Item) -> set[str]:
     if isinstance(item, ir.Alias):
         return {item.base}
     own = {m.name for m in item.members if not m.step.writes_input}
-    return {ld.buf for m in item.members for ld in ir.loads(m.step.body)} - own
+    indirect = [e for m in item.members if m.step.scatter is not None for e in m.step.scatter.indirect]
+    loaded = {ld.buf for e in [*(m.step.body for m in item.members), *indirect] for ld in ir.loads(e)}
+    return (loaded - own) | {m.name for m in item.members if m.step.scatter is not None}  # a scatter adds to its buffer
 
 
 def _mark_stored(items: list[Item], program: ir.Program) -> list[Item]:

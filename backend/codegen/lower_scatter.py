@@ -1,0 +1,200 @@
+"""Lowerings of writes at indices taken from data: ``index_put``, ``scatter`` (``scatter_add``,
+``scatter_reduce`` of a sum), ``embedding_dense_backward``.
+
+Each is two steps: a new buffer filled with the base (a copy of the input, or zeros), then a
+scatter step (``ir.Compute`` with ``scatter``) over the space of the values written, which writes
+each value at the place its indices give. Indices are checked as eager checks them (an index out
+of range raises in the kernel, through ``tl.device_assert``, and is never written; ``index_put``
+counts negative indices from the end, ``scatter`` does not). The scatter is a kernel of its own
+(the scheduler never fuses a step that reads its buffer into it); the values it writes are
+computed in it (a lazy ``src`` fuses).
+
+- Without accumulation, several values landing on one place leave one of them there (eager
+  documents that as undefined; on CPU the last one wins).
+- With accumulation the writes are atomic adds (``tl.atomic_add``): eager's sum, in another order
+  (float results differ in rounding only). Atomics exist for 32- and 64-bit types; float16 and
+  bfloat16 accumulate in a float32 buffer (also what eager's CUDA kernel does: no rounding per
+  add) and 8/16-bit integers and bool in an int32 one (wrapping, or ``!= 0`` for bool, as eager's
+  sums do), cast back afterwards. So every dtype we generate is lowered.
+- A scatter whose index holds one entry per row along ``dim`` (the one-hot of a loss's backward:
+  ``zeros.scatter(1, target[:, None], -1.0)``) is a ``where`` instead, which fuses into its
+  consumers: ``out[i, j] = src[i] if j == index[i, 0] else base[i, j]``.
+
+Run through aten, each with its reason: boolean mask indices (``x[mask] = v``: the count of
+values is data-dependent), ``scatter_reduce`` other than a sum including ``self`` (no atomic
+product, mean or NaN-propagating max), ``embedding_dense_backward`` scaled by frequency.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+import torch
+
+from backend.codegen import ir
+from backend.codegen.ir import Const, IndexValue, Op
+from backend.codegen.lower_indexing import INTEGER_INDEX, advanced_coords, indexed_size
+from backend.codegen.lowering import (
+    LowerCtx,
+    TensorValue,
+    broadcast,
+    cast,
+    compute_dtype,
+    lowering,
+    meta_size,
+)
+
+aten = torch.ops.aten
+
+# Atomic adds exist for 32- and 64-bit types: narrower ones accumulate in these.
+ACCUMULATE_IN = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.int8: torch.int32,
+                 torch.uint8: torch.int32, torch.int16: torch.int32, torch.bool: torch.int32}
+
+
+def _dim(d: int, n: int) -> int:
+    return d + n if d < 0 else d
+
+
+def write_at(ctx: LowerCtx, base: TensorValue, ranges: tuple, value: ir.Expr, coords: list[Any],
+             mode: ir.Write) -> TensorValue:
+    """The node's result: ``base`` with ``value`` (an element over ``ranges``) written, or added,
+    at ``coords`` (per dimension of ``base``: an index expression over ``ranges`` or an
+    ``ir.Indirect``)."""
+    dtype = ctx.out_meta().dtype
+    acc = ACCUMULATE_IN.get(dtype, dtype) if mode == ir.Write.ADD else dtype
+    target = ctx.fresh(TensorValue(base.size, acc, cast(base.body, acc)), suffix="" if acc == dtype else "_acc")
+    buf, layout = target.view
+    syms, indirect = [], []
+    for c in coords:
+        if isinstance(c, ir.Indirect):
+            syms.append(ir.indirect_symbol(len(indirect)))
+            indirect.append(c)
+        else:
+            syms.append(c)
+    ctx.scatter_into(buf, acc, ranges, cast(value, acc), ir.Scatter(layout.index(tuple(syms)), tuple(indirect), mode))
+    return target if acc == dtype else TensorValue(target.size, dtype, cast(target.body, dtype))
+
+
+def _arg(node: torch.fx.Node, i: int, name: str, default: Any = None) -> Any:
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _val(a: Any) -> Any:
+    return a.meta["val"] if isinstance(a, torch.fx.Node) else a
+
+
+# ----------------------------------------------------------------------------------------- index_put
+def _index_put_ok(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
+    x, indices = _val(node.args[0]), [_val(t) for t in node.args[1]]
+    if x.dim() == 0:
+        return "index_put into a 0-d tensor"
+    for t in indices:
+        if t is not None and t.dtype not in INTEGER_INDEX:
+            return f"index_put with a {t.dtype} index (a mask: how many values it takes is data-dependent)"
+    if all(t is None for t in indices):
+        return "index_put without an index tensor"
+    return None
+
+
+@lowering(aten.index_put.default, aten._unsafe_index_put.default, can_lower=_index_put_ok)
+def _index_put(ctx: LowerCtx, x: TensorValue, indices: list[Any], values: TensorValue,
+               accumulate: bool = False) -> TensorValue:
+    """``out = x.clone(); out[indices] = values`` (``+=`` where ``accumulate``): the values,
+    broadcast to the size of ``x[indices]``, written where ``x[indices]`` reads."""
+    size = indexed_size(x.size, indices)
+    value = broadcast(values, size, compute_dtype(x.dtype))
+    mode = ir.Write.ADD if accumulate else ir.Write.STORE
+    return write_at(ctx, x, size, value, advanced_coords(x.size, indices, size), mode)
+
+
+# ------------------------------------------------------------------------------------------- scatter
+def _scatter_ok(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
+    base, dim, index = (_val(a) for a in node.args[:3])
+    if base.dim() == 0 or index.dim() != base.dim():
+        return "scatter of a 0-d tensor or with an index of another rank"
+    if index.dtype not in INTEGER_INDEX:
+        return f"scatter with a {index.dtype} index"
+    if _mode(node) is None:
+        return f"scatter_reduce {_arg(node, 4, 'reduce')!r} (include_self={node.kwargs.get('include_self', True)}): " \
+               "only sums including self are generated (atomic adds; no atomic product, mean or NaN-aware max)"
+    return None
+
+
+def _mode(node: torch.fx.Node) -> ir.Write | None:
+    """How a scatter writes, or None for a reduction we do not generate."""
+    if node.target == aten.scatter_add.default:
+        return ir.Write.ADD
+    if node.target == aten.scatter_reduce.two:
+        ok = _arg(node, 4, "reduce") == "sum" and node.kwargs.get("include_self", True)
+        return ir.Write.ADD if ok else None
+    reduce = node.kwargs.get("reduce")  # scatter.reduce / scatter.value_reduce: "add" or "multiply"
+    return {None: ir.Write.STORE, "add": ir.Write.ADD}.get(reduce)
+
+
+def _one_per_row(node: torch.fx.Node) -> bool:
+    """The index holds one entry per row along ``dim`` and covers every other dimension."""
+    if node.target not in (aten.scatter.value, aten.scatter.src, aten.scatter_add.default):
+        return False
+    base, dim, index = (_val(a) for a in node.args[:3])
+    dim = _dim(dim, base.dim())
+    return index.shape[dim] == 1 and all(index.shape[d] == base.shape[d] for d in range(base.dim()) if d != dim)
+
+
+@lowering(aten.scatter.value, aten.scatter.src, aten.scatter.reduce, aten.scatter.value_reduce,
+          aten.scatter_add.default, aten.scatter_reduce.two, can_lower=_scatter_ok)
+def _scatter(ctx: LowerCtx, base: TensorValue, dim: int, index: TensorValue, src: Any, *args: Any,
+             **kwargs: Any) -> TensorValue:
+    """``out[.., index[i, j, k], ..] = src[i, j, k]`` (at ``dim``; ``+=`` for scatter_add) over
+    the index's elements; the index is checked against the dimension's size, not wrapped."""
+    if _one_per_row(ctx.node):
+        return _scatter_one_per_row(ctx, base, dim, index, src)
+    dim = _dim(dim, len(base.size))
+    compute = compute_dtype(base.dtype)
+    coords = [ir.Indirect(index.body, base.size[dim], wrap=False) if d == dim else ir.index_symbol(d)
+              for d in range(len(base.size))]
+    value = cast(src.body, compute) if isinstance(src, TensorValue) else broadcast(src, (), compute)
+    return write_at(ctx, base, index.size, value, coords, _mode(ctx.node))
+
+
+def _scatter_one_per_row(ctx: LowerCtx, base: TensorValue, dim: int, index: TensorValue, src: Any) -> TensorValue:
+    """``out[.., j, ..] = src[.., 0, ..]`` where ``j == index[.., 0, ..]`` (plus ``base`` for
+    scatter_add), ``base`` elsewhere: a ``where``, which fuses."""
+    meta = ctx.out_meta()
+    size = meta_size(meta)
+    dim = _dim(dim, len(size))
+    compute = compute_dtype(meta.dtype)
+    row = {ir.index_symbol(dim): sympy.Integer(0)}
+    target = ir.Indirect(ir.map_indices(index.body, row), size[dim], wrap=False)
+    value = cast(ir.map_indices(src.body, row), compute) if isinstance(src, TensorValue) else \
+        broadcast(src, (), compute)
+    base_value = cast(base.body, compute)
+    if ctx.node.target == aten.scatter_add.default:
+        value = Op("add", (base_value, value), compute)
+    here = Op("eq", (IndexValue(ir.index_symbol(dim), torch.int64), target), torch.bool)
+    return TensorValue(size, meta.dtype, cast(Op("where", (here, value, base_value), compute), meta.dtype))
+
+
+# ---------------------------------------------------------------------------- embedding_dense_backward
+def _embedding_backward_ok(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
+    grad, indices = _val(node.args[0]), _val(node.args[1])
+    if _arg(node, 4, "scale_grad_by_freq", False):
+        return "embedding_dense_backward scaled by frequency (counts the indices first)"
+    if indices.dtype not in INTEGER_INDEX or grad.dim() != indices.dim() + 1:
+        return "embedding_dense_backward of a weight that is not 2-D"
+    return None
+
+
+@lowering(aten.embedding_dense_backward.default, can_lower=_embedding_backward_ok)
+def _embedding_dense_backward(ctx: LowerCtx, grad: TensorValue, indices: TensorValue, num_weights: Any,
+                              padding_idx: int, scale_grad_by_freq: bool) -> TensorValue:
+    """``zeros(num_weights, D)`` with row ``grad[i, :]`` added at row ``indices[i]``, except
+    where ``indices[i] == padding_idx``."""
+    meta = ctx.out_meta()
+    size = meta_size(meta)
+    compute = compute_dtype(meta.dtype)
+    keep = Op("ne", (cast(indices.body, torch.int64), Const(padding_idx, torch.int64)), torch.bool)
+    value = Op("where", (keep, cast(grad.body, compute), Const(0, compute)), compute)
+    zeros = TensorValue(size, meta.dtype, Const(0, meta.dtype))
+    row = ir.Indirect(indices.body, size[0], wrap=False)
+    return write_at(ctx, zeros, grad.size, value, [row, ir.index_symbol(len(indices.size))], ir.Write.ADD)
