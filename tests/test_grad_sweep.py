@@ -87,7 +87,8 @@ NOT_GENERATED = {
 ALWAYS_GENERATED = {
     "aten.embedding.default", "aten.gather.default", "aten.index.Tensor", "aten.index_select.default",
     "aten.cat.default", "aten.constant_pad_nd.default", "aten.slice_scatter.default",
-    "aten.select_scatter.default", "aten.full_like.default",
+    "aten.select_scatter.default", "aten.full_like.default", "aten.index_put.default",
+    "aten.embedding_dense_backward.default", "aten.scatter.src", "aten.scatter.value", "aten.scatter_add.default",
 }
 OUR_DECOMPOSITIONS = {
     aten._softmax.default: "softmax",

@@ -20,8 +20,11 @@ computed in it (a lazy ``src`` fuses).
   ``zeros.scatter(1, target[:, None], -1.0)``) is a ``where`` instead, which fuses into its
   consumers: ``out[i, j] = src[i] if j == index[i, 0] else base[i, j]``.
 
-Run through aten, each with its reason: boolean mask indices (``x[mask] = v``: the count of
-values is data-dependent), ``scatter_reduce`` other than a sum including ``self`` (no atomic
+``index_put`` with a boolean mask (``x[mask] = v``) is a ``where`` when ``v`` is one value for
+every selected element (it does not vary along the selection's count).
+
+Run through aten, each with its reason: other boolean mask indices (how many values a mask takes
+is data-dependent), ``scatter_reduce`` other than a sum including ``self`` (no atomic
 product, mean or NaN-propagating max), ``embedding_dense_backward`` scaled by frequency.
 """
 
@@ -86,14 +89,29 @@ def _val(a: Any) -> Any:
 
 # ----------------------------------------------------------------------------------------- index_put
 def _index_put_ok(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
-    x, indices = _val(node.args[0]), [_val(t) for t in node.args[1]]
+    x, indices, values = _val(node.args[0]), [_val(t) for t in node.args[1]], _val(node.args[2])
     if x.dim() == 0:
         return "index_put into a 0-d tensor"
-    for t in indices:
-        if t is not None and t.dtype not in INTEGER_INDEX:
-            return f"index_put with a {t.dtype} index (a mask: how many values it takes is data-dependent)"
     if all(t is None for t in indices):
         return "index_put without an index tensor"
+    if any(t is not None and t.dtype == torch.bool for t in indices):
+        return _mask_ok(x, indices, values)
+    if any(t is not None and t.dtype not in INTEGER_INDEX for t in indices):
+        return "index_put with an index that is neither an integer tensor nor a mask"
+    return None
+
+
+def _mask_ok(x: torch.Tensor, indices: list[Any], values: torch.Tensor) -> str | None:
+    """``x[mask] = v`` is a ``where`` when ``v`` is the same for every selected element."""
+    at = next(d for d, t in enumerate(indices) if t is not None)
+    mask = indices[at]
+    if sum(t is not None for t in indices) != 1 or mask.dtype != torch.bool or tuple(mask.shape) != \
+            tuple(x.shape[at:at + mask.dim()]):
+        return "index_put with a mask among other indices"
+    trailing = x.dim() - at - mask.dim()  # dims of the selection after its (data-dependent) count
+    if values.dim() > trailing and values.shape[values.dim() - trailing - 1] != 1:
+        return "index_put of a mask with values that differ along the selected elements (their count is " \
+               "data-dependent)"
     return None
 
 
@@ -102,10 +120,32 @@ def _index_put(ctx: LowerCtx, x: TensorValue, indices: list[Any], values: Tensor
                accumulate: bool = False) -> TensorValue:
     """``out = x.clone(); out[indices] = values`` (``+=`` where ``accumulate``): the values,
     broadcast to the size of ``x[indices]``, written where ``x[indices]`` reads."""
+    if any(t is not None and t.dtype == torch.bool for t in indices):
+        return _index_put_mask(ctx, x, indices, values, accumulate)
     size = indexed_size(x.size, indices)
     value = broadcast(values, size, compute_dtype(x.dtype))
     mode = ir.Write.ADD if accumulate else ir.Write.STORE
     return write_at(ctx, x, size, value, advanced_coords(x.size, indices, size), mode)
+
+
+def _index_put_mask(ctx: LowerCtx, x: TensorValue, indices: list[Any], values: Any, accumulate: bool) -> TensorValue:
+    """``x[mask] = v`` (one value for every selected element): ``where(mask, v, x)`` (``x + v``
+    where accumulating), a pointwise value that fuses."""
+    meta = ctx.out_meta()
+    at = next(d for d, t in enumerate(indices) if t is not None)
+    mask, n, k = indices[at], len(x.size), len(indices[at].size)
+    compute = torch.int32 if meta.dtype == torch.bool else compute_dtype(meta.dtype)
+    # the values over the selection's size with its count as 1: (x.size[:at], 1, x.size[at + k:])
+    value = broadcast(values, (*x.size[:at], sympy.Integer(1), *x.size[at + k:]), compute)
+    to_x = {ir.index_symbol(i): ir.index_symbol(i) for i in range(at)}
+    to_x[ir.index_symbol(at)] = sympy.Integer(0)
+    to_x.update({ir.index_symbol(at + 1 + j): ir.index_symbol(at + k + j) for j in range(n - at - k)})
+    value = ir.map_indices(value, to_x)
+    picked = ir.map_indices(mask.body, {ir.index_symbol(j): ir.index_symbol(at + j) for j in range(k)})
+    base = cast(x.body, compute)
+    if accumulate:
+        value = Op("add", (base, value), compute)
+    return TensorValue(x.size, meta.dtype, cast(Op("where", (picked, value, base), compute), meta.dtype))
 
 
 # ------------------------------------------------------------------------------------------- scatter
