@@ -164,8 +164,11 @@ def test_scatter_of_a_lazy_src_into_a_non_contiguous_base():
 
 def test_scatter_reduce_without_an_atomic_runs_through_aten():
     base, src, index = torch.randn(5, 4), torch.randn(6, 4), torch.randint(0, 5, (6, 4))
+    def reducing(reduce):
+        return lambda b, i, s: torch.scatter_reduce(b, 0, i, s, reduce)
+
     for reduce in ("amax", "prod", "mean"):
-        module = compile_fn(lambda b, i, s, r=reduce: torch.scatter_reduce(b, 0, i, s, r), base, index, src)
+        module = compile_fn(reducing(reduce), base, index, src)
         assert aten_calls(module) == ["aten.scatter_reduce.two"], reduce
         torch.testing.assert_close(run(module, base, index, src)[0], torch.scatter_reduce(base, 0, index, src, reduce))
 
