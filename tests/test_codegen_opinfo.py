@@ -41,13 +41,15 @@ OPS = {
     # writes at indices from data (lower_scatter.py)
     "index_put", "_unsafe_masked_index_put_accumulate", "index_add", "index_copy", "scatter_reduce.sum",
     "scatter_reduce.prod", "scatter_reduce.mean", "scatter_reduce.amax", "scatter_reduce.amin",
+    # scans (lower_scan.py)
+    "cumsum", "cumprod",
 }
 # Ops whose sample graph must be generated whole: no aten call is left in the module's ``call``.
 GENERATED = {
     "nn.functional.embedding", "gather", "take_along_dim", "index_select", "__getitem__", "constant_pad_nd",
     "nn.functional.pad.constant", "slice_scatter", "select_scatter", "cat", "full_like",
     "scatter", "scatter_add", "scatter_reduce.sum", "index_add", "index_copy", "_unsafe_masked_index_put_accumulate",
-    "index_put",
+    "index_put", "cumsum", "cumprod",
 }
 # Graphs codegen does not generate on purpose (the whole graph then runs through aten, still checked):
 WHOLE_GRAPH_ATEN = {"narrow"}  # its sample takes the start from a tensor: data-dependent sizes

@@ -89,6 +89,7 @@ ALWAYS_GENERATED = {
     "aten.cat.default", "aten.constant_pad_nd.default", "aten.slice_scatter.default",
     "aten.select_scatter.default", "aten.full_like.default", "aten.index_put.default",
     "aten.embedding_dense_backward.default", "aten.scatter.src", "aten.scatter.value", "aten.scatter_add.default",
+    "aten.cumsum.default", "aten.cumprod.default",
 }
 OUR_DECOMPOSITIONS = {
     aten._softmax.default: "softmax",

@@ -21,6 +21,7 @@ from backend.codegen import (  # noqa: F401  (register lowerings)
     lower_indexing,
     lower_pointwise,
     lower_reductions,
+    lower_scan,
     lower_scatter,
     lower_views,
     ops,
