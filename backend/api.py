@@ -38,9 +38,14 @@ class CgtreesBackend:
         config = Config.resolve(mode, options)
         graph_id = next(self._graph_ids)
         try:
+            from backend import precompile
+            from backend.aot import compiled_autograd
             from backend.aot.driver import compile_dynamo_graph
 
-            compiled = compile_dynamo_graph(gm, example_inputs, config, graph_id)
+            if compiled_autograd.is_backward_graph(example_inputs):  # its first input is a list
+                compile_dynamo_graph = compiled_autograd.compile_backward_graph
+            with precompile.compiling(gm) as kept:  # kept: torch will save the result (aot_compile)
+                compiled = compile_dynamo_graph(gm, example_inputs, config, graph_id)
         except restart_exceptions():
             raise  # Dynamo's own signal to trace the frame again (e.g. a float input made a tensor)
         except Exception as exc:  # noqa: BLE001 - the user's program must not die of our bug
@@ -49,7 +54,7 @@ class CgtreesBackend:
                         graph_id, type(exc).__name__, exc, exc_info=log.isEnabledFor(10))
             return gm.forward
         counters.bump("graphs_compiled")
-        return compiled
+        return compiled if kept is None else precompile.serializable(compiled, kept, config, gm, f"g{graph_id}")
 
     def reset(self) -> None:
         """Called by ``torch._dynamo.reset()`` (through torch.compile's wrapper) and ``backend.reset()``."""

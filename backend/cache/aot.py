@@ -11,6 +11,11 @@ On a miss, a ``Recorder`` rides on the pair: the driver hands it every aten grap
 it writes the entry once the last one (the inference graph, or the lazily compiled backward) is
 in. A graph found uncacheable leaves a bypass marker, so later processes count a bypass with the
 reason instead of a miss and go straight to AOTAutograd.
+
+Precompile (``backend.precompile``) saves the same entry in a file of its own: it puts a ``Kept``
+in the Dynamo graph's ``meta[KEEP]``, and ``load`` and the recorder leave there the entry (a hit's
+or a new one's) or the reason the graph bypasses this level. With the cache off, the recorder
+then still collects the entry, and writes nothing.
 """
 
 from __future__ import annotations
@@ -32,37 +37,60 @@ LEVEL = "aot"
 Wrap = Callable[[Any, list[Any], GraphContext], Callable[[list[Any]], Any]]
 
 
+KEEP = "cgtrees_keep_aot_entry"
+
+
+class Kept:
+    """What ``load`` and the recorder leave for precompile: the entry, or why there is none."""
+
+    def __init__(self) -> None:
+        self.payload: dict[str, Any] | None = None
+        self.bypass: str | None = None
+
+
 def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config, name: str,
          pair: Any, wrap: Wrap) -> Callable[..., Any] | None:
     """The compiled function on a hit; None otherwise (then a recorder rides on ``pair``)."""
-    if not config.cache:
+    kept: Kept | None = gm.meta.get(KEEP) if isinstance(getattr(gm, "meta", None), dict) else None
+    if not config.cache and kept is None:
         return None
     try:
         _check_inputs(gm, example_inputs)
         key = aot_key(gm, example_inputs, config)
     except Uncacheable as exc:
-        events.bypass(LEVEL, name, str(exc))
+        _bypass(kept, config, name, str(exc))
         return None
-    store = modules.open_store(config)
-    if store is None:
+    store = modules.open_store(config) if config.cache else None
+    if store is None and config.cache:
         events.bypass(LEVEL, name, "no usable cache directory")
-        return None
-    digest = key.digest()
-    try:
-        payload = store.read(LEVEL, digest)
-        if payload is not None and "bypass" in payload:
-            events.bypass(LEVEL, name, payload["bypass"])
+        if kept is None:
             return None
-        if payload is not None:
-            compiled = rebuild(payload, config, name, pair, wrap)
-            events.hit(LEVEL, name)
-            return compiled
-    except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
-        events.corrupt(LEVEL, name, f"{type(exc).__name__}: {exc}")
-        store.remove(LEVEL, digest)
-    events.miss(LEVEL, name, explain=lambda: explain_miss(store, key))
-    pair.cache_recorder = Recorder(store, key, digest, config, name, len(example_inputs))
+    digest = key.digest()
+    if store is not None:
+        try:
+            payload = store.read(LEVEL, digest)
+            if payload is not None and "bypass" in payload:
+                _bypass(kept, config, name, payload["bypass"])
+                return None
+            if payload is not None:
+                compiled = rebuild(payload, config, name, pair, wrap)
+                events.hit(LEVEL, name)
+                if kept is not None:
+                    kept.payload = payload
+                return compiled
+        except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
+            events.corrupt(LEVEL, name, f"{type(exc).__name__}: {exc}")
+            store.remove(LEVEL, digest)
+        events.miss(LEVEL, name, explain=lambda: explain_miss(store, key))
+    pair.cache_recorder = Recorder(store, key, digest, config, name, len(example_inputs), kept)
     return None
+
+
+def _bypass(kept: Kept | None, config: Config, name: str, reason: str) -> None:
+    if config.cache:
+        events.bypass(LEVEL, name, reason)
+    if kept is not None:
+        kept.bypass = reason
 
 
 def explain_miss(store: Store, key: CacheKey) -> str:
@@ -122,7 +150,7 @@ def _check_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> No
 def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap: Wrap) -> Callable[..., Any]:
     plan, parts = payload["plan"], payload["parts"]
     mode = compat.fake_mode()  # one for all parts: making one costs more than the tensors
-    calls = {kind: _load_part(part, kind, config, pair, wrap, mode) for kind, part in parts.items()}
+    calls = {kind: _load_part(part, kind, config, pair, wrap, mode, name) for kind, part in parts.items()}
     if set(calls) == {"inference"}:
         return wrappers.inference_function(calls["inference"], plan)
     if set(calls) == {"forward", "backward"}:
@@ -131,14 +159,17 @@ def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap:
 
 
 def _load_part(part: dict[str, Any], kind: str, config: Config, pair: Any, wrap: Wrap,
-               mode: Any) -> Callable[[list[Any]], Any]:
+               mode: Any, name: str) -> Callable[[list[Any]], Any]:
     consts = load_constants(part.get("constants", []))
-    ctx = GraphContext(config=config, kind=kind, name=part["name"],
+    # The entry's names are those of the process that wrote it ("g3_forward"): this process
+    # names its graphs itself, so two functions never share a name in the runtime.
+    _, sep, suffix = part["name"].partition("_")
+    ctx = GraphContext(config=config, kind=kind, name=f"{name}_{suffix}" if sep else name,
                        static_input_indices=tuple(part["static_inputs"]),
                        mutated_input_indices=tuple(part["mutated_inputs"]), pair=pair, constants=consts)
     module = modules.load_record(part["module"], ctx)
     if not part["wrapped"]:
-        return consts.append(module.call)
+        return consts.append(module.call) if consts else module.call
     return wrap(module, compat.fake_tensors(part["inputs"], mode), ctx)
 
 
@@ -157,6 +188,10 @@ def constant_records(consts: Any) -> list[dict[str, Any]]:
 
 
 def load_constants(records: list[dict[str, Any]]) -> Any:
+    """The graph's constants; None when it has none (``aot.constants`` imports AOTAutograd, which
+    a precompiled function's load otherwise never needs)."""
+    if not records:
+        return None
     from backend.aot.constants import Constants
 
     tensors = []
@@ -171,12 +206,13 @@ def load_constants(records: list[dict[str, Any]]) -> Any:
 
 
 class Recorder:
-    """Collects one Dynamo graph's aten graphs as the driver compiles them, then writes the entry."""
+    """Collects one Dynamo graph's aten graphs as the driver compiles them, then writes the entry
+    (to ``store``, and to ``kept`` for precompile; either may be None)."""
 
-    def __init__(self, store: Store, key: CacheKey, digest: str, config: Config, name: str,
-                 num_inputs: int) -> None:
+    def __init__(self, store: Store | None, key: CacheKey, digest: str, config: Config, name: str,
+                 num_inputs: int, kept: Kept | None = None) -> None:
         self.store, self.key, self.digest, self.config = store, key, digest, config
-        self.name, self.num_inputs = name, num_inputs
+        self.name, self.num_inputs, self.kept = name, num_inputs, kept
         self.parts: dict[str, dict[str, Any]] = {}
         self.plan: dict[str, Any] | None = None
         self.detach: list[int] = []
@@ -223,13 +259,17 @@ class Recorder:
     def _write(self) -> None:
         self.done = True
         payload = {"key": self.key.as_dict(), "plan": self.plan, "parts": self.parts, "detach": self.detach}
-        self.store.write(LEVEL, self.digest, payload, self.config.cache_size_mb)
+        if self.kept is not None:
+            self.kept.payload = payload
+        if self.store is not None:
+            self.store.write(LEVEL, self.digest, payload, self.config.cache_size_mb)
 
     def _give_up(self, reason: str) -> None:
         self.done = True
-        events.bypass(LEVEL, self.name, reason)
-        self.store.write(LEVEL, self.digest, {"key": self.key.as_dict(), "bypass": reason},
-                         self.config.cache_size_mb)
+        _bypass(self.kept, self.config, self.name, reason)
+        if self.store is not None:
+            self.store.write(LEVEL, self.digest, {"key": self.key.as_dict(), "bypass": reason},
+                             self.config.cache_size_mb)
 
 
 def record(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext, module: Any,

@@ -16,7 +16,8 @@ import torch
 __all__ = [
     "Uncacheable", "fw_metadata", "runtime_plan", "fake_mode", "fake_tensors", "storage_id",
     "increment_version", "view_replay", "saved_tensors_hooks_inlined", "autocast_enabled",
-    "tensor_bytes",
+    "tensor_bytes", "SerializableCallable", "precompile_backend_id", "caching_precompile",
+    "plain_aot_settings", "BackendArtifact", "record_backend_artifact",
 ]
 
 
@@ -194,3 +195,73 @@ def tensor_bytes(value: torch.Tensor) -> bytes:
         if flat.dtype.is_complex:
             flat = torch.view_as_real(flat).reshape(-1)
         return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+# ---- precompile (``backend.precompile``): torch 2.11 and 2.13 have the same names ------------------
+
+def _serializable_callable() -> type:
+    """torch's ABC that ``aot_compile`` checks the backend's result against (``object`` where it
+    is missing: then no precompile API calls us)."""
+    try:
+        from torch._dynamo.aot_compile_types import SerializableCallable
+    except ImportError:
+        return object
+    return SerializableCallable
+
+
+SerializableCallable = _serializable_callable()
+
+
+def precompile_backend_id(gm: torch.fx.GraphModule) -> str | None:
+    """The name (``__compiled_fn_3``) under which torch will save our result: Dynamo sets it on
+    the graph for ``aot_compile`` and for caching precompile; None in a plain compile."""
+    value = getattr(gm, "_backend_id", None)
+    return value if isinstance(value, str) else None
+
+
+def caching_precompile() -> bool:
+    """Whether Dynamo's own cache (``torch._dynamo.config.caching_precompile``) is on."""
+    return bool(getattr(torch._dynamo.config, "caching_precompile", False))
+
+
+# What torch's precompile paths switch on in AOTAutograd: it would then bundle its own cache entry
+# and require Inductor's ``OutputCode`` from our compilers ("expected OutputCode, got function").
+_BUNDLING = ("bundled_autograd_cache", "force_autograd_cache", "bypass_autograd_cache_key",
+             "strict_autograd_cache")
+
+
+def plain_aot_settings(non_lazy_backward: bool) -> Any:
+    """A context in which AOTAutograd runs our compilers as in a plain compile; with
+    ``non_lazy_backward``, the backward is compiled with the forward (a saved function must hold
+    both). A no-op context when nothing needs to change."""
+    import contextlib
+
+    cfg = torch._functorch.config
+    patch = {name: False for name in _BUNDLING if getattr(cfg, name, False)}
+    if non_lazy_backward and hasattr(cfg, "force_non_lazy_backward_lowering"):
+        patch["force_non_lazy_backward_lowering"] = True
+    stack = contextlib.ExitStack()
+    if patch:
+        stack.enter_context(cfg.patch(patch))
+    if caching_precompile():  # AOTAutograd bundles under it too (``should_bundle_autograd_cache``)
+        stack.enter_context(torch._dynamo.config.patch(caching_precompile=False))
+    return stack
+
+
+def _backend_artifact() -> type:
+    try:
+        from torch._dynamo.precompile_context import BackendCacheArtifact
+    except ImportError:
+        return object
+    return BackendCacheArtifact
+
+
+BackendArtifact = _backend_artifact()
+
+
+def record_backend_artifact(artifact: Any) -> None:
+    """Give Dynamo's precompile context our artifact for one backend id (it saves it with its
+    guards and bytecode in ``torch.compiler.save_cache_artifacts``)."""
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    PrecompileContext.record_artifact(artifact)

@@ -215,15 +215,39 @@ def value_text(value: Any) -> str:
 
 def device_text(example_inputs: Sequence[Any]) -> str:
     devices = sorted({str(x.device) for x in example_inputs if isinstance(x, torch.Tensor)})
-    out = []
-    for name in devices:
-        device = torch.device(name)
+    return ",".join(_device_line(name) for name in devices) or "none"
+
+
+def _device_line(name: str) -> str:
+    device = torch.device(name)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"{name}:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+    return name
+
+
+def device_mismatch(saved: str) -> str | None:
+    """Why the devices ``device_text`` described in another process are not this process's (a
+    missing device, another GPU model or capability), or None when they are."""
+    for line in saved.split(","):
+        if line in ("none", "cpu"):
+            continue
+        name = ":".join(line.split(":")[:2]) if line.startswith("cuda:") else line
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            return f"saved for an unknown device {line!r}"
+        backend = getattr(torch, device.type, None)
+        available = getattr(backend, "is_available", None)
+        if available is None or not available():
+            return f"saved for {line}; this process has no {device.type} device"
         if device.type == "cuda":
-            major, minor = torch.cuda.get_device_capability(device)
-            out.append(f"{name}:{torch.cuda.get_device_name(device)}:sm{major}{minor}")
-        else:
-            out.append(name)
-    return ",".join(out) or "none"
+            if (device.index or 0) >= torch.cuda.device_count():
+                return f"saved for {line}; this process has no {name}"
+            mine = _device_line(name)
+            if mine != line:
+                return f"saved for {line}; this process has {mine}"
+    return None
 
 
 @functools.lru_cache(maxsize=1)

@@ -189,17 +189,19 @@ class Store:
 
 # ---- the file format ---------------------------------------------------------------------------
 
-def encode(payload: dict[str, Any]) -> bytes:
+def encode(payload: dict[str, Any], magic: bytes = MAGIC) -> bytes:
+    """``magic`` names the kind of file: a cache entry, or a precompiled function (``backend.precompile``)."""
     body = json.dumps(payload, sort_keys=True).encode()
-    header = MAGIC + b" sha256=" + hashlib.sha256(body).hexdigest().encode() + b" bytes=" + str(len(body)).encode()
+    header = magic + b" sha256=" + hashlib.sha256(body).hexdigest().encode() + b" bytes=" + str(len(body)).encode()
     return header + b"\n" + body
 
 
-def decode(data: bytes, level: str | None = None, digest: str | None = None) -> dict[str, Any]:
+def decode(data: bytes, level: str | None = None, digest: str | None = None,
+           magic: bytes = MAGIC) -> dict[str, Any]:
     """The payload of an entry; with ``level`` and ``digest``, also check it is that entry's."""
     header, sep, body = data.partition(b"\n")
     parts = header.split(b" ")
-    if not sep or len(parts) != 3 or parts[0] != MAGIC:
+    if not sep or len(parts) != 3 or parts[0] != magic:
         raise CorruptEntry("bad header")
     try:
         want_sha = parts[1].removeprefix(b"sha256=").decode()

@@ -1,0 +1,220 @@
+"""precompile: torch's ``aot_compile`` / ``save_compiled_function`` / ``load_compiled_function``,
+and Dynamo's caching precompile, with ``backend="cgtrees"``.
+
+torch asks the backend's compiled callable for bytes (its ``SerializableCallable`` interface) and,
+in a new process, for the callable back from those bytes. Our bytes are the first cache level's
+entry for the Dynamo graph (``cache/aot.py``: module sources, kernel binaries, the runtime plan),
+in a checksummed file of our own kind (``store.encode``). Loading checks that the entry was made
+by this torch, Triton and cgtrees, for devices this process has, then rebuilds the function as a
+level-1 hit does: no AOTAutograd, no codegen, no Triton compile, the modules wrapped in the
+runtime again (CUDA graphs record on the first calls). Parameters are graph inputs, so a loaded
+function serves a model whose weights changed.
+
+    compiling(gm)                     api.py compiles each Dynamo graph inside it: under torch's
+                                      precompile paths, AOTAutograd runs as in a plain compile
+                                      (with the backward compiled at once) and the entry is kept
+    serializable(compiled, kept, ...) what the backend returns there: a ``PrecompiledFunction``
+    PrecompileError                   a graph we cannot save, or bytes we will not load; the
+                                      message names why (a mismatch, damage, a level-1 bypass)
+
+Caching precompile (``torch._dynamo.config.caching_precompile``; the ``precompile_cache`` option
+turns it on): Dynamo saves each frame's guards and bytecode with one artifact per backend id, and
+reinstalls them in a later process without tracing. Ours is a ``CachedArtifact`` holding the same
+bytes; one that is damaged or from another version fails while Dynamo reads its cache, which
+Dynamo counts as a miss and compiles afresh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+from typing import Any, Callable, Iterator
+
+import torch
+
+from backend import counters
+from backend.cache import compat
+from backend.cache.aot import KEEP, Kept
+from backend.cache.key import device_mismatch
+from backend.config import Config
+
+log = logging.getLogger("backend.precompile")
+
+MAGIC = b"cgtrees-precompiled/1"
+FORMAT = 1
+_LOCAL_FIELDS = ("cache_dir", "debug_dir")  # this process's own, never taken from a saved function
+_loaded = itertools.count()
+
+
+class PrecompileError(RuntimeError):
+    """A compiled graph that cannot be saved, or saved bytes that cannot be loaded here."""
+
+
+@contextlib.contextmanager
+def compiling(gm: torch.fx.GraphModule) -> Iterator[Kept | None]:
+    """Around the compile of one Dynamo graph: a ``Kept`` that collects the level-1 entry when torch
+    will save the result (aot_compile, caching precompile), else None."""
+    backend_id = compat.precompile_backend_id(gm)
+    kept = Kept() if backend_id is not None else None
+    if kept is not None:
+        gm.meta[KEEP] = kept
+    try:
+        with compat.plain_aot_settings(non_lazy_backward=kept is not None):
+            yield kept
+    finally:
+        if kept is not None:
+            gm.meta.pop(KEEP, None)
+
+
+def serializable(compiled: Callable[..., Any], kept: Kept, config: Config,
+                 gm: torch.fx.GraphModule, name: str) -> "PrecompiledFunction":
+    fn = PrecompiledFunction(compiled, name, kept.payload, kept.bypass, _saved_config(config))
+    backend_id = compat.precompile_backend_id(gm)
+    if compat.caching_precompile() and backend_id is not None:
+        if kept.payload is None:
+            log.warning("cgtrees: %s is not saved in Dynamo's cache (%s); a later process compiles it again",
+                        name, fn.why_not())
+        else:
+            compat.record_backend_artifact(CachedArtifact(key=backend_id, content=fn.artifact()))
+    return fn
+
+
+class PrecompiledFunction(compat.SerializableCallable):
+    """A compiled Dynamo graph that torch can save (``serialize_compile_artifacts``) and load in
+    another process (``deserialize_compile_artifacts``). Calls go to the compiled function."""
+
+    def __init__(self, fn: Callable[..., Any], name: str, payload: dict[str, Any] | None,
+                 bypass: str | None, config: dict[str, Any]) -> None:
+        self.fn, self.name, self.payload, self.bypass, self.config = fn, name, payload, bypass, config
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def why_not(self) -> str:
+        if self.bypass is not None:
+            return f"the first cache level does not rebuild it: {self.bypass}"
+        return "its compiled graphs were not all recorded (a backward still to compile?)"
+
+    def artifact(self) -> bytes:
+        if self.payload is None:
+            raise PrecompileError(f"cgtrees: cannot save the compiled graph {self.name}: {self.why_not()}")
+        from backend.cache.store import encode
+
+        return encode({"format": FORMAT, "name": self.name, "config": self.config, "entry": self.payload},
+                      magic=MAGIC)
+
+    @classmethod
+    def serialize_compile_artifacts(cls, fn: "PrecompiledFunction") -> bytes:
+        data = fn.artifact()
+        counters.bump("precompile_saved")
+        return data
+
+    @classmethod
+    def deserialize_compile_artifacts(cls, data: bytes) -> "PrecompiledFunction":
+        return load(check(data))
+
+
+class CachedArtifact(compat.BackendArtifact):
+    """Our artifact in Dynamo's cache (caching precompile): ``content`` is the saved bytes. They are
+    checked as Dynamo unpickles its entry, so a bad or foreign one is a miss there, never an error
+    while Dynamo installs the entry (which it does not recover from)."""
+
+    def after_deserialization(self) -> "PrecompiledFunction":
+        return load(check(self.content))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _restore_artifact, (self.key, self.content)
+
+    def __deepcopy__(self, memo: dict) -> "CachedArtifact":
+        return self  # bytes and a str: nothing to copy
+
+
+def _restore_artifact(key: str, content: bytes) -> CachedArtifact:
+    check(content)
+    return CachedArtifact(key=key, content=content)
+
+
+def check(data: bytes) -> dict[str, Any]:
+    """The saved record, if this process can load it; else PrecompileError naming why."""
+    from backend.cache.store import CorruptEntry, decode
+
+    if not isinstance(data, (bytes, bytearray)):
+        raise PrecompileError(f"cgtrees: a saved function is bytes, not {type(data).__name__}")
+    try:
+        record = decode(bytes(data), magic=MAGIC)
+    except CorruptEntry as exc:
+        raise PrecompileError(f"cgtrees: the saved function is damaged ({exc}); compile and save it again") from None
+    if record.get("format") != FORMAT:
+        raise PrecompileError(f"cgtrees: the saved function has format {record.get('format')!r}; "
+                              f"this cgtrees reads format {FORMAT}")
+    try:
+        key = record["entry"]["key"]
+        mismatch = _mismatch(key)
+    except (KeyError, TypeError) as exc:
+        raise PrecompileError(f"cgtrees: the saved function is damaged (no {exc})") from None
+    if mismatch is not None:
+        raise PrecompileError(f"cgtrees: cannot load the saved function {record.get('name')}: {mismatch}; "
+                              "compile and save it again with this installation")
+    return record
+
+
+def _mismatch(key: dict[str, Any]) -> str | None:
+    from backend.cache.key import backend_source_hash, triton_version
+
+    mine = {"torch_version": torch.__version__, "triton_version": triton_version(),
+            "backend_source": backend_source_hash()}
+    what = {"torch_version": "torch", "triton_version": "Triton", "backend_source": "cgtrees (source hash)"}
+    for field, value in mine.items():
+        if key[field] != value:
+            return f"it was saved by {what[field]} {key[field]}, this process has {value}"
+    return device_mismatch(key["device"])
+
+
+def load(record: dict[str, Any]) -> PrecompiledFunction:
+    """Rebuild a checked record as a level-1 hit would (no AOTAutograd, no codegen)."""
+    from backend import cache, codegen
+    from backend.cache.aot import rebuild
+
+    config = Config.resolve(options=record["config"])
+    name = f"p{next(_loaded)}"
+    entry = record["entry"]
+    if "cuda" in entry["key"]["device"]:  # compiled kernels wait on Triton's hash of itself
+        codegen.prepare([torch.empty(0, device="cuda")], config, cache.triton_key_file(config))
+    try:
+        fn = rebuild(entry, config, name, _LoadedPair(name), _wrap)
+    except Exception as exc:
+        raise PrecompileError(f"cgtrees: the saved function {record.get('name')} could not be rebuilt "
+                              f"({type(exc).__name__}: {exc})") from exc
+    counters.bump("precompile_loaded")
+    log.debug("cgtrees: loaded the saved function %s as %s", record.get("name"), name)
+    return PrecompiledFunction(fn, name, entry, None, record["config"])
+
+
+def _wrap(module: Any, example_inputs: list[Any], ctx: Any) -> Callable[[list[Any]], Any]:
+    """The driver's ``_wrap`` (the module in the runtime, the graph's constants appended to each
+    call), kept here so that loading does not import the driver, which imports AOTAutograd
+    (0.6 s of a 0.75 s load on CPU)."""
+    from backend import runtime
+    from backend.logs import log_once
+
+    try:
+        call = runtime.wrap(module.call, example_inputs, ctx)
+    except Exception as exc:  # noqa: BLE001 - the module still runs, without the runtime
+        counters.bump("graph_fallbacks")
+        log_once(log, f"fallback:{ctx.name}:runtime", "cgtrees: %s: runtime failed (%s: %s); this graph "
+                 "runs through aten", ctx.name, type(exc).__name__, exc)
+        call = module.call
+    return ctx.constants.append(call) if ctx.constants else call
+
+
+class _LoadedPair:
+    """Shared by a loaded forward and backward (the runtime keeps the forward's manager here)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _saved_config(config: Config) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _LOCAL_FIELDS}
