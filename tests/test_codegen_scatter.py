@@ -162,6 +162,12 @@ def test_scatter_of_a_lazy_src_into_a_non_contiguous_base():
     generated(lambda b, i, s: b.scatter_add(1, i, torch.exp(s) * 2), base, index, src, terms=7, atomic=True)
 
 
+def test_scatter_into_a_0d_tensor():
+    """median's backward: a 0-d base holds one element, index 0."""
+    base, src, index = torch.tensor(1.5), torch.tensor(-2.0), torch.tensor(0)
+    generated(lambda b, i, s: (b.scatter(0, i, s), b.scatter_add(0, i, s) * 2), base, index, src)
+
+
 def test_scatter_reduce_without_an_atomic_runs_through_aten():
     base, src, index = torch.randn(5, 4), torch.randn(6, 4), torch.randint(0, 5, (6, 4))
     def reducing(reduce):

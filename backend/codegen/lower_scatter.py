@@ -151,8 +151,8 @@ def _index_put_mask(ctx: LowerCtx, x: TensorValue, indices: list[Any], values: A
 # ------------------------------------------------------------------------------------------- scatter
 def _scatter_ok(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
     base, dim, index = (_val(a) for a in node.args[:3])
-    if base.dim() == 0 or index.dim() != base.dim():
-        return "scatter of a 0-d tensor or with an index of another rank"
+    if index.dim() != base.dim():
+        return "scatter with an index of another rank"
     if index.dtype not in INTEGER_INDEX:
         return f"scatter with a {index.dtype} index"
     if _mode(node) is None:
@@ -187,6 +187,8 @@ def _scatter(ctx: LowerCtx, base: TensorValue, dim: int, index: TensorValue, src
              **kwargs: Any) -> TensorValue:
     """``out[.., index[i, j, k], ..] = src[i, j, k]`` (at ``dim``; ``+=`` for scatter_add) over
     the index's elements; the index is checked against the dimension's size, not wrapped."""
+    if not base.size:
+        return _scatter_scalar(ctx, base, index, src)
     if _one_per_row(ctx.node):
         return _scatter_one_per_row(ctx, base, dim, index, src)
     dim = _dim(dim, len(base.size))
@@ -195,6 +197,18 @@ def _scatter(ctx: LowerCtx, base: TensorValue, dim: int, index: TensorValue, src
               for d in range(len(base.size))]
     value = cast(src.body, compute) if isinstance(src, TensorValue) else broadcast(src, (), compute)
     return write_at(ctx, base, index.size, value, coords, _mode(ctx.node))
+
+
+def _scatter_scalar(ctx: LowerCtx, base: TensorValue, index: TensorValue, src: Any) -> TensorValue:
+    """A 0-d base holds one element (index 0): ``src`` (plus ``base`` where adding) there."""
+    meta = ctx.out_meta()
+    compute = compute_dtype(meta.dtype)
+    value = cast(src.body, compute) if isinstance(src, TensorValue) else broadcast(src, (), compute)
+    base_value = cast(base.body, compute)
+    if _mode(ctx.node) == ir.Write.ADD:
+        value = Op("add", (base_value, value), compute)
+    here = Op("eq", (ir.Indirect(index.body, sympy.Integer(1), wrap=False), Const(0, torch.int64)), torch.bool)
+    return TensorValue((), meta.dtype, cast(Op("where", (here, value, base_value), compute), meta.dtype))
 
 
 def _scatter_one_per_row(ctx: LowerCtx, base: TensorValue, dim: int, index: TensorValue, src: Any) -> TensorValue:
