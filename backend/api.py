@@ -39,8 +39,11 @@ class CgtreesBackend:
         graph_id = next(self._graph_ids)
         try:
             from backend import precompile
+            from backend.aot import compiled_autograd
             from backend.aot.driver import compile_dynamo_graph
 
+            if compiled_autograd.is_backward_graph(example_inputs):  # its first input is a list
+                compile_dynamo_graph = compiled_autograd.compile_backward_graph
             with precompile.compiling(gm) as kept:  # kept: torch will save the result (aot_compile)
                 compiled = compile_dynamo_graph(gm, example_inputs, config, graph_id)
         except restart_exceptions():

@@ -84,3 +84,21 @@ def fake_of(value: torch.Tensor, mode: Any) -> torch.Tensor:
     """A fake tensor with ``value``'s metadata, for a lifted constant's placeholder."""
     return mode.from_tensor(value, static_shapes=True)
 
+
+
+def in_compiled_autograd() -> bool:
+    """Whether compiled autograd is tracing or running a backward graph now (it is when Dynamo
+    traces that graph and hands it to us; torch 2.11 and 2.13 keep the flag in this module)."""
+    from torch._dynamo import compiled_autograd
+
+    return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
+
+
+def is_builtin_backward_op(target: Any) -> bool:
+    """A call, in a compiled-autograd graph, of one of torch's own backward formulas (an ``Op`` of
+    ``torch._dynamo.compiled_autograd.ops`` that is not a user's custom Function): it runs aten ops
+    only, so the device of a 0-dim tensor it reads does not change what it computes."""
+    from torch._dynamo import compiled_autograd
+
+    op_type = getattr(compiled_autograd, "Op", None)
+    return op_type is not None and isinstance(target, op_type) and not getattr(target, "is_custom_function", True)

@@ -1,0 +1,210 @@
+"""Compiled autograd's backward graphs, through the same pipeline and runtime as any backward.
+
+Compiled autograd (``torch._dynamo.compiled_autograd``, on through its ``_enable`` context manager
+or ``torch._dynamo.config.compiled_autograd``) captures a whole backward pass, hooks and gradient
+accumulation included, as one FX graph and hands it to torch.compile; Dynamo traces that graph and
+hands it to us. It differs from a graph of the user's code in three ways, each handled here:
+
+- **Its first input is a list** of tensors (activations, parameters, the gradients they hold),
+  read inside the graph with ``inputs[i]``. AOTAutograd takes flat tensors and sizes only, so
+  ``flatten`` rewrites the graph with one input per element (each ``inputs[i]`` becomes an input),
+  and the function we return takes the list as the caller passes it. The caller *steals* the
+  list: we empty it before the call, so AOTAutograd may free each tensor at its last use.
+- **Accumulation is functional in the graph.** AccumulateGrad's functional form returns the new
+  gradient (``old + new``, or ``new`` itself when there was none) and Dynamo assigns ``.grad``
+  after the graph returns (``call_accumulate_grad`` sets ``variable.grad`` in torch 2.11 and 2.13;
+  older torch emitted ``inductor.accumulate_grad_``, which both now rewrite before we see it).
+  Tensor hooks and post-accumulate-grad hooks are traced inline. So AOTAutograd sees, at most,
+  in-place writes into inputs (a hook that updates a parameter), which it keeps in the graph.
+- **It is a backward that runs with grad mode off**, so AOTAutograd hands us an *inference* graph.
+  The runtime must see a backward: its outputs are gradients that survive the end of a generation
+  (R4), and it marks that a backward ran (R3: the next forward starts a new step). It runs on the
+  thread that called ``backward()`` (compiled autograd turns autograd's worker threads off), which
+  is the thread of its forward, so the per-(device, thread) tree manager it finds is its
+  forward's: both share one tree and one pool.
+
+The first cache level is bypassed, with the reason logged: the graph calls compiled autograd's
+lazily bound ops by name (``ops.CppNode<Name><n>`` numbered in the order a process first meets
+each custom Function), so a key on its text could match another process's different graph. The
+second level (kernel modules, keyed by the aten graph) hits as for any graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+
+from backend import cache, codegen, counters
+from backend.aot import compat, constants, driver
+from backend.cache import events
+from backend.config import Config
+from backend.context import GraphContext
+
+log = logging.getLogger("backend.aot")
+
+_NO_LEVEL_1 = ("a compiled-autograd graph calls ops that compiled autograd names per process "
+               "(custom Functions are numbered in the order they are met), so its text is no safe key")
+
+
+def is_backward_graph(example_inputs: Sequence[Any]) -> bool:
+    """Whether Dynamo hands us a compiled-autograd graph (it is traced while that region is on)."""
+    return bool(example_inputs) and isinstance(example_inputs[0], list) and compat.in_compiled_autograd()
+
+
+def compile_backward_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
+                           graph_id: int) -> Callable[..., Any]:
+    name = f"g{graph_id}"
+    flat = flatten(gm, example_inputs)  # the list input -> one input per element
+    log.info("cgtrees: %s is a compiled-autograd backward (%d list inputs flattened)", name, flat.num_listed)
+    if torch.is_grad_enabled():  # backward(create_graph=True): differentiable, compiled as any graph
+        compiled = driver.compile_dynamo_graph(flat.gm, flat.inputs, config, graph_id)
+    else:
+        compiled = _compile_inference(flat, name, config)
+    counters.bump("compiled_autograd_graphs")  # not before: Dynamo may restart a compile
+    return flat.caller(compiled)
+
+
+def _compile_inference(flat: FlatGraph, name: str, config: Config) -> Callable[..., Any]:
+    """The driver's steps (``compile_dynamo_graph``) for a backward run with grad mode off, but the
+    first cache level is bypassed and the runtime told that the graph is a backward."""
+    codegen.prepare(flat.inputs, config, cache.triton_key_file(config))
+    from backend.aot.decompositions import decomposition_table
+    from backend.aot.partition import partition
+
+    compiled = compat.aot_module_simplified(
+        flat.gm, flat.inputs,
+        fw_compiler=_not_training, bw_compiler=_not_training,
+        inference_compiler=_backward_compiler(driver.FunctionPair(name, len(flat.inputs)), config),
+        partition_fn=partition,
+        decompositions=decomposition_table(),
+        keep_inference_input_mutations=True,
+    )
+    if config.cache:  # once the graph compiled (Dynamo may restart a compile, and we are called again)
+        events.bypass("aot", name, _NO_LEVEL_1)
+    return compiled
+
+
+def _backward_compiler(pair: driver.FunctionPair, config: Config) -> Callable[..., Any]:
+    """The inference graph AOTAutograd traced, compiled as the driver compiles any aten graph, with
+    the runtime told it is a backward."""
+
+    def compile_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[[list[Any]], Any]:
+        consts = constants.lift(gm)  # get_attr tensors -> trailing inputs
+        ctx = GraphContext(
+            config=config, kind="backward", name=f"{pair.name}_backward",
+            # parameters: AOTAutograd marks every nn.Parameter static inside compiled autograd
+            static_input_indices=compat.forward_static_input_indices() + consts.indices(len(example_inputs)),
+            mutated_input_indices=driver.mutated_inputs(gm), pair=pair, constants=consts,
+        )
+        return compat.boxed(driver.compile_aten_graph(gm, [*example_inputs, *consts.tensors], ctx))
+
+    return compile_aten
+
+
+def _not_training(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    raise RuntimeError("cgtrees: a compiled-autograd graph traced with grad mode off became a training graph")
+
+
+# ---------------------------------------------------------------- flattening the list input
+@dataclass(frozen=True)
+class FlatGraph:
+    gm: torch.fx.GraphModule  # the graph with one input per list element, then the other inputs
+    inputs: list[Any]  # its example inputs
+    num_listed: int  # how many of them came from the list
+    scalars: tuple[tuple[int, torch.device], ...] = ()  # 0-dim CPU tensors of the list: copied to there
+
+    def caller(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
+        return ListInputCall(compiled, self.num_listed, self.scalars)
+
+
+class ListInputCall:
+    """Called as Dynamo calls the graph (``(inputs, *rest)``); calls ``compiled(*inputs, *rest)``."""
+
+    def __init__(self, compiled: Callable[..., Any], num_listed: int,
+                 scalars: tuple[tuple[int, torch.device], ...]) -> None:
+        self.compiled = compiled
+        self.num_listed = num_listed
+        self.scalars = scalars
+
+    def __call__(self, *args: Any) -> Any:
+        listed = args[0]
+        if len(listed) != self.num_listed:
+            raise RuntimeError(f"cgtrees: a compiled-autograd graph compiled for {self.num_listed} "
+                               f"list inputs was called with {len(listed)}")
+        flat = [*listed, *args[1:]]
+        listed.clear()  # stolen: the caller keeps no reference, so each tensor may die at its last use
+        for i, device in self.scalars:
+            flat[i] = flat[i].to(device, copy=True, non_blocking=True)
+        return self.compiled(*flat)
+
+
+def flatten(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> FlatGraph:
+    """Replace the first input (a list) by one input per element. ``inputs[i]`` in the graph becomes
+    the i-th new input; any other use of the list gets a list of the new inputs."""
+    listed = list(example_inputs[0])
+    graph = torch.fx.Graph()
+    remap: dict[torch.fx.Node, Any] = {}
+    graph.output(graph.graph_copy(gm.graph, remap))
+    holder = remap[next(iter(gm.graph.find_nodes(op="placeholder")))]
+    reads = {user.args[1]: user for user in holder.users if _reads_element(user, holder)}
+    fake_mode = compat.fake_mode_of(list(graph.find_nodes(op="placeholder")))
+    elements = []
+    with graph.inserting_before(holder):
+        for i, value in enumerate(listed):
+            element = graph.placeholder(f"{holder.name}_{i}")
+            if i in reads:
+                element.meta.update(reads[i].meta)
+            elif isinstance(value, torch.Tensor):
+                element.meta["example_value"] = compat.fake_of(value, fake_mode)
+            elements.append(element)
+    for i, read in reads.items():
+        read.replace_all_uses_with(elements[i])
+        graph.erase_node(read)
+    for user in list(holder.users):  # a use other than inputs[i]: the list rebuilt from its elements
+        user.args = torch.fx.map_arg(user.args, lambda n: elements if n is holder else n)
+        user.kwargs = torch.fx.map_arg(user.kwargs, lambda n: elements if n is holder else n)
+    graph.erase_node(holder)
+    scalars = _place_scalars(listed, elements, fake_mode)  # after: their users are the elements' now
+    graph.lint()
+    flat_gm = torch.fx.GraphModule(gm, graph, class_name="CompiledAutogradBackward")
+    return FlatGraph(flat_gm, [*listed, *example_inputs[1:]], len(listed), scalars)
+
+
+def _place_scalars(listed: list[Any], elements: list[torch.fx.Node],
+                   fake_mode: Any) -> tuple[tuple[int, torch.device], ...]:
+    """Where each 0-dim CPU tensor of the list is passed (``listed`` and the elements' example values
+    are updated to match).
+
+    Autograd saves a Python scalar (``loss / 3.0``) as a 0-dim CPU "wrapped number" tensor, which
+    AOTAutograd traces as a plain 0-dim tensor; it is passed as one (a copy: no op sees a wrapped
+    number the trace did not). In a graph on a GPU it is copied to that GPU where only torch's own
+    backward formulas read it (a CPU input would keep the whole graph out of CUDA graphs, R7), as
+    Inductor does for its CUDA graphs; a custom Function's backward keeps it on the CPU.
+    """
+    gpu = next((v.device for v in listed if isinstance(v, torch.Tensor) and v.device.type == "cuda"), None)
+    out = []
+    for i, (value, element) in enumerate(zip(listed, elements)):
+        if not (isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() == 0):
+            continue
+        device = value.device
+        if gpu is not None and element.users and all(_reads_on_any_device(u) for u in element.users):
+            device = gpu
+            listed[i] = value.to(device)
+            element.meta["example_value"] = compat.fake_of(listed[i], fake_mode)
+        out.append((i, device))
+    return tuple(out)
+
+
+def _reads_on_any_device(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and (isinstance(node.target, torch._ops.OpOverload)
+                                           or compat.is_builtin_backward_op(node.target))
+
+
+def _reads_element(node: torch.fx.Node, holder: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2
+            and node.args[0] is holder and isinstance(node.args[1], int) and not node.kwargs)
