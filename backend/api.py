@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any, Callable, Mapping
 
 import torch
@@ -30,6 +31,10 @@ class CgtreesBackend:
 
     def __init__(self) -> None:
         self._graph_ids = itertools.count()
+        if os.environ.get("CGTREES_PRECOMPILE_CACHE"):  # Dynamo decides on its cache before any graph
+            from backend import precompile
+
+            precompile.use_dynamo_cache()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], mode: str | None = None,
                  options: Mapping[str, Any] | None = None, **unknown: Any) -> Callable[..., Any]:
@@ -44,7 +49,7 @@ class CgtreesBackend:
 
             if compiled_autograd.is_backward_graph(example_inputs):  # its first input is a list
                 compile_dynamo_graph = compiled_autograd.compile_backward_graph
-            with precompile.compiling(gm) as kept:  # kept: torch will save the result (aot_compile)
+            with precompile.compiling(gm, config) as kept:  # kept: torch will save the result (aot_compile)
                 compiled = compile_dynamo_graph(gm, example_inputs, config, graph_id)
         except restart_exceptions():
             raise  # Dynamo's own signal to trace the frame again (e.g. a float input made a tensor)

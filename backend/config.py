@@ -35,6 +35,10 @@ class Config:
     interpret: bool = _field(False, affects_codegen=True, doc="run Triton kernels through the interpreter (CPU)")
     debug_dir: str = _field("", affects_codegen=False, doc="write every generated module and graph here")
     cache_dir: str = _field("", affects_codegen=False, doc="cache directory (default: XDG cache/cgtrees)")
+    precompile_cache: bool = _field(False, affects_codegen=False,
+                                    doc="turn on Dynamo's caching precompile (torch._dynamo.config.caching_precompile) "
+                                        "and save its cache at each compiled graph's first call; set it with the "
+                                        "env var, which must be in force before torch.compile (backend.precompile)")
 
     @classmethod
     def resolve(cls, mode: str | None = None, options: Mapping[str, Any] | None = None,

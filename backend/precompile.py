@@ -17,11 +17,12 @@ function serves a model whose weights changed.
     PrecompileError                   a graph we cannot save, or bytes we will not load; the
                                       message names why (a mismatch, damage, a level-1 bypass)
 
-Caching precompile (``torch._dynamo.config.caching_precompile``; the ``precompile_cache`` option
-turns it on): Dynamo saves each frame's guards and bytecode with one artifact per backend id, and
-reinstalls them in a later process without tracing. Ours is a ``CachedArtifact`` holding the same
-bytes; one that is damaged or from another version fails while Dynamo reads its cache, which
-Dynamo counts as a miss and compiles afresh.
+Caching precompile (``torch._dynamo.config.caching_precompile``; the ``precompile_cache`` option,
+``CGTREES_PRECOMPILE_CACHE=1``, turns it on and saves at each graph's first call): Dynamo saves each
+frame's guards and bytecode with one artifact per backend id, and reinstalls them in a later
+process without tracing; a guard that fails there compiles afresh. Ours is a ``CachedArtifact``
+holding the same bytes; one that is damaged or from another version fails while Dynamo reads its
+cache, which Dynamo counts as a miss (``dynamo_cache_error``) and compiles afresh.
 """
 
 from __future__ import annotations
@@ -52,10 +53,29 @@ class PrecompileError(RuntimeError):
     """A compiled graph that cannot be saved, or saved bytes that cannot be loaded here."""
 
 
+def use_dynamo_cache() -> None:
+    """``CGTREES_PRECOMPILE_CACHE=1``: turn on Dynamo's caching precompile. Called as the backend
+    is made, which is when torch.compile looks it up: before Dynamo decides whether this
+    torch.compile keeps a cache package, and before it looks the function up in its cache."""
+    try:
+        wanted = Config.resolve().precompile_cache
+    except ValueError:
+        return  # a bad value: the first compile raises it
+    reason = compat.enable_caching_precompile() if wanted else None
+    if reason is not None:
+        log.warning("cgtrees: precompile_cache has no effect: %s", reason)
+
+
 @contextlib.contextmanager
-def compiling(gm: torch.fx.GraphModule) -> Iterator[Kept | None]:
+def compiling(gm: torch.fx.GraphModule, config: Config) -> Iterator[Kept | None]:
     """Around the compile of one Dynamo graph: a ``Kept`` that collects the level-1 entry when torch
     will save the result (aot_compile, caching precompile), else None."""
+    if config.precompile_cache and not compat.caching_precompile():
+        from backend.logs import log_once
+
+        log_once(log, "precompile_cache:late", "cgtrees: precompile_cache=True comes too late in options=: "
+                 "Dynamo decides on its cache when torch.compile is called; set CGTREES_PRECOMPILE_CACHE=1 "
+                 "in the environment instead")
     backend_id = compat.precompile_backend_id(gm)
     kept = Kept() if backend_id is not None else None
     if kept is not None:
@@ -77,7 +97,13 @@ def serializable(compiled: Callable[..., Any], kept: Kept, config: Config,
             log.warning("cgtrees: %s is not saved in Dynamo's cache (%s); a later process compiles it again",
                         name, fn.why_not())
         else:
-            compat.record_backend_artifact(CachedArtifact(key=backend_id, content=fn.artifact()))
+            artifact = CachedArtifact(key=backend_id, content=fn.artifact())
+            artifact.names_used = compat.dynamo_names_used()  # raised again at each save of ours
+            _recorded.append(artifact)
+            compat.record_backend_artifact(artifact)
+        # Dynamo adds the frame's guards and bytecode once the backend has returned: the first
+        # call comes after that.
+        fn.save_dynamo_cache = config.precompile_cache
     return fn
 
 
@@ -88,8 +114,12 @@ class PrecompiledFunction(compat.SerializableCallable):
     def __init__(self, fn: Callable[..., Any], name: str, payload: dict[str, Any] | None,
                  bypass: str | None, config: dict[str, Any]) -> None:
         self.fn, self.name, self.payload, self.bypass, self.config = fn, name, payload, bypass, config
+        self.save_dynamo_cache = False  # at the first call (the ``precompile_cache`` option)
 
     def __call__(self, *args: Any) -> Any:
+        if self.save_dynamo_cache:
+            self.save_dynamo_cache = False
+            _save_dynamo_cache(self.name)
         return self.fn(*args)
 
     def why_not(self) -> str:
@@ -119,21 +149,30 @@ class PrecompiledFunction(compat.SerializableCallable):
 class CachedArtifact(compat.BackendArtifact):
     """Our artifact in Dynamo's cache (caching precompile): ``content`` is the saved bytes. They are
     checked as Dynamo unpickles its entry, so a bad or foreign one is a miss there, never an error
-    while Dynamo installs the entry (which it does not recover from)."""
+    while Dynamo installs the entry (which it does not recover from). ``names_used``: Dynamo's
+    unique names handed out in the saving process (``compat.reserve_dynamo_names``)."""
+
+    names_used = 0
 
     def after_deserialization(self) -> "PrecompiledFunction":
         return load(check(self.content))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _restore_artifact, (self.key, self.content)
+        return _restore_artifact, (self.key, self.content, self.names_used)
 
     def __deepcopy__(self, memo: dict) -> "CachedArtifact":
-        return self  # bytes and a str: nothing to copy
+        return self  # Dynamo's context keeps this object: ``names_used`` is set on it at the save
 
 
-def _restore_artifact(key: str, content: bytes) -> CachedArtifact:
+def _restore_artifact(key: str, content: bytes, names_used: int) -> CachedArtifact:
     check(content)
-    return CachedArtifact(key=key, content=content)
+    compat.reserve_dynamo_names(names_used)
+    artifact = CachedArtifact(key=key, content=content)
+    artifact.names_used = names_used
+    return artifact
+
+
+_recorded: list[CachedArtifact] = []  # this process's, for ``names_used`` at each save
 
 
 def check(data: bytes) -> dict[str, Any]:
@@ -195,18 +234,35 @@ def load(record: dict[str, Any]) -> PrecompiledFunction:
 def _wrap(module: Any, example_inputs: list[Any], ctx: Any) -> Callable[[list[Any]], Any]:
     """The driver's ``_wrap`` (the module in the runtime, the graph's constants appended to each
     call), kept here so that loading does not import the driver, which imports AOTAutograd
-    (0.6 s of a 0.75 s load on CPU)."""
+    (0.6 s of a 0.75 s load on CPU). While the runtime moves from wrapping a module's ``call`` to
+    wrapping the module, it takes whichever its signature names."""
+    import inspect
+
     from backend import runtime
     from backend.logs import log_once
 
+    takes_module = next(iter(inspect.signature(runtime.wrap).parameters)) == "module"
     try:
-        call = runtime.wrap(module.call, example_inputs, ctx)
+        call = runtime.wrap(module if takes_module else module.call, example_inputs, ctx)
     except Exception as exc:  # noqa: BLE001 - the module still runs, without the runtime
         counters.bump("graph_fallbacks")
         log_once(log, f"fallback:{ctx.name}:runtime", "cgtrees: %s: runtime failed (%s: %s); this graph "
                  "runs through aten", ctx.name, type(exc).__name__, exc)
         call = module.call
     return ctx.constants.append(call) if ctx.constants else call
+
+
+def _save_dynamo_cache(name: str) -> None:
+    used = compat.dynamo_names_used()
+    for artifact in _recorded:
+        artifact.names_used = used
+    try:
+        compat.save_dynamo_cache()
+    except Exception as exc:  # noqa: BLE001 - a cache that cannot be written is a warning, never a failure
+        log.warning("cgtrees: Dynamo's cache could not be saved after %s (%s: %s); a later process compiles "
+                    "it again", name, type(exc).__name__, exc)
+        return
+    log.debug("cgtrees: Dynamo's cache saved at the first call of %s", name)
 
 
 class _LoadedPair:

@@ -104,6 +104,26 @@ elif args["role"] == "load":
         for p in model.parameters():
             p.mul_(-0.5).add_(0.25)
     _, result["error_after_new_weights"] = run(fns)
+elif args["role"] == "dynamo":  # plain torch.compile, Dynamo's cache on (CGTREES_PRECOMPILE_CACHE=1)
+    from torch._dynamo.utils import counters as torch_counters
+
+    compiled = torch.compile(model, backend="cgtrees")
+    result["batches"] = []
+    for batch in args["batches"]:
+        xb = torch.randn(batch, 16)
+        model.zero_grad(set_to_none=True)
+        out = compiled(xb)
+        out.square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        eager = model(xb)
+        eager.square().mean().backward()
+        error = max([(out - eager).abs().max().item()]
+                    + [(g - p.grad).abs().max().item() for g, p in zip(grads, model.parameters())])
+        c = counters.snapshot()
+        result["batches"].append({"error_vs_eager": error, "graphs_compiled": c["graphs_compiled"],
+                                  "precompile_loaded": c.get("precompile_loaded", 0), "aot": calls["aot"],
+                                  "dynamo_cache": dict(torch_counters["dynamo_cache"])})
 else:  # "bad": each file must fail to load with a clear error
     result["errors"] = {}
     for path in args["files"]:
@@ -129,8 +149,8 @@ def snapshot(tmp_path_factory):
     return root
 
 
-def _run(snapshot: Path, cache_dir: Path, interpret: bool, **args) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
+def _run(snapshot: Path, cache_dir: Path, interpret: bool, env: dict[str, str] | None = None, **args) -> dict:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}, **(env or {})}
     env.update(CGTREES_CACHE_DIR=str(cache_dir), PYTHONPATH=str(snapshot), CGTREES_INTERPRET="1" if interpret else "0")
     proc = subprocess.run([sys.executable, str(snapshot / "worker.py"), json.dumps(args)], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -250,3 +270,32 @@ def _triton_version() -> str:
     except ImportError:
         return "none"
     return triton.__version__
+
+
+def test_dynamo_cache_skips_the_trace_in_a_warm_process(snapshot, tmp_path):
+    """``CGTREES_PRECOMPILE_CACHE=1``: a plain torch.compile saves Dynamo's cache (guards, bytecode,
+    our artifact) at the first call; a later process installs it without tracing or compiling; a
+    guard that fails there compiles afresh; a damaged or foreign artifact is a miss."""
+    env = {"CGTREES_PRECOMPILE_CACHE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    cold = _run(snapshot, tmp_path / "cache", False, env=env, role="dynamo", batches=[8])["batches"]
+    assert cold[0]["graphs_compiled"] == 1 and cold[0]["dynamo_cache"] == {"dynamo_cache_miss": 1}
+    entries = list((tmp_path / "inductor" / "dynamo").glob("*/entry"))
+    assert len(entries) == 1
+    # A new process with an empty cgtrees cache: Dynamo's cache is all it has.
+    warm, other_shape = _run(snapshot, tmp_path / "cache_warm", False, env=env, role="dynamo",
+                             batches=[8, 5])["batches"]
+    assert warm["dynamo_cache"] == {"dynamo_cache_hit": 1}
+    assert warm["graphs_compiled"] == 0 and warm["aot"] == 0 and warm["precompile_loaded"] == 1
+    assert warm["error_vs_eager"] < 1e-5
+    assert other_shape["graphs_compiled"] == 1 and other_shape["error_vs_eager"] < 1e-5  # guard failed: compiled
+    good = entries[0].read_bytes()
+    source = re.search(rb'"backend_source": "([0-9a-f]+)"', good).group(1)
+    (tmp_path / "good_entry").write_bytes(good)
+    for damage in ("damaged", "foreign"):
+        if damage == "damaged":
+            _edit(tmp_path / "good_entry", entries[0], flip=True)
+        else:
+            _edit(tmp_path / "good_entry", entries[0], source, bytes(reversed(source)))
+        again = _run(snapshot, tmp_path / f"cache_{damage}", False, env=env, role="dynamo", batches=[8])["batches"]
+        assert again[0]["dynamo_cache"] == {"dynamo_cache_error": 1}, damage  # Dynamo's miss, counted
+        assert again[0]["graphs_compiled"] == 1 and again[0]["error_vs_eager"] < 1e-5, damage

@@ -17,7 +17,8 @@ __all__ = [
     "Uncacheable", "fw_metadata", "runtime_plan", "fake_mode", "fake_tensors", "storage_id",
     "increment_version", "view_replay", "saved_tensors_hooks_inlined", "autocast_enabled",
     "tensor_bytes", "SerializableCallable", "precompile_backend_id", "caching_precompile",
-    "plain_aot_settings", "BackendArtifact", "record_backend_artifact",
+    "plain_aot_settings", "BackendArtifact", "record_backend_artifact", "enable_caching_precompile",
+    "save_dynamo_cache", "dynamo_names_used", "reserve_dynamo_names",
 ]
 
 
@@ -265,3 +266,48 @@ def record_backend_artifact(artifact: Any) -> None:
     from torch._dynamo.precompile_context import PrecompileContext
 
     PrecompileContext.record_artifact(artifact)
+
+
+def enable_caching_precompile() -> str | None:
+    """Turn Dynamo's caching precompile on; the reason it cannot be, or None."""
+    try:
+        from torch._dynamo.precompile_context import PrecompileContext
+    except ImportError:
+        return f"torch {torch.__version__} has no Dynamo precompile context"
+    if not (hasattr(torch._dynamo.config, "caching_precompile")
+            and hasattr(PrecompileContext, "save_to_dynamo_cache")):
+        return f"torch {torch.__version__} has no caching precompile"
+    torch._dynamo.config.caching_precompile = True
+    return None
+
+
+def save_dynamo_cache() -> None:
+    """Write Dynamo's cache entries (guards, bytecode, our artifacts) for every frame compiled so
+    far, as ``torch.compiler.save_cache_artifacts`` does under caching precompile."""
+    from torch._dynamo.precompile_context import PrecompileContext
+
+    PrecompileContext.save_to_dynamo_cache()
+
+
+def _name_counter() -> Any:
+    from torch._dynamo import bytecode_transformation
+
+    return getattr(bytecode_transformation, "_unique_id_counter", None)
+
+
+def dynamo_names_used() -> int:
+    """How many unique names (``unique_id``) Dynamo has handed out in this process so far."""
+    counter = _name_counter()
+    return next(counter) if counter is not None else 0  # takes one more: harmless
+
+
+def reserve_dynamo_names(n: int) -> None:
+    """Never hand out Dynamo's unique names below ``n`` in this process. A frame installed from
+    Dynamo's cache puts its globals (``__builtins_dict___0``) in the module under the numbers of the
+    process that saved it; a recompile of that frame here (a guard failed) would draw the same
+    number and fail ("Name '__builtins_dict___0' already exists in scope", torch 2.11 to 2.13)."""
+    counter = _name_counter()
+    if counter is None:
+        return
+    while next(counter) < n:
+        pass
