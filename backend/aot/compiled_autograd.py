@@ -117,19 +117,21 @@ class FlatGraph:
     inputs: list[Any]  # its example inputs
     num_listed: int  # how many of them came from the list
     scalars: tuple[tuple[int, torch.device], ...] = ()  # 0-dim CPU tensors of the list: copied to there
+    sizes: tuple[int, ...] = ()  # inputs that carry a size as a tensor's shape: passed as that size
 
     def caller(self, compiled: Callable[..., Any]) -> Callable[..., Any]:
-        return ListInputCall(compiled, self.num_listed, self.scalars)
+        return ListInputCall(compiled, self.num_listed, self.scalars, self.sizes)
 
 
 class ListInputCall:
     """Called as Dynamo calls the graph (``(inputs, *rest)``); calls ``compiled(*inputs, *rest)``."""
 
     def __init__(self, compiled: Callable[..., Any], num_listed: int,
-                 scalars: tuple[tuple[int, torch.device], ...]) -> None:
+                 scalars: tuple[tuple[int, torch.device], ...], sizes: tuple[int, ...]) -> None:
         self.compiled = compiled
         self.num_listed = num_listed
         self.scalars = scalars
+        self.sizes = sizes
 
     def __call__(self, *args: Any) -> Any:
         listed = args[0]
@@ -140,6 +142,8 @@ class ListInputCall:
         listed.clear()  # stolen: the caller keeps no reference, so each tensor may die at its last use
         for i, device in self.scalars:
             flat[i] = flat[i].to(device, copy=True, non_blocking=True)
+        for i in self.sizes:
+            flat[i] = flat[i].size(1)
         return self.compiled(*flat)
 
 
@@ -170,9 +174,42 @@ def flatten(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> FlatGrap
         user.kwargs = torch.fx.map_arg(user.kwargs, lambda n: elements if n is holder else n)
     graph.erase_node(holder)
     scalars = _place_scalars(listed, elements, fake_mode)  # after: their users are the elements' now
+    inputs = [*listed, *example_inputs[1:]]
+    sizes = _sizes_as_ints(graph, inputs)
     graph.lint()
     flat_gm = torch.fx.GraphModule(gm, graph, class_name="CompiledAutogradBackward")
-    return FlatGraph(flat_gm, [*listed, *example_inputs[1:]], len(listed), scalars)
+    return FlatGraph(flat_gm, inputs, len(listed), scalars, sizes)
+
+
+def _sizes_as_ints(graph: torch.fx.Graph, inputs: list[Any]) -> tuple[int, ...]:
+    """Compiled autograd passes each dynamic size ``n`` as an empty CPU tensor of shape (0, n),
+    read in the graph only as ``.size(1)``; such an input becomes the size itself (``inputs`` is
+    updated). A tensor left there would be a CPU input, keeping the graph out of CUDA graphs (R7)."""
+    out = []
+    for i, (node, value) in enumerate(zip(graph.find_nodes(op="placeholder"), inputs)):
+        if not (isinstance(value, torch.Tensor) and value.dim() == 2 and value.numel() == 0 and node.users):
+            continue
+        reads = list(node.users)
+        if not all(_reads_size_1(user, node) for user in reads):
+            continue
+        size = reads[0].meta.get("example_value", value.size(1))
+        with graph.inserting_before(node):
+            replacement = graph.placeholder(f"{node.name}_size")
+        replacement.meta["example_value"] = size
+        for user in reads:
+            user.replace_all_uses_with(replacement)
+            graph.erase_node(user)
+        graph.erase_node(node)
+        inputs[i] = size
+        out.append(i)
+    return tuple(out)
+
+
+def _reads_size_1(node: torch.fx.Node, tensor: torch.fx.Node) -> bool:
+    if node.op == "call_method" and node.target == "size":
+        return node.args == (tensor, 1) and not node.kwargs
+    return (node.op == "call_function" and node.target is torch.ops.aten.sym_size.int
+            and node.args == (tensor, 1))
 
 
 def _place_scalars(listed: list[Any], elements: list[torch.fx.Node],
