@@ -1,59 +1,87 @@
-"""The runtime reads the graph behind a kernel module that keeps no ``gm`` (a generated module, a
-cached FX module) from its aten listing: its ops for R7, the op behind each output for R1."""
+"""Every compiled module carries ``GraphFacts`` found in its aten graph at compile time (R7's
+uncapturable op, R1's op behind each output): generated, aten and cached modules alike, and a
+level-1 record keeps them, so the runtime never reads a module's source to learn them."""
 
 from __future__ import annotations
 
-import torch
-from codegen_helpers import compile_fn, trace
+import gc
+import weakref
 
-from backend.cache.modules import FxModule, fx_code
+import torch
+from codegen_helpers import compile_fn, config, trace
+
+from backend import codegen
+from backend.cache.modules import FxModule, fx_code, load_record, module_record
+from backend.codegen.module import UNKNOWN, AtenModule, GraphFacts, facts_of
+from backend.context import GraphContext
 from backend.runtime import skips
 
 
-class _Owner:
-    def __init__(self, source: str | None = None, code: str | None = None) -> None:
-        self.source, self.code = source, code
-
-    def call(self, args):
-        return args
-
-
-def test_generated_module_outputs_and_ops():
+def test_generated_module_has_facts():
     x = torch.randn(4, 8)
     module = compile_fn(lambda t: (t.sin(), t.cos() + 1, t), x)
-    assert skips.graph_of(module.call) is None  # a generated module keeps no graph
-    listing = skips.listing_of(module.call)
-    assert listing is not None
-    assert listing.outputs[:2] == ["aten.sin.default", "aten.add.Tensor"], module.source
-    assert listing.outputs[2].startswith("input "), listing.outputs
-    assert {str(op) for op in listing.ops} >= {"aten.sin.default", "aten.cos.default", "aten.add.Tensor"}
-    assert skips.listing_reason(listing) is None
+    assert module.facts.output_ops[:2] == ("aten.sin.default", "aten.add.Tensor"), module.facts
+    assert module.facts.output_ops[2].startswith("input "), module.facts
+    assert module.facts.output_op(7) == "an unknown op"
 
 
-def test_cached_fx_module_outputs():
+def test_uncapturable_op_is_a_reason_to_skip():
+    x = torch.randn(6)
+    gm = trace(lambda t: (t.nonzero(), t * 2), x)
+    facts = facts_of(gm)
+    assert facts.uncapturable is not None and "nonzero" in facts.uncapturable
+    assert AtenModule(gm).facts == facts
+    ctx = GraphContext(config=config(), kind="inference", name="g0_inference")
+    meta = torch.empty(6, device="meta")  # no CPU input: only the facts can give a reason
+    reason, _ = skips.reason_to_skip([meta], ctx, facts)
+    assert reason == "inputs on meta"  # the device check comes first
+    assert skips.reason_to_skip([meta], ctx, UNKNOWN)[0] == "inputs on meta"
+
+
+def test_level1_records_keep_facts_for_both_formats():
     x = torch.randn(6)
     gm = trace(lambda t: (t.exp(), t.split(3)[1] * 2), x)
-    listing = skips.listing_of(FxModule(fx_code(gm), "g0_inference").call)
-    assert listing is not None
-    assert listing.outputs == ["aten.exp.default", "aten.mul.Tensor"], fx_code(gm)
+    ctx = GraphContext(config=config(), kind="inference", name="g0_inference")
+    for module in (AtenModule(gm), codegen.compile_graph(gm, [x], ctx)):
+        record = module_record(gm, module)
+        loaded = load_record(record, ctx)
+        assert loaded.facts == facts_of(gm)
+        assert loaded.facts.output_ops == ("aten.exp.default", "aten.mul.Tensor")
+        torch.testing.assert_close(loaded.call([x]), gm(x))
+    record = module_record(gm, AtenModule(gm))
+    del record["facts"]  # an entry written before facts existed knows nothing, and still loads
+    assert load_record(record, ctx).facts == GraphFacts()
 
 
-def test_uncapturable_op_in_listing_is_a_reason():
-    source = "\n".join([
-        "import torch", "", "def call(args):", "    return call_aten(args)", "",
-        "def call_aten(args):", "    arg0_1, = args", "    args.clear()",
-        "    nonzero = aten.nonzero.default(arg0_1)", "    getitem = nonzero[0]",
-        "    local = torch.ops.aten._local_scalar_dense.default(arg0_1)",
-        "    return (getitem, arg0_1, 2)", "", "def run(*args):", "    return call(list(args))", ""])
-    listing = skips.listing_of(_Owner(source=source).call)
-    assert listing.outputs == ["aten.nonzero.default", "input arg0_1", "a constant"]
-    assert [str(op) for op in listing.ops] == ["aten.nonzero.default", "aten._local_scalar_dense.default"]
-    assert skips.listing_reason(listing) == "op aten.nonzero.default cannot be captured in a CUDA graph"
+def test_aten_module_frees_inputs_at_last_use():
+    """Boxed: the list is cleared and each input dies at its last use, not when the graph returns
+    (a backward would otherwise hold all its saved activations to the end)."""
+    a = torch.randn(1000)
+    ref = weakref.ref(a)
+    seen = []
+
+    def probe(b):
+        gc.collect()
+        seen.append(ref() is None)
+        return b.exp()
+
+    graph = torch.fx.Graph()
+    pa, pb = graph.placeholder("a"), graph.placeholder("b")
+    sin = graph.call_function(torch.ops.aten.sin.default, (pa,))
+    graph.output((sin, graph.call_function(probe, (pb,))))
+    module = AtenModule(torch.fx.GraphModule(torch.nn.Module(), graph))
+    args = [a, torch.randn(10)]
+    del a
+    out = module.call(args)
+    assert args == [] and seen == [True]  # ``a`` was gone when ``probe`` ran
+    assert out[0].shape == (1000,)
 
 
-def test_unreadable_listing_is_none():
-    assert skips.listing_of(_Owner(source="def call_aten(args):\n    return (").call) is None
-    assert skips.listing_of(_Owner(source="def call(args):\n    return args\n").call) is None
-    assert skips.listing_of(_Owner().call) is None
-    assert skips.listing_of(lambda args: args) is None
-    assert skips.listing_reason(None) is None
+def test_cached_fx_module_is_boxed():
+    gm = trace(lambda a, b: a.sin() + b, torch.randn(4), torch.randn(4))
+    code = fx_code(gm)
+    assert "args_list.clear()" in code, code
+    x, y = torch.randn(4), torch.randn(4)
+    args = [x, y]
+    torch.testing.assert_close(FxModule(code, "g0").call(args), x.sin() + y)
+    assert args == []

@@ -5,12 +5,14 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
 
 import backend
 import backend.runtime as runtime
+from backend.codegen.module import GraphFacts
 from backend.config import Config
 from backend.context import GraphContext
 from backend.runtime import compat
@@ -58,11 +60,12 @@ def test_wrap_returns_call_for_cpu_inputs(cgtrees_counters):
     def call(args):
         return [args[0] * 2]
 
+    module = SimpleNamespace(call=call, facts=GraphFacts(), source=None)  # a hand-made CompiledModule
     ctx = GraphContext(config=Config.resolve(), kind="inference", name="hand_made")
-    assert runtime.wrap(call, [torch.ones(2)], ctx) is call
+    assert runtime.wrap(module, [torch.ones(2)], ctx) is call
     assert cgtrees_counters["cudagraph_skips"] == 1
     off = GraphContext(config=Config.resolve(options={"cudagraphs": False}), kind="inference", name="off")
-    assert runtime.wrap(call, [torch.ones(2)], off) is call
+    assert runtime.wrap(module, [torch.ones(2)], off) is call
 
 
 def test_compat_on_a_cpu_build():

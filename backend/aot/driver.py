@@ -109,7 +109,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list[Any],
 def _wrap(module: Any, example_inputs: list[Any], ctx: GraphContext) -> Callable[[list[Any]], Any]:
     """The module in the runtime; the graph's lifted constants are added to each call's arguments."""
     try:
-        call = runtime.wrap(module.call, example_inputs, ctx)
+        call = runtime.wrap(module, example_inputs, ctx)
     except Exception as exc:  # noqa: BLE001
         _explain(ctx, "runtime", exc)
         call = module.call

@@ -25,6 +25,7 @@ from backend.cache import events
 from backend.cache.compat import Uncacheable
 from backend.cache.key import CacheKey, constants_text, make_key
 from backend.cache.store import CorruptEntry, Store
+from backend.codegen import compat as codegen_compat
 from backend.config import Config
 from backend.context import GraphContext
 
@@ -33,30 +34,31 @@ LEVEL = "module"
 
 def compile_module(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext) -> Any:
     """The kernel module for one aten graph: from the cache, or codegen (then stored)."""
-    generate, load = getattr(codegen, "generate", None), getattr(codegen, "load", None)
     if not ctx.config.cache:
         return codegen.compile_graph(gm, example_inputs, ctx)
-    if generate is None or load is None:
-        events.bypass(LEVEL, ctx.name, "codegen has no generate()/load() yet")
-        return codegen.compile_graph(gm, example_inputs, ctx)
+    facts = codegen.facts_of(gm)
+    dynamic = codegen.has_symbolic_shapes(list(example_inputs))
+
+    def generate_and_load() -> Any:
+        return codegen.load(codegen.generate(gm, example_inputs, ctx), ctx, facts=facts, dynamic=dynamic)
+
     store = open_store(ctx.config)
     try:
         key = module_key(gm, example_inputs, ctx)
     except Uncacheable as exc:
         events.bypass(LEVEL, ctx.name, str(exc))
-        return load(generate(gm, example_inputs, ctx), ctx)
+        return generate_and_load()
     if store is None:
         events.bypass(LEVEL, ctx.name, "no usable cache directory")
-        return load(generate(gm, example_inputs, ctx), ctx)
+        return generate_and_load()
     digest = key.digest()
-    module = _try_load(store, digest, ctx, load)
+    module = _try_load(store, digest, ctx, facts, dynamic)
     if module is not None:
         events.hit(LEVEL, ctx.name)
         return module
     events.miss(LEVEL, ctx.name)
-    source = generate(gm, example_inputs, ctx)
-    module = load(source, ctx)
-    store.write(LEVEL, digest, {"key": key.as_dict(), "source": source, "binaries": kernel_binaries(module)},
+    module = generate_and_load()
+    store.write(LEVEL, digest, {"key": key.as_dict(), "source": module.source, "binaries": kernel_binaries(module)},
                 ctx.config.cache_size_mb)
     return module
 
@@ -89,12 +91,13 @@ def point_triton_at(store: Store) -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", str(store.triton_dir()))
 
 
-def _try_load(store: Store, digest: str, ctx: GraphContext, load: Any) -> Any:
+def _try_load(store: Store, digest: str, ctx: GraphContext, facts: codegen.GraphFacts, dynamic: bool) -> Any:
     try:
         payload = store.read(LEVEL, digest)
         if payload is None:
             return None
-        return load(payload["source"], ctx, precompile_kernels=False, binaries=payload.get("binaries"))
+        return codegen.load(payload["source"], ctx, precompile_kernels=False, binaries=payload.get("binaries"),
+                            facts=facts, dynamic=dynamic)
     except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
         events.corrupt(LEVEL, ctx.name, f"{type(exc).__name__}: {exc}")
         store.remove(LEVEL, digest)
@@ -118,44 +121,59 @@ def kernel_binaries(module: Any) -> dict[str, list[dict]]:
 # ---- module records for level 1 ---------------------------------------------------------------
 
 class FxModule:
-    """An aten graph loaded back from its FX code: ``call(args)`` like a kernel module."""
+    """An aten graph loaded back from its FX code (boxed: ``forward(self, args_list)`` clears the
+    list and frees each input at its last use): a CompiledModule like a kernel module."""
 
     source = None
 
-    def __init__(self, code: str, name: str) -> None:
+    def __init__(self, code: str, name: str, facts: codegen.GraphFacts | None = None) -> None:
         namespace = dict(_fx_globals())
         exec(compile(code, f"<cgtrees cached graph {name}>", "exec"), namespace)  # noqa: S102 - our own entry
         self._forward = namespace["forward"]
         self.code = code
+        self.facts = facts or codegen.GraphFacts()
 
     def call(self, args: list[Any]) -> Any:
-        inputs = list(args)
-        args.clear()
-        return self._forward(None, *inputs)
+        return self._forward(None, args)
+
+    def binaries(self) -> dict[str, list[dict]]:
+        return {}
 
 
 def module_record(gm: torch.fx.GraphModule, module: Any) -> dict[str, Any]:
     """What level 1 stores for one compiled graph (Uncacheable if it cannot be stored)."""
+    facts = getattr(module, "facts", None) or codegen.facts_of(gm)
     source = getattr(module, "source", None)
     if source is not None:
-        return {"format": "codegen", "source": source, "binaries": kernel_binaries(module)}
+        return {"format": "codegen", "source": source, "binaries": kernel_binaries(module),
+                "facts": facts.as_record(), "dynamic": codegen.has_symbolic_shapes(_placeholder_values(gm))}
     if not isinstance(module, codegen.AtenModule):
         raise Uncacheable(f"kernel module {type(module).__name__} has no source")
-    return {"format": "fx", "source": fx_code(gm)}
+    return {"format": "fx-boxed", "source": fx_code(gm), "facts": facts.as_record()}
 
 
 def load_record(record: dict[str, Any], ctx: GraphContext) -> Any:
+    facts = codegen.GraphFacts.from_record(record.get("facts"))
     if record["format"] == "codegen":
-        return codegen.load(record["source"], ctx, precompile_kernels=False, binaries=record.get("binaries"))
-    if record["format"] == "fx":
-        return FxModule(record["source"], ctx.name)
+        return codegen.load(record["source"], ctx, precompile_kernels=False, binaries=record.get("binaries"),
+                            facts=facts, dynamic=bool(record.get("dynamic", True)))
+    if record["format"] == "fx-boxed":
+        return FxModule(record["source"], ctx.name, facts)
     raise CorruptEntry(f"unknown module format {record['format']!r}")
 
 
+def _placeholder_values(gm: torch.fx.GraphModule) -> list[Any]:
+    return [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+
+
 def fx_code(gm: torch.fx.GraphModule) -> str:
+    """The graph's FX code, taking its inputs boxed."""
     if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
         raise Uncacheable("aten graph reads module attributes")
-    code = gm.graph.python_code(root_module="self")
+    boxed = codegen_compat.boxed_graph_module(gm)
+    if boxed is None:
+        raise Uncacheable("this torch has no boxed FX code generator")
+    code = boxed.graph.python_code(root_module="self")
     allowed = _fx_globals()
     for name, value in code.globals.items():
         known = allowed.get(name, _MISSING)

@@ -31,13 +31,23 @@ import torch
 import torch.fx
 
 from backend import counters
+from backend.codegen.module import (
+    UNKNOWN,
+    AtenModule,
+    CompiledModule,
+    GraphFacts,
+    KernelModule,
+    facts_of,
+    has_symbolic_shapes,
+)
 from backend.codegen.precompile import precompile
 from backend.context import GraphContext
 from backend.logs import log_once
 
 log = logging.getLogger("backend.codegen")
 
-__all__ = ["generate", "load", "compile_graph", "prepare", "KernelModule", "AtenModule", "graph_hash"]
+__all__ = ["generate", "load", "compile_graph", "prepare", "CompiledModule", "KernelModule", "AtenModule",
+           "GraphFacts", "facts_of", "has_symbolic_shapes", "graph_hash", "UNKNOWN"]
 
 
 def prepare(example_inputs: list, config: Any, remember_key_in: Path | None = None) -> None:
@@ -49,21 +59,6 @@ def prepare(example_inputs: list, config: Any, remember_key_in: Path | None = No
     from backend.codegen.compat import hash_triton_in_background
 
     hash_triton_in_background(remember_key_in)
-
-
-class AtenModule:
-    """Runs the aten graph directly (a graph codegen gave up on)."""
-
-    source = None
-    graph_hash = None
-
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        self.gm = gm
-
-    def call(self, args: list[Any]) -> Any:
-        outputs = self.gm(*args)
-        args.clear()
-        return outputs
 
 
 # ----------------------------------------------------------------------------------------- generate
@@ -144,63 +139,9 @@ def _ensure_meta(gm: torch.fx.GraphModule, example_inputs: list) -> None:
 _counter = itertools.count()
 
 
-class KernelModule:
-    """A loaded kernel module. ``call(args)`` runs it. If the generated code fails on its first call
-    (or a Triton kernel fails to compile on a later one: new shapes are new specializations), the
-    reason and the source path are logged and the module's aten path runs from then on."""
-
-    def __init__(self, module: Any, source: str, path: str, name: str) -> None:
-        self.module = module
-        self.source = source
-        self.path = path
-        self.name = name
-        self.graph_hash = getattr(module, "GRAPH_HASH", None)
-        self._run = module.call
-        self._aten = module.call_aten
-        self._verified = module.call is module.call_aten  # nothing to compile: no guard needed
-        self._ran_once = False
-        self.failure: str | None = None  # why the module switched to its aten path, if it did
-
-    def binaries(self) -> dict[str, list[dict]]:
-        """The compiled binaries of its kernels, for the cache to keep with its source."""
-        from backend.codegen import binaries
-
-        return binaries.capture(self.module)
-
-    def call(self, args: list[Any]) -> Any:
-        if self._verified:
-            return self._run(args)
-        saved = list(args)
-        try:
-            out = self._run(args)
-        except Exception as exc:  # noqa: BLE001  (a kernel failure must not reach the user)
-            if self._ran_once and not _from_triton(exc):
-                raise
-            log_once(log, f"kernelfail:{self.path}", "cgtrees codegen: %s: generated code failed (%s: %s); "
-                     "source: %s; this graph runs through aten from now on", self.name, type(exc).__name__,
-                     str(exc)[:2000], self.path)
-            counters.bump("graph_fallbacks")
-            self.failure = f"{type(exc).__name__}: {exc}"
-            self._run, self._verified = self._aten, True
-            return self._aten(saved)  # an error of the user's own program raises again here
-        self._ran_once = True
-        return out
-
-
-def _from_triton(exc: BaseException) -> bool:
-    """Raised while compiling or launching a Triton kernel (a new specialization, say)."""
-    if (type(exc).__module__ or "").startswith("triton"):
-        return True
-    tb = exc.__traceback__
-    while tb is not None:
-        if f"{os.sep}triton{os.sep}" in tb.tb_frame.f_code.co_filename:
-            return True
-        tb = tb.tb_next
-    return False
-
-
 def load(source: str, ctx: GraphContext, path: str | None = None, precompile_kernels: bool = True,
-         binaries: dict[str, list[dict]] | None = None) -> KernelModule:
+         binaries: dict[str, list[dict]] | None = None, facts: GraphFacts = UNKNOWN,
+         dynamic: bool = False) -> KernelModule:
     """Import ``source`` (written to ``path``, or to a fresh temporary file) as a kernel module whose
     kernels launch from compiled binaries, without Triton's JIT (``codegen.binaries``). A fresh
     module first compiles its kernels together and launches what that compiled; a cache hit
@@ -237,7 +178,7 @@ def load(source: str, ctx: GraphContext, path: str | None = None, precompile_ker
         if precompile_kernels:
             precompile(module, ctx.name)
         _launch_from_binaries(module, binaries, ctx.name)
-    return KernelModule(module, source, path, ctx.name)
+    return KernelModule(module, source, path, ctx.name, facts, dynamic)
 
 
 def _launch_from_binaries(module: Any, records: dict[str, list[dict]] | None, name: str) -> None:
@@ -270,4 +211,5 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphCont
     if ctx.config.debug_dir:
         os.makedirs(ctx.config.debug_dir, exist_ok=True)
         path = os.path.join(ctx.config.debug_dir, f"{_safe(ctx.name)}_{graph_hash(gm, ctx)[:12]}.py")
-    return load(source, ctx, path=path)
+    return load(source, ctx, path=path, facts=facts_of(gm), dynamic=has_symbolic_shapes(example_inputs))
+

@@ -1,4 +1,8 @@
-"""The one place codegen touches Triton's private APIs (DESIGN.md, "Versions").
+"""The one place codegen touches Triton's (and torch's) private APIs (DESIGN.md, "Versions").
+
+``boxed_graph_module(gm)``: a copy of an aten graph whose code takes its inputs as one list and
+clears it (FX's ``_BoxedCodeGen``), so each input is freed at its last use; None where this torch
+has no boxed code generator.
 
 ``parallel_compiles(threads)``: a context in which a kernel's warmup hands its compilation to a
 thread pool instead of compiling on the spot (Triton's ``AsyncCompileMode``, in
@@ -292,3 +296,15 @@ def _launcher(driver: object, source: _Source, meta: tuple) -> object:
 def _hooked(hook: object) -> bool:
     """A launch hook is set: a function, or a non-empty chain (Triton 3.6 keeps an empty one)."""
     return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def boxed_graph_module(gm: object) -> object:
+    import torch.fx
+
+    codegen = getattr(torch.fx.graph, "_BoxedCodeGen", None)
+    if codegen is None:
+        return None
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.set_codegen(codegen())
+    return torch.fx.GraphModule(gm, graph)

@@ -1,8 +1,8 @@
 """runtime: wraps each kernel module in tree-managed CUDA graphs (R1-R8 of DESIGN.md).
 
-    wrap(call, example_inputs, ctx):
+    wrap(module, example_inputs, ctx):
         reason_to_skip        # CPU / several devices / sparse / uncapturable op -> no graphs (R7);
-                              # the ops are read from the module's graph or its aten listing
+                              # what the graph holds comes from the module's facts (codegen.module)
         GraphFunction         # warmup -> record -> replay under the tree manager of
                               # (device, thread of the forward); one pool per manager
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
+from backend.codegen.module import UNKNOWN, CompiledModule
 from backend.context import GraphContext
 from backend.runtime import skips
 from backend.runtime.function import GraphFunction, skip
@@ -26,22 +27,18 @@ _functions: "weakref.WeakSet[GraphFunction]" = weakref.WeakSet()
 _skipped: dict[str, str] = {}  # function name -> reason, for describe()
 
 
-def wrap(call: Callable[[list[Any]], Any], example_inputs: list[Any], ctx: GraphContext) -> Callable[[list[Any]], Any]:
-    """Return ``call`` wrapped in CUDA graph trees, or ``call`` itself where graphs cannot help."""
+def wrap(module: CompiledModule, example_inputs: list[Any], ctx: GraphContext) -> Callable[[list[Any]], Any]:
+    """Return the module's ``call`` wrapped in CUDA graph trees, or the ``call`` itself where
+    graphs cannot help (the reason counted and logged once)."""
     if not ctx.config.cudagraphs:
-        return call
-    gm = skips.graph_of(call)
-    reason, device = skips.reason_to_skip(example_inputs, ctx, gm)
-    listing = None
-    if reason is None and gm is None:
-        listing = skips.listing_of(call)  # a kernel module's aten listing: its ops and outputs
-        reason = skips.listing_reason(listing)
+        return module.call
+    facts = getattr(module, "facts", None) or UNKNOWN
+    reason, device = skips.reason_to_skip(example_inputs, ctx, facts)
     if reason is not None:
         skip(ctx.name, reason)  # one skip per function, logged once
         _skipped[ctx.name] = reason
-        return call
-    output_ops = skips.output_ops(gm) if gm is not None else (listing.outputs if listing else [])
-    fn = GraphFunction(call, example_inputs, ctx, device, _managers, output_ops)
+        return module.call
+    fn = GraphFunction(module.call, example_inputs, ctx, device, _managers, facts)
     _functions.add(fn)
     return fn
 

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 
 from backend import counters
+from backend.codegen.module import GraphFacts, has_symbolic_shapes
 from backend.context import GraphContext
 from backend.logs import log_once
 from backend.runtime import compat
@@ -40,7 +41,7 @@ _record_lock = threading.RLock()
 
 class GraphFunction:
     def __init__(self, call: Callable[[list[Any]], Any], example_inputs: list[Any], ctx: GraphContext,
-                 device: int, managers: Managers, output_ops: list[str]) -> None:
+                 device: int, managers: Managers, facts: GraphFacts) -> None:
         self.call = call
         self.ctx = ctx
         self.name = ctx.name
@@ -50,8 +51,8 @@ class GraphFunction:
         self.mutated = tuple(ctx.mutated_input_indices)
         self.device = device
         self.managers = managers
-        self.output_ops = output_ops
-        self.dynamic = _has_symbolic_shapes(example_inputs)
+        self.facts = facts
+        self.dynamic = has_symbolic_shapes(example_inputs)
         self.forget()
 
     def forget(self) -> None:
@@ -209,7 +210,7 @@ class GraphFunction:
 
     # ------------------------------------------------------------ introspection
     def output_op(self, index: int) -> str:
-        return self.output_ops[index] if index < len(self.output_ops) else "an unknown op"
+        return self.facts.output_op(index)
 
     def describe(self) -> str:
         n = sum(len(nodes) for by_key in self.trees.values() for nodes in by_key.values())
@@ -222,15 +223,6 @@ def skip(name: str, reason: str) -> None:
     """R7: count one skip and say why, once per function."""
     counters.bump("cudagraph_skips")
     log_once(log, f"skip:{name}:{reason}", "cgtrees: %s runs without CUDA graphs: %s", name, reason)
-
-
-def _has_symbolic_shapes(example_inputs: list[Any]) -> bool:
-    for a in example_inputs:
-        if isinstance(a, torch.SymInt):
-            return True
-        if isinstance(a, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in a.shape):
-            return True
-    return False
 
 
 def _shape_key(args: list[Any]) -> tuple:
