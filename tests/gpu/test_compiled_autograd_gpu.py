@@ -159,11 +159,15 @@ def test_tensor_and_post_accumulate_grad_hooks_match_eager():
     change the accumulated ``.grad`` in place. Both are traced into the backward graph."""
     model = mlp(2)
     ref = copy.deepcopy(model)
+
+    def halve(p: torch.Tensor) -> None:
+        p.grad.mul_(0.5)
+
     for m in (model, ref):
         m[0].weight.register_hook(lambda g: g * 2.0)
         m[3].bias.register_hook(lambda g: g - 0.25)
         for p in (m[2].weight, m[3].weight):
-            p.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))
+            p.register_post_accumulate_grad_hook(halve)
     ours, eager = Trainer(model, "context"), Trainer(ref, None)
     for step in range(8):
         x = torch.randn(16, 32, device=DEV)
