@@ -105,7 +105,9 @@ def check_sample(op, dtype: torch.dtype, device: str) -> None:
     else:
         actual = run(module, *[t.clone() for t in tensors])
     name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
-    if name in GENERATED:
+    if name in GENERATED and len({t.device for t in tensors}) == 1:
+        # a graph whose inputs are on several devices (a CPU index into CUDA values) runs through
+        # aten by design (codegen.generate logs "mixes devices"); on one device it must be generated
         assert not aten_calls(module), f"{name} runs through aten: {aten_calls(module)}"
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     actual = list(actual) if isinstance(actual, (tuple, list)) else [actual]
