@@ -234,16 +234,12 @@ def load(record: dict[str, Any]) -> PrecompiledFunction:
 def _wrap(module: Any, example_inputs: list[Any], ctx: Any) -> Callable[[list[Any]], Any]:
     """The driver's ``_wrap`` (the module in the runtime, the graph's constants appended to each
     call), kept here so that loading does not import the driver, which imports AOTAutograd
-    (0.6 s of a 0.75 s load on CPU). While the runtime moves from wrapping a module's ``call`` to
-    wrapping the module, it takes whichever its signature names."""
-    import inspect
-
+    (0.6 s of a 0.75 s load on CPU). Keep the two alike."""
     from backend import runtime
     from backend.logs import log_once
 
-    takes_module = next(iter(inspect.signature(runtime.wrap).parameters)) == "module"
     try:
-        call = runtime.wrap(module if takes_module else module.call, example_inputs, ctx)
+        call = runtime.wrap(module, example_inputs, ctx)
     except Exception as exc:  # noqa: BLE001 - the module still runs, without the runtime
         counters.bump("graph_fallbacks")
         log_once(log, f"fallback:{ctx.name}:runtime", "cgtrees: %s: runtime failed (%s: %s); this graph "
