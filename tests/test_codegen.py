@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from codegen_helpers import INTERPRET, Compiler, compile_fn, config, kernel_count, run
+from codegen_helpers import INTERPRET, Compiler, compile_fn, config, kernel_count, run, trace
 
 from backend import codegen
 
@@ -279,6 +279,23 @@ def test_debug_dir_keeps_every_module(tmp_path):
     m = compile_fn(lambda x: x.exp(), x, cfg=config(debug_dir=str(tmp_path)))
     files = list(tmp_path.glob("*.py"))
     assert len(files) == 1 and files[0].read_text() == m.source
+
+
+def test_debug_dir_with_the_cache_on(tmp_path, monkeypatch):
+    """DESIGN: codegen writes the debug dir whether or not the cache is on, on a miss and a hit."""
+    from backend.cache.modules import compile_module
+    from backend.context import GraphContext
+
+    monkeypatch.setenv("CGTREES_CACHE_DIR", str(tmp_path / "cache"))
+    debug = tmp_path / "debug"
+    x = torch.randn(4, 4)
+    gm = trace(lambda x: x.exp() * 2, x)
+    ctx = GraphContext(config(debug_dir=str(debug), cache=True), "inference", "g0_inference")
+    for _ in range(2):  # a miss, then a hit
+        module = compile_module(gm, [x], ctx)
+        files = list(debug.glob("*.py"))
+        assert len(files) == 1 and files[0].read_text() == module.source
+        files[0].unlink()
 
 
 def test_compile_error_switches_to_aten(caplog):

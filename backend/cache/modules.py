@@ -40,7 +40,8 @@ def compile_module(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx:
     dynamic = codegen.has_symbolic_shapes(list(example_inputs))
 
     def generate_and_load() -> Any:
-        return codegen.load(codegen.generate(gm, example_inputs, ctx), ctx, facts=facts, dynamic=dynamic)
+        return codegen.load(codegen.generate(gm, example_inputs, ctx), ctx, path=codegen.debug_path(gm, ctx),
+                            facts=facts, dynamic=dynamic)
 
     store = open_store(ctx.config)
     try:
@@ -52,7 +53,7 @@ def compile_module(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx:
         events.bypass(LEVEL, ctx.name, "no usable cache directory")
         return generate_and_load()
     digest = key.digest()
-    module = _try_load(store, digest, ctx, facts, dynamic)
+    module = _try_load(store, digest, gm, ctx, facts, dynamic)
     if module is not None:
         events.hit(LEVEL, ctx.name)
         return module
@@ -91,13 +92,14 @@ def point_triton_at(store: Store) -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", str(store.triton_dir()))
 
 
-def _try_load(store: Store, digest: str, ctx: GraphContext, facts: codegen.GraphFacts, dynamic: bool) -> Any:
+def _try_load(store: Store, digest: str, gm: torch.fx.GraphModule, ctx: GraphContext, facts: codegen.GraphFacts,
+              dynamic: bool) -> Any:
     try:
         payload = store.read(LEVEL, digest)
         if payload is None:
             return None
-        return codegen.load(payload["source"], ctx, precompile_kernels=False, binaries=payload.get("binaries"),
-                            facts=facts, dynamic=dynamic)
+        return codegen.load(payload["source"], ctx, path=codegen.debug_path(gm, ctx), precompile_kernels=False,
+                            binaries=payload.get("binaries"), facts=facts, dynamic=dynamic)
     except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
         events.corrupt(LEVEL, ctx.name, f"{type(exc).__name__}: {exc}")
         store.remove(LEVEL, digest)

@@ -47,7 +47,7 @@ from backend.logs import log_once
 log = logging.getLogger("backend.codegen")
 
 __all__ = ["generate", "load", "compile_graph", "prepare", "CompiledModule", "KernelModule", "AtenModule",
-           "GraphFacts", "facts_of", "has_symbolic_shapes", "graph_hash", "UNKNOWN"]
+           "GraphFacts", "facts_of", "has_symbolic_shapes", "graph_hash", "debug_path", "UNKNOWN"]
 
 
 def prepare(example_inputs: list, config: Any, remember_key_in: Path | None = None) -> None:
@@ -207,9 +207,15 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphCont
         log_once(log, f"generate:{ctx.name}:{type(exc).__name__}", "cgtrees codegen: %s could not be generated "
                  "(%s: %s); it runs through aten", ctx.name, type(exc).__name__, exc)
         return AtenModule(gm)
-    path = None
-    if ctx.config.debug_dir:
-        os.makedirs(ctx.config.debug_dir, exist_ok=True)
-        path = os.path.join(ctx.config.debug_dir, f"{_safe(ctx.name)}_{graph_hash(gm, ctx)[:12]}.py")
-    return load(source, ctx, path=path, facts=facts_of(gm), dynamic=has_symbolic_shapes(example_inputs))
+    return load(source, ctx, path=debug_path(gm, ctx), facts=facts_of(gm),
+                dynamic=has_symbolic_shapes(example_inputs))
+
+
+def debug_path(gm: torch.fx.GraphModule, ctx: GraphContext) -> str | None:
+    """Where ``CGTREES_DEBUG_DIR`` keeps this graph's module (None when it is not set); a module
+    loaded from there is the one that runs, so tracebacks point at it."""
+    if not ctx.config.debug_dir:
+        return None
+    os.makedirs(ctx.config.debug_dir, exist_ok=True)
+    return os.path.join(ctx.config.debug_dir, f"{_safe(ctx.name)}_{graph_hash(gm, ctx)[:12]}.py")
 
