@@ -187,7 +187,8 @@ def test_the_cache_keeps_what_a_module_captures_and_passes_it_back(monkeypatch, 
     seen = {}
     monkeypatch.setattr(codegen, "load", lambda source, ctx, **kw: seen.update(kw))
     modules.load_record({"format": "codegen", "source": "", "binaries": {"pw_0": []}}, None)
-    assert seen == {"precompile_kernels": False, "binaries": {"pw_0": []}}
+    assert seen["precompile_kernels"] is False and seen["binaries"] == {"pw_0": []}
+    assert seen["facts"] == codegen.GraphFacts() and seen["dynamic"] is True  # a record without them
 
 
 @pytest.mark.parametrize("junk", ["junk", [{"signature": 3}], [None], {"binary": ""}])

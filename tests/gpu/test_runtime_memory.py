@@ -125,10 +125,11 @@ def _training_peak(backend_name: str, steps: int = 6) -> int:
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "issue 17, open: H100 66.3 MiB vs 61.0 MiB. The modules hold every input until they return during "
-    "warmup and capture (AtenModule calls gm(*args); KernelModule keeps a copy of args for its aten "
-    "fallback), where torch frees saved activations as the backward goes; and 3 MiB of input slots "
-    "live outside the pool"))
+    "issue 17, open: H100 66.3 MiB vs 61.0 MiB (memory_probe.py: +5.3 MiB in the warmup backward and in "
+    "the recording one). A kernel module's first call keeps every input for its aten rerun; during a "
+    "capture the runtime's argument list holds the saved activations (handing them to the capture needs "
+    "``protected`` recomputed after it); 3 MiB of input slots live outside the pool. Aten and cached FX "
+    "modules now free inputs at last use (boxed)"))
 def test_training_peak_at_most_cudagraphs_backend(kernel_modules):
     """Issue 17: a 6-layer 1024-wide MLP's training peak is no more than ``backend="cudagraphs"``'s
     (input slots in the pool, saved activations read in place rather than copied)."""
