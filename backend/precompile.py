@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from backend import counters
+from backend import counters, runtime
 from backend.cache import compat
 from backend.cache.aot import KEEP, Kept
 from backend.cache.key import device_mismatch
@@ -222,30 +222,13 @@ def load(record: dict[str, Any]) -> PrecompiledFunction:
     if "cuda" in entry["key"]["device"]:  # compiled kernels wait on Triton's hash of itself
         codegen.prepare([torch.empty(0, device="cuda")], config, cache.triton_key_file(config))
     try:
-        fn = rebuild(entry, config, name, _LoadedPair(name), _wrap)
+        fn = rebuild(entry, config, name, _LoadedPair(name), runtime.wrap_module)
     except Exception as exc:
         raise PrecompileError(f"cgtrees: the saved function {record.get('name')} could not be rebuilt "
                               f"({type(exc).__name__}: {exc})") from exc
     counters.bump("precompile_loaded")
     log.debug("cgtrees: loaded the saved function %s as %s", record.get("name"), name)
     return PrecompiledFunction(fn, name, entry, None, record["config"])
-
-
-def _wrap(module: Any, example_inputs: list[Any], ctx: Any) -> Callable[[list[Any]], Any]:
-    """The driver's ``_wrap`` (the module in the runtime, the graph's constants appended to each
-    call), kept here so that loading does not import the driver, which imports AOTAutograd
-    (0.6 s of a 0.75 s load on CPU). Keep the two alike."""
-    from backend import runtime
-    from backend.logs import log_once
-
-    try:
-        call = runtime.wrap(module, example_inputs, ctx)
-    except Exception as exc:  # noqa: BLE001 - the module still runs, without the runtime
-        counters.bump("graph_fallbacks")
-        log_once(log, f"fallback:{ctx.name}:runtime", "cgtrees: %s: runtime failed (%s: %s); this graph "
-                 "runs through aten", ctx.name, type(exc).__name__, exc)
-        call = module.call
-    return ctx.constants.append(call) if ctx.constants else call
 
 
 def _save_dynamo_cache(name: str) -> None:

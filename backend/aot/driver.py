@@ -106,14 +106,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list[Any],
     return _wrap(module, example_inputs, ctx)
 
 
-def _wrap(module: Any, example_inputs: list[Any], ctx: GraphContext) -> Callable[[list[Any]], Any]:
-    """The module in the runtime; the graph's lifted constants are added to each call's arguments."""
-    try:
-        call = runtime.wrap(module, example_inputs, ctx)
-    except Exception as exc:  # noqa: BLE001
-        _explain(ctx, "runtime", exc)
-        call = module.call
-    return ctx.constants.append(call) if ctx.constants else call
+_wrap = runtime.wrap_module  # the module in the runtime, its constants appended (level-1 hits use it too)
 
 
 def _explain(ctx: GraphContext, stage: str, exc: Exception) -> None:

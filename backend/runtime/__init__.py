@@ -16,10 +16,12 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
+from backend import counters
 from backend.codegen.module import UNKNOWN, CompiledModule
 from backend.context import GraphContext
+from backend.logs import log_once
 from backend.runtime import skips
-from backend.runtime.function import GraphFunction, skip
+from backend.runtime.function import GraphFunction, log, skip
 from backend.runtime.manager import Managers
 
 _managers = Managers()
@@ -41,6 +43,20 @@ def wrap(module: CompiledModule, example_inputs: list[Any], ctx: GraphContext) -
     fn = GraphFunction(module.call, example_inputs, ctx, device, _managers, facts)
     _functions.add(fn)
     return fn
+
+
+def wrap_module(module: CompiledModule, example_inputs: list[Any], ctx: GraphContext) -> Callable[[list[Any]], Any]:
+    """The module in the runtime, the graph's lifted constants appended to each call; the module
+    alone (counted in ``graph_fallbacks``, logged once) if the runtime fails on it. Shared by the
+    driver, level-1 hits and loaded precompiled functions (imports nothing of AOTAutograd)."""
+    try:
+        call = wrap(module, example_inputs, ctx)
+    except Exception as exc:  # noqa: BLE001 - the module still runs, without the runtime
+        counters.bump("graph_fallbacks")
+        log_once(log, f"fallback:{ctx.name}:runtime", "cgtrees: %s: runtime failed (%s: %s); this graph "
+                 "runs through aten", ctx.name, type(exc).__name__, exc)
+        call = module.call
+    return ctx.constants.append(call) if ctx.constants else call
 
 
 def describe() -> str:
