@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from backend.config import Config
 
@@ -11,10 +11,13 @@ if TYPE_CHECKING:
     from backend.aot.constants import Constants
 
 
+GraphKind = Literal["forward", "backward", "inference"]  # which of AOTAutograd's graphs (R3, R4)
+
+
 @dataclass(frozen=True)
 class GraphContext:
     config: Config
-    kind: str  # "forward" | "backward" | "inference"
+    kind: GraphKind
     name: str  # stable id for logs, counters and describe(), e.g. "g0_forward"
     static_input_indices: tuple[int, ...] = ()  # parameters, buffers, marked-static inputs
     mutated_input_indices: tuple[int, ...] = ()  # inputs the graph writes to (aten.copy_ into a placeholder)

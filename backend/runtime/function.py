@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from threading import get_ident
@@ -29,12 +30,21 @@ from backend import counters
 from backend.codegen.module import GraphFacts, has_symbolic_shapes
 from backend.context import GraphContext
 from backend.logs import log_once
-from backend.runtime import compat
+from backend.runtime import compat, skips
 from backend.runtime.manager import Managers, TreeManager
-from backend.runtime.node import GraphNode
+from backend.runtime.node import Fit, GraphNode
 
 log = logging.getLogger("backend.runtime")
-_STATIC_MOVED, _LIVE, _PARENT, _ORPHANS = 1, 2, 3, 4
+
+
+class Why(enum.Enum):
+    """Why no node of a function fitted a call (what the new recording counts against)."""
+
+    STATIC_MOVED = "a static input moved"  # max_rerecords_per_function
+    LIVE = "a live output is in the way"  # max_live_branches_per_function (R2)
+    PARENT = "runs after another node"  # pool inputs elsewhere: a new branch of the tree
+    ORPHANS = "its model is gone"  # the dropped nodes' parameters no longer exist
+
 _WORTH_RECORDING = 8  # replays that pay for a recording (a capture costs about what 10 calls do)
 _record_lock = threading.RLock()
 
@@ -116,12 +126,12 @@ class GraphFunction:
             nodes = by_key[key] = []
         else:
             why = self._drop_orphans(manager, nodes) or self._why_nodes_fail(args, manager, nodes)
-            if why == _STATIC_MOVED:
+            if why is Why.STATIC_MOVED:
                 self.rerecords += 1
                 if self.rerecords > self.config.max_rerecords_per_function:
                     return self._give_up(args, "a static input changed address more than "
                                          f"max_rerecords_per_function={self.config.max_rerecords_per_function} times")
-            elif why == _LIVE:
+            elif why is Why.LIVE:
                 self.live_branches += 1
                 if self.live_branches >= self.config.max_live_branches_per_function and not self.copy_out:
                     self.copy_out = True
@@ -133,32 +143,32 @@ class GraphFunction:
                 return self.call(args)  # kept outputs stay right; no more recordings for this shape
         return self._record(args, manager, key, nodes)
 
-    def _drop_orphans(self, manager: TreeManager, nodes: list[GraphNode]) -> int:
+    def _drop_orphans(self, manager: TreeManager, nodes: list[GraphNode]) -> Why | None:
         """Free the nodes whose parameters no longer exist (their model was deleted and a new one
         calls the same compiled code, or a parameter's ``.data`` was replaced): their graphs and
         input slots go. The new recording counts against ``max_rerecords_per_function`` only when
         a dropped graph replayed too few times to have been worth recording (parameters replaced
         every few calls); a sweep of models, each trained a while, records each one.
-        Returns _STATIC_MOVED when it counts, _ORPHANS when not, 0 when no node was dropped."""
+        Returns STATIC_MOVED when it counts, ORPHANS when not, None when no node was dropped."""
         orphans = [node for node in nodes if node.orphaned()]
         for node in orphans:
             nodes.remove(node)
             node.release()
         if not orphans:
-            return 0
-        return _STATIC_MOVED if any(node.replays < _WORTH_RECORDING for node in orphans) else _ORPHANS
+            return None
+        return Why.STATIC_MOVED if any(node.replays < _WORTH_RECORDING for node in orphans) else Why.ORPHANS
 
     def _max_nodes_per_shape(self) -> int:
         c = self.config
         return 2 * (c.max_live_branches_per_function + c.max_rerecords_per_function + 2)
 
-    def _why_nodes_fail(self, args: list[Any], manager: TreeManager, nodes: list[GraphNode]) -> int:
-        """_STATIC_MOVED when a static input moved for every node; _LIVE when some node with
-        matching addresses failed only on liveness; _PARENT otherwise (pool inputs elsewhere: the
+    def _why_nodes_fail(self, args: list[Any], manager: TreeManager, nodes: list[GraphNode]) -> Why:
+        """STATIC_MOVED when a static input moved for every node; LIVE when some node with
+        matching addresses failed only on liveness; PARENT otherwise (pool inputs elsewhere: the
         function runs after a node it has not run after before)."""
         if all(node.static_moved(args) for node in nodes):
-            return _STATIC_MOVED
-        return _LIVE if any(node.fits(args, manager.live) == 2 for node in nodes) else _PARENT
+            return Why.STATIC_MOVED
+        return Why.LIVE if any(node.fits(args, manager.live) is Fit.LIVE for node in nodes) else Why.PARENT
 
     def _warmup(self, args: list[Any], manager: TreeManager, key: Any) -> Any:
         self.warmed.add((manager, key))
@@ -220,8 +230,13 @@ class GraphFunction:
 
 
 def skip(name: str, reason: str) -> None:
-    """R7: count one skip and say why, once per function."""
+    """R7: count one skip and say why, once per function; CPU inputs (expected on a CPU machine,
+    and true of every graph there) once per process, at INFO."""
     counters.bump("cudagraph_skips")
+    if reason == skips.CPU_INPUTS:
+        log_once(log, "skip:cpu", "cgtrees: graphs with CPU inputs (first: %s) run without CUDA graphs",
+                 name, level=logging.INFO)
+        return
     log_once(log, f"skip:{name}:{reason}", "cgtrees: %s runs without CUDA graphs: %s", name, reason)
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from backend.context import GraphKind
 from backend.runtime import compat, liveness
 from backend.runtime.liveness import LiveOutput
 
@@ -55,7 +56,7 @@ class TreeManager:
         self.invalidated = 0
 
     # ------------------------------------------------------------ each call
-    def begin_call(self, kind: str) -> list[LiveOutput]:
+    def begin_call(self, kind: GraphKind) -> list[LiveOutput]:
         """End the generation where R3 says so; return the live pool outputs."""
         counter = compat.mark_step_counter()
         if counter != self.mark_seen:

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import enum
 import itertools
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,24 @@ if TYPE_CHECKING:
     from backend.runtime.function import GraphFunction
     from backend.runtime.manager import TreeManager
 
-_POOL, _INPUT, _CONST = 0, 1, 2
+class Fit(enum.IntEnum):
+    """Whether a node may replay now (``OK`` is falsy: the hot path tests ``if not node.fits(...)``)."""
+
+    OK = 0
+    MOVED = 1  # a checked input is at another address than when recorded
+    LIVE = 2  # a live pool output lies in memory this graph writes
+
+
+class Out(enum.IntEnum):
+    """How an output is rebuilt on replay."""
+
+    POOL = 0  # over its pool storage
+    INPUT = 1  # as a view of an input
+    CONST = 2  # a non-tensor constant of the recording
+
+
+_POOL, _INPUT, _CONST = Out.POOL, Out.INPUT, Out.CONST  # module constants: read on the hot path
+_OK, _MOVED, _LIVE = Fit.OK, Fit.MOVED, Fit.LIVE
 _ids = itertools.count()
 
 
@@ -152,7 +170,7 @@ class GraphNode:
         return list(outs) if self.returns_list else [outs]
 
     def _plan_outputs(self, outs: list[Any], args: list[Any]) -> None:
-        self.out_plan: list[tuple[int, Any, Any]] = []
+        self.out_plan: list[tuple[Out, Any, Any]] = []
         self.pool_storages: list[tuple[int, int]] = []
         self.metas: list[dict[str, Any]] = []
         storage_index: dict[int, int] = {}
@@ -196,16 +214,14 @@ class GraphNode:
         return result
 
     # ---------------------------------------------------------------- replay
-    def fits(self, args: list[Any], live: list[LiveOutput]) -> int:
-        """0 when this node may replay now; 1 when an address changed; 2 when a live output
-        lies in memory this graph writes."""
+    def fits(self, args: list[Any], live: list[LiveOutput]) -> Fit:
         if self.check_index and not compat.ptrs_equal(args, self.check_ptrs, self.check_index):
-            return 1
+            return _MOVED
         protected = self.protected
         for entry in live:
             if entry.key not in protected:
-                return 2
-        return 0
+                return _LIVE
+        return _OK
 
     def static_moved(self, args: list[Any]) -> bool:
         """Whether a static input (not a pool output) is at another address than when recorded."""

@@ -16,6 +16,8 @@ from backend.codegen.module import GraphFacts
 from backend.context import GraphContext
 from backend.runtime import compat
 
+CPU_INPUTS = "CPU inputs"
+
 
 def reason_to_skip(example_inputs: list[Any], ctx: GraphContext, facts: GraphFacts) -> tuple[str | None, int]:
     """(why this graph cannot use CUDA graphs or None, the CUDA device index to use)."""
@@ -24,7 +26,7 @@ def reason_to_skip(example_inputs: list[Any], ctx: GraphContext, facts: GraphFac
         return "sparse (non-strided) tensor inputs", -1
     devices = {t.device for t in tensors}
     if any(d.type == "cpu" for d in devices):
-        return "CPU inputs", -1
+        return CPU_INPUTS, -1
     if not devices:
         return "no tensor inputs (nothing says which GPU to use)", -1
     if len(devices) > 1:
