@@ -13,6 +13,7 @@ from pathlib import Path
 
 import real_models
 import report
+from backend_names import base
 from report import Figure
 
 BEGIN, END = "<!-- real-models:begin -->", "<!-- real-models:end -->"
@@ -20,10 +21,11 @@ BACKENDS = "eager,cgtrees,reduce-overhead,inductor"  # run in this order: a spen
 AGAINST = "reduce-overhead"
 COMPILED = ("inductor", "reduce-overhead", "cudagraphs", "cgtrees")
 
+PER_CALL = Figure("per call (ms)", "step_s", "cold", 1e3, "{:.3f}")
 FIGURES = (
     Figure("first 3 outputs, cold (s)", "first3_s", "cold", 1.0, "{:.2f}"),
     Figure("first 3 outputs, warm (s)", "first3_s", "warm", 1.0, "{:.2f}"),
-    Figure("per call (ms)", "step_s", "cold", 1e3, "{:.3f}"),
+    PER_CALL,
     Figure("per call, warm process (ms)", "step_s", "warm", 1e3, "{:.3f}"),
     Figure("peak allocated (MB)", "peak_alloc_mb", "cold", 1.0, "{:.0f}"),
     Figure("peak reserved (MB)", "peak_reserved_mb", "cold", 1.0, "{:.0f}"),
@@ -39,6 +41,7 @@ FIGURES = (
     Figure("AOT-level cache hits, warm (cache_hit_aot)", "cache_hit_aot", "warm", 1.0, "{:.0f}", ratio=False),
     Figure("cache bypasses, cold (cache_bypass)", "cache_bypass", "cold", 1.0, "{:.0f}", ratio=False),
     Figure("cache bypasses, warm (cache_bypass)", "cache_bypass", "warm", 1.0, "{:.0f}", ratio=False),
+    *report.CA_FIGURES,
 )
 
 ABOUT = """\
@@ -49,6 +52,9 @@ attention, no dropout; timm `vit_tiny_patch16_224` and torchvision `resnet18`, b
 Backends side by side: eager, Inductor (default mode), Inductor `reduce-overhead` and cgtrees; inference
 (`no_grad`) and training (forward, cross-entropy against fixed labels, backward, SGD step). Every row is
 a fresh process, as above: cold with empty cache directories, warm in later processes reusing them.
+Training rows may add the compiled-autograd backends of issue 20 (`cgtrees-ca`, `inductor-ca`,
+`reduce-overhead-ca`: the backward captured by compiled autograd and compiled by the same backend and
+mode); the summary then checks cgtrees-ca's per call against inductor-ca's and cgtrees's.
 
 Figures: per call is the median over windows of CUDA-event-timed calls; first 3 outputs include
 compilation; peak memory as above. Relative error vs eager is, per tensor, the largest absolute
@@ -68,6 +74,8 @@ not run are listed); the files go to `benchmarks/results/real/`, and the merge r
 
 ```
 python benchmarks/run.py --suite real --models gpt2 --modes train --cold-warm --budget 480 --out-dir OUT
+python benchmarks/run.py --suite real --models gpt2 --modes train --backends inductor-ca,cgtrees-ca,cgtrees \\
+    --cold-warm --budget 480 --out OUT/real-gpt2-train-ca.json    # compiled autograd (issue 20)
 python benchmarks/run.py --suite real --from-json benchmarks/results/real --markdown docs/benchmarks.md
 python benchmarks/run.py --suite real --smoke --out-dir /tmp/real   # CPU: the HF models tiny, eager and cgtrees
 ```
@@ -76,7 +84,7 @@ python benchmarks/run.py --suite real --smoke --out-dir /tmp/real   # CPU: the H
 
 def flatten(row: dict) -> dict:
     """The row with its counters as flat keys; None where a figure does not apply to its backend."""
-    backend, counters = row["backend"], row.get("counters") or {}
+    backend, counters = base(row["backend"]), row.get("counters") or {}  # a -ca row counts as its base
     ours, inductor, aot = (counters.get(k) or {} for k in ("cgtrees", "inductor", "aot_autograd"))
     flat = dict.fromkeys(("graph_breaks", "unique_graphs", "graph_fallbacks", "aten_calls", "aten_gaps",
                           "cudagraph_skips", "cache_hit", "cache_hit_aot", "cache_bypass"))
@@ -144,6 +152,9 @@ def screen(rows: list[dict]) -> str:
                          f"first 3 cold {_ratio(rows, workload, mode, 'first3_s', 'cold')}, "
                          f"warm {_ratio(rows, workload, mode, 'first3_s', 'warm')}, "
                          f"peak {_ratio(rows, workload, mode, 'peak_alloc_mb', 'cold')}")
+        found = report.ca_checks(rows, workload, mode, PER_CALL)
+        if found:
+            lines.append(f"{'':31}issue 20, per call: " + "; ".join(c.text for c in found))
     fails = report.failures(rows)
     lines.append(f"rows: {len(rows)}, failed: {len(fails)}")
     lines += [f"  FAILED {f[:300]}" for f in fails]

@@ -1,15 +1,22 @@
 """Turn result rows into tables, target checks and docs/benchmarks.md.
 
 A row is what ``worker.run_row`` returns (one workload, backend, mode and phase). Every figure is
-"lower is better". "Best other" is the best backend other than cgtrees and the raw-graph floor.
+"lower is better". "Best other" is the best backend other than cgtrees and the raw-graph floor, among
+those without compiled autograd (issue 6's targets); the ``-ca`` rows (``backend_names.py``) have
+issue 20's targets of their own: cgtrees-ca per call no slower than inductor-ca, nor than cgtrees.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-ORDER = ("eager", "inductor", "reduce-overhead", "cudagraphs", "cgtrees", "raw_graph")
+from backend_names import is_ca
+
+ORDER = ("eager", "inductor", "inductor-ca", "reduce-overhead", "reduce-overhead-ca", "cudagraphs", "cgtrees",
+         "cgtrees-ca", "raw_graph")
 FLOOR = "raw_graph"
+CA_TARGETS = (("cgtrees-ca", "inductor-ca"), ("cgtrees-ca", "cgtrees"))  # issue 20: (mine, no faster than)
 
 
 @dataclass(frozen=True)
@@ -22,6 +29,14 @@ class Figure:
     ratio: bool = True  # whether "cgtrees / best other" means anything
 
 
+# A compiled-autograd row's counts (``worker.ca_figures``); "-" in every other row.
+CA_FIGURES = (
+    Figure("compiled-autograd captures", "ca_captures", "cold", 1.0, "{:.0f}", ratio=False),
+    Figure("backward graphs compiled by cgtrees (compiled_autograd_graphs)", "compiled_autograd_graphs", "cold",
+           1.0, "{:.0f}", ratio=False),
+    Figure("replays of cgtrees's backward graphs", "backward_replays", "cold", 1.0, "{:.0f}", ratio=False),
+)
+
 FIGURES = (
     Figure("first output, cold (s)", "first_s", "cold", 1.0, "{:.2f}"),
     Figure("first 3 outputs, cold (s)", "first3_s", "cold", 1.0, "{:.2f}"),
@@ -31,6 +46,7 @@ FIGURES = (
     Figure("peak allocated (MB)", "peak_alloc_mb", "cold", 1.0, "{:.1f}"),
     Figure("peak reserved (MB)", "peak_reserved_mb", "cold", 1.0, "{:.1f}"),
     Figure("max abs error vs eager", "max_err", "cold", 1.0, "{:.1e}", ratio=False),
+    *CA_FIGURES,
 )
 
 
@@ -61,16 +77,16 @@ def value(rows: list[dict], workload: str, mode: str, backend: str, fig: Figure)
 
 
 def best_other(rows: list[dict], workload: str, mode: str, fig: Figure) -> tuple[str, float] | None:
-    found = [(value(rows, workload, mode, b, fig), b) for b in ORDER if b not in ("cgtrees", FLOOR)]
+    found = [(value(rows, workload, mode, b, fig), b) for b in ORDER if b not in ("cgtrees", FLOOR) and not is_ca(b)]
     found = [(v, b) for v, b in found if v is not None]
     return None if not found else min(found)[::-1]
 
 
 def _ratio_check(workload: str, mode: str, fig: Figure, num: float | None, den: float | None,
-                 limit: float, against: str) -> Check:
-    want = f"<= {limit:g}x {against}"
+                 limit: float, against: str, mine: str = "cgtrees") -> Check:
+    want = f"{'' if mine == 'cgtrees' else mine + ' '}<= {limit:g}x {against}"
     if num is None or den is None or den <= 0:
-        missing = "cgtrees" if num is None else against
+        missing = mine if num is None else against
         return Check(workload, mode, fig.label, f"{want}: n/a ({missing} missing or failed)", None)
     ratio = num / den
     ok = ratio <= limit
@@ -112,7 +128,28 @@ def _group_checks(rows: list[dict], workload: str, mode: str) -> list[Check]:
     out += compare("first3_s", "cold", 0.5, "inductor")
     out += compare("peak_alloc_mb", "cold", 1.0, "reduce-overhead")
     out += compare("peak_reserved_mb", "cold", 1.0, "reduce-overhead")  # counts graph pools too
+    return out + ca_checks(rows, workload, mode, step)
+
+
+def ca_checks(rows: list[dict], workload: str, mode: str, fig: Figure) -> list[Check]:
+    """Issue 20's targets on ``fig`` (per call): cgtrees-ca no slower than inductor-ca, nor than
+    cgtrees; each only where both rows were run."""
+    out = []
+    for mine, other in CA_TARGETS:
+        if ran(rows, workload, mode, mine) and ran(rows, workload, mode, other):
+            num, den = (value(rows, workload, mode, b, fig) for b in (mine, other))
+            out.append(_ratio_check(workload, mode, fig, num, den, 1.0, other, mine))
     return out
+
+
+MARKED = re.compile(r"<!-- ([\w-]+):begin -->.*?<!-- \1:end -->", re.S)
+
+
+def marked_blocks(text: str) -> str:
+    """Every block of ``text`` from ``<!-- name:begin -->`` to ``<!-- name:end -->``, verbatim, in
+    order, each ending in a newline ("" if none): the real-model section and hand-written ones (such
+    as docs/warm_start.md's precompile section), which rewriting the own suite's report keeps."""
+    return "".join(m.group(0) + "\n" for m in MARKED.finditer(text))
 
 
 def _fmt(fig: Figure, v: float | None) -> str:
@@ -267,11 +304,19 @@ def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
         "1.25x of raw_graph; first 3 outputs cold and warm at most 0.5x Inductor's; peak memory no "
         "more than reduce-overhead's.",
         "",
+        "Compiled autograd (issue 20): a `-ca` backend (`cgtrees-ca`, `inductor-ca`, `reduce-overhead-ca`) "
+        "is the same training step with `loss.backward()` run under "
+        "`torch._dynamo.compiled_autograd._enable(torch.compile(backend=..., mode=...))`, the backward "
+        "compiled by the same backend and mode; \"best other\" leaves these rows out. Targets: per call, "
+        "cgtrees-ca no slower than inductor-ca, nor than cgtrees.",
+        "",
         "How to run (on the GPU machine, one workload per 10-minute call; then merge):",
         "",
         "```",
         "python benchmarks/run.py --models gpt_block --modes infer,train --cold-warm --out gpt_block.json",
         "python benchmarks/run.py --models decode --modes infer --cold-warm --kernels --out decode.json",
+        "python benchmarks/run.py --models gpt_block --modes train --no-floor --cold-warm "
+        "--backends inductor,inductor-ca,reduce-overhead-ca,cgtrees,cgtrees-ca --out gpt_block-ca.json",
         "python benchmarks/run.py --from-json mlp_small.json,...,decode.json --markdown docs/benchmarks.md",
         "python benchmarks/run.py --smoke   # CPU, tiny sizes, eager and cgtrees, one process (CI)",
         "```",

@@ -17,6 +17,17 @@ directories (cold); with ``--cold-warm``, backends that keep a compile cache run
 processes reusing them (warm: ``--warm-runs`` processes, the row of the median first outputs kept).
 On CUDA, inference also gets the ``raw_graph`` floor row.
 
+Compiled autograd (issue 20): the backends ``cgtrees-ca``, ``inductor-ca`` and ``reduce-overhead-ca``
+(named in ``--backends``; training rows only) run the same step with the backward captured by
+compiled autograd and compiled by the same backend (``worker.py`` says how), cold and warm:
+
+    python benchmarks/run.py --models gpt_block --modes train --no-floor --cold-warm --warm-runs 1 \\
+        --backends eager,inductor,inductor-ca,reduce-overhead,reduce-overhead-ca,cgtrees,cgtrees-ca --out ca.json
+
+``--markdown`` rewrites the whole file but keeps, verbatim, every block between ``<!-- name:begin -->``
+and ``<!-- name:end -->`` that it had: the real-model section and hand-written ones (the precompile
+section of docs/warm_start.md).
+
 Python byte code: an installed package has its modules compiled, but an image may ship none and set
 ``PYTHONDONTWRITEBYTECODE`` (the GPU machine does), so that every worker would compile from source
 every module it imports, lazily imported ones inside the timed first calls included. Workers
@@ -39,6 +50,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import backend_names
 import real_models
 import real_report
 import report
@@ -46,7 +58,6 @@ import workloads
 
 HERE = Path(__file__).resolve().parent
 ALL_BACKENDS = "eager,inductor,reduce-overhead,cudagraphs,cgtrees"
-CACHED = {"inductor", "reduce-overhead", "cgtrees"}  # eager and cudagraphs keep no compile cache
 CACHE_VARS = {"CGTREES_CACHE_DIR": "cgtrees", "TORCHINDUCTOR_CACHE_DIR": "inductor",
               "TRITON_CACHE_DIR": "triton"}
 
@@ -57,7 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="own: the workloads of workloads.py; real: the library models of real_models.py")
     p.add_argument("--models", default=None, help="default: the whole suite ('' with --kernels: kernels only)")
     p.add_argument("--modes", default="infer,train")
-    p.add_argument("--backends", default=None, help=f"default: {ALL_BACKENDS} (real: {real_report.BACKENDS})")
+    p.add_argument("--backends", default=None, help=f"default: {ALL_BACKENDS} (real: {real_report.BACKENDS}); "
+                   f"also {', '.join(backend_names.CA_BACKENDS)} (compiled autograd, train rows only)")
     p.add_argument("--cold-warm", action="store_true", help="also warm runs for cached backends")
     p.add_argument("--warm-runs", type=int, default=3,
                    help="warm processes per row; the row of the median first 3 outputs is kept")
@@ -105,11 +117,13 @@ def plan(args: argparse.Namespace, device: str) -> list[dict]:
             floor = mode == "infer" and device == "cuda" and not args.no_floor and args.suite == "own"
             extra = ["raw_graph"] if floor else []
             for backend in backends + extra:
+                if mode == "infer" and backend_names.is_ca(backend):
+                    continue  # compiled autograd compiles a backward: training rows only
                 base = {"workload": workload, "backend": backend, "mode": mode, "device": device,
                         "smoke": args.smoke}
                 specs.append({**base, "phase": "cold", "profile": backend in args.profile.split(","),
                               "profile_start": backend in args.profile_start.split(",")})
-                if args.cold_warm and backend in CACHED and not args.smoke:
+                if args.cold_warm and backend_names.cached(backend) and not args.smoke:
                     specs.append({**base, "phase": "warm"})
     return specs
 
@@ -320,6 +334,13 @@ def measure_all(args: argparse.Namespace, on_row: Callable[[list[dict]], None]) 
     return rows, kernels
 
 
+def write_markdown(path: Path, text: str) -> None:
+    """The own suite's report ``text`` at ``path``, followed by the marked blocks the old file had:
+    the real-model section and hand-written ones (``report.marked_blocks``), each kept verbatim."""
+    kept = report.marked_blocks(path.read_text()) if path.exists() else ""
+    path.write_text(text + ("\n" + kept if kept else ""))
+
+
 def _default_device() -> str:
     import torch  # only to ask; the workers do the work
 
@@ -362,9 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     if kernels:
         print(report.kernel_table(kernels))
     if args.markdown:
-        path = Path(args.markdown)
-        kept = real_report.existing(path.read_text()) if path.exists() else ""  # the other suite's section
-        path.write_text(report.markdown(rows, kernels, meta) + ("\n" + kept if kept else ""))
+        write_markdown(Path(args.markdown), report.markdown(rows, kernels, meta))
     print(f"summary ({meta['total_s']:.0f}s):\n" + report.summary(rows, kernels), flush=True)
     return 0
 

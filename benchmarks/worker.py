@@ -5,6 +5,14 @@
 The runner starts one worker per row, in a fresh process, with the cache directories it chose in
 the environment. ``run_row`` is also called in-process by the ``--smoke`` run. A failure is
 reported in the row (``error``), with whatever figures were measured before it.
+
+A backend named ``<backend>-ca`` (training only; ``backend_names.py``) is ``<backend>`` with the
+backward captured by compiled autograd and compiled by the same backend and mode (issue 20). It is turned on with
+``torch._dynamo.compiled_autograd._enable(compiler)`` around ``loss.backward()``, not with
+``torch._dynamo.config.compiled_autograd``: the config flag only takes effect when ``backward()``
+runs inside a compiled frame, so the loss and backward would have to move into one compiled step
+function, and the row would measure a different step from the other train rows. The context manager
+keeps the step as it is: the compiled model, the loss outside it, the backward, eager SGD.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -23,22 +32,34 @@ import torch
 
 import measure
 import workloads
+from backend_names import CA_BACKENDS, base, is_ca
 
-GRAPH_BACKENDS = {"reduce-overhead", "cudagraphs", "cgtrees", "raw_graph"}
-BACKENDS = ("eager", "inductor", "reduce-overhead", "cudagraphs", "cgtrees", "raw_graph")
+GRAPH_BACKENDS = {"reduce-overhead", "cudagraphs", "cgtrees", "raw_graph", "reduce-overhead-ca", "cgtrees-ca"}
+BACKENDS = ("eager", "inductor", "reduce-overhead", "cudagraphs", "cgtrees", "raw_graph", *CA_BACKENDS)
+COMPILE_ARGS = {"inductor": {}, "reduce-overhead": {"mode": "reduce-overhead"},
+                "cudagraphs": {"backend": "cudagraphs"}, "cgtrees": {"backend": "cgtrees"}}
 
 
 def compile_model(model: torch.nn.Module, backend: str) -> Callable:
     """The model as the backend runs it (raw_graph is built by ``raw_graph_call``)."""
     if backend == "eager":
         return model
-    if backend == "inductor":
-        return torch.compile(model)
-    if backend == "reduce-overhead":
-        return torch.compile(model, mode="reduce-overhead")
-    if backend in ("cudagraphs", "cgtrees"):
-        return torch.compile(model, backend=backend)
-    raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    if backend not in BACKENDS or base(backend) not in COMPILE_ARGS:
+        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    return torch.compile(model, **COMPILE_ARGS[base(backend)])
+
+
+def backward_call(backend: str) -> Callable[[torch.Tensor], None]:
+    """``loss.backward()`` as the backend runs it: under compiled autograd for a ``-ca`` backend,
+    the captured backward compiled by the same backend and mode (one compiler for every step)."""
+    if not is_ca(backend):
+        return torch.Tensor.backward
+    compiler = torch.compile(**COMPILE_ARGS[base(backend)])
+
+    def backward(loss: torch.Tensor) -> None:
+        with torch._dynamo.compiled_autograd._enable(compiler):
+            loss.backward()
+    return backward
 
 
 def raw_graph_call(model: torch.nn.Module, inputs: tuple) -> Callable:
@@ -100,8 +121,10 @@ def infer_step(fn: Callable, inputs: tuple, mark: bool, keep: Kept) -> Callable[
 
 
 def train_step(fn: Callable, inputs: tuple, loss_fn: Callable, model: torch.nn.Module,
-               mark: bool, keep: Kept) -> Callable[[], None]:
-    """Forward, loss, backward, eager SGD step, zero_grad; the first loss, output and grads go to ``keep``."""
+               mark: bool, keep: Kept, backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
+               ) -> Callable[[], None]:
+    """Forward, loss, ``backward(loss)``, eager SGD step, zero_grad; the first loss, output and grads
+    go to ``keep``."""
     named = list(model.named_parameters())
     params = [p for _, p in named]
     opt = torch.optim.SGD(params, lr=1e-3)
@@ -114,7 +137,7 @@ def train_step(fn: Callable, inputs: tuple, loss_fn: Callable, model: torch.nn.M
         first_out = None if keep else out.detach().clone()
         loss = loss_fn(out)
         del out  # held no longer than before: only what the loss's backward saves
-        loss.backward()
+        backward(loss)
         if not keep:
             keep.outputs.extend([loss.detach().clone(), first_out])
             keep.grads.extend(_clone(p.grad) for p in params)
@@ -146,8 +169,10 @@ def make_step(spec: dict, device: torch.device, keep: Kept) -> Callable[[], None
         # benchmark loop's cost, not the backend's, so it is paid here, before any timing.
         torch.compiler.cudagraph_mark_step_begin()
     if spec["mode"] == "infer":
+        if is_ca(backend):
+            raise RuntimeError(f"{backend} compiles the backward: training only")
         return infer_step(fn, inputs, mark, keep)
-    return train_step(fn, inputs, loss_fn, model, mark, keep)
+    return train_step(fn, inputs, loss_fn, model, mark, keep, backward_call(backend))
 
 
 def reference(spec: dict, device: torch.device) -> Kept:
@@ -172,22 +197,44 @@ INDUCTOR_COUNTERS = {
 
 
 def _counters(backend: str) -> dict:
-    """This process's counters: ours (every known key, zero when never bumped), Dynamo's graph breaks
-    (count and first reasons) and graphs, Inductor's caches and graph skips."""
+    """This process's counters: ours (every known key, zero when never bumped; for cgtrees, the
+    replays of backward graphs too), Dynamo's graph breaks (count and first reasons) and graphs,
+    compiled autograd's, Inductor's caches and graph skips."""
     from torch._dynamo.utils import counters
 
     ours = dict(counters.get("cgtrees", {}))
-    if backend == "cgtrees":
+    if base(backend) == "cgtrees":
         from backend import counters as cgtrees_counters
 
-        ours = cgtrees_counters.snapshot()
+        ours = {**cgtrees_counters.snapshot(), "backward_replays": backward_replays()}
     breaks = counters.get("graph_break", {})
     found = {"cgtrees": ours, "graph_breaks": sum(breaks.values()),
              "graph_break_reasons": [str(reason)[:300] for reason in list(breaks)[:5]],
-             "unique_graphs": counters.get("stats", {}).get("unique_graphs", 0)}
+             "unique_graphs": counters.get("stats", {}).get("unique_graphs", 0),
+             "compiled_autograd": dict(counters.get("compiled_autograd", {}))}
     for group, keys in INDUCTOR_COUNTERS.items():
         found[group] = {k: counters.get(group, {}).get(k, 0) for k in keys}
     return found
+
+
+def ca_figures(found: dict, backend: str) -> dict:
+    """A compiled-autograd row's own figures: compiled autograd's captures; for cgtrees, the
+    backward graphs that reached us as compiled-autograd graphs and the replays of backward graphs."""
+    figures = {"ca_captures": found["compiled_autograd"].get("captures", 0)}
+    if base(backend) == "cgtrees":
+        ours = found["cgtrees"]
+        figures.update(compiled_autograd_graphs=ours.get("compiled_autograd_graphs", 0),
+                       backward_replays=ours["backward_replays"])
+    return figures
+
+
+def backward_replays() -> int:
+    """Replays of our CUDA-graph nodes of backward functions, summed over the living trees (under
+    compiled autograd only its graphs run as backward functions)."""
+    from backend import runtime
+
+    found = re.finditer(r"node \d+ g\d+_backward\S* .*?replays=(\d+)", runtime.describe())
+    return sum(int(m.group(1)) for m in found)
 
 
 def compare(row: dict, keep: Kept, want: Kept) -> None:
@@ -245,6 +292,8 @@ def run_row(spec: dict) -> dict:
         row["traceback"] = traceback.format_exc()[-4000:]
     phases.next("counters")
     row["counters"] = _counters(spec["backend"])
+    if is_ca(spec["backend"]):
+        row.update(ca_figures(row["counters"], spec["backend"]))
     row["compile_phases"] = measure.compile_phases()
     phases.next("done")
     row["phase_s"] = phases.seconds
