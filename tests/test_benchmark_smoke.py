@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = ("mlp_small", "norm_act", "gpt_block", "convnet", "decode")
@@ -103,3 +104,105 @@ def test_sampled_first_calls_name_where_the_time_went(tmp_path):
     assert step > 0.5 * window  # the samples cover the window
     ours = next(s for where, s in totals.items() if "backend/api.py:" in where and where.endswith("(__call__)"))
     assert 0 < ours < step  # our compiler, inside the first call
+
+
+def _bench(name):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
+def test_compiled_autograd_row_compiles_the_backward_and_matches_eager():
+    """A ``cgtrees-ca`` train row (issue 20): the backward captured by compiled autograd reaches cgtrees
+    as a compiled-autograd graph, none falls back, and the first step's loss and gradients equal eager's."""
+    run, _ = _bench("run"), _bench("worker")  # run_smoke imports the worker by its bare name
+    spec = {"workload": "mlp_small", "backend": "cgtrees-ca", "mode": "train", "device": "cpu", "phase": "cold",
+            "smoke": True}
+    (row,) = run.run_smoke([spec], lambda rows: None)  # counters cleared first: these are the row's own
+    assert row["ok"], f"{row['error']}\n{row.get('traceback', '')}"
+    assert row["rel_err_out"] < 1e-4 and row["rel_err_grad"] < 1e-4, row  # fp32: ~1e-7 measured
+    assert row["max_err"] < 1e-4
+    ours = row["counters"]["cgtrees"]
+    assert ours["graph_fallbacks"] == 0, ours
+    assert row["ca_captures"] >= 1 and row["compiled_autograd_graphs"] >= 1, (row["ca_captures"], ours)
+    assert row["backward_replays"] == 0  # no CUDA graphs on the CPU
+    assert math.isfinite(row["step_s"]) and row["step_s"] > 0
+
+
+def test_plan_gives_compiled_autograd_backends_train_rows_cold_and_warm():
+    run = _bench("run")
+    args = run.parse_args(["--models", "mlp_small", "--backends", "eager,cgtrees,cgtrees-ca,inductor-ca",
+                           "--cold-warm", "--no-floor"])
+    specs = [(s["mode"], s["backend"], s["phase"]) for s in run.plan(args, "cuda")]
+    assert specs == [("infer", "eager", "cold"), ("infer", "cgtrees", "cold"), ("infer", "cgtrees", "warm"),
+                     ("train", "eager", "cold"), ("train", "cgtrees", "cold"), ("train", "cgtrees", "warm"),
+                     ("train", "cgtrees-ca", "cold"), ("train", "cgtrees-ca", "warm"),
+                     ("train", "inductor-ca", "cold"), ("train", "inductor-ca", "warm")]
+    ca = next(s for s in run.plan(args, "cuda") if s["backend"] == "cgtrees-ca")
+    assert run.cache_env(Path("/r"), ca) != run.cache_env(Path("/r"), {**ca, "backend": "cgtrees"})  # own caches
+
+
+def _own_row(backend, step_s, phase="cold", **extra):
+    return {"workload": "gpt_block", "mode": "train", "backend": backend, "phase": phase, "ok": True,
+            "step_s": step_s, "first_s": 1.0, "first3_s": 2.0, "max_err": 1e-6, **extra}
+
+
+def test_report_checks_issue_20_targets_and_shows_the_ca_rows():
+    report = _bench("report")
+    rows = [_own_row("eager", 9e-3), _own_row("inductor", 5e-3), _own_row("cgtrees", 5.2e-3),
+            _own_row("inductor-ca", 5.0e-3, ca_captures=1),
+            _own_row("cgtrees-ca", 5.1e-3, ca_captures=1, compiled_autograd_graphs=1, backward_replays=40)]
+    found = {c.text for c in report.checks(rows)}
+    assert "<= 1x best other (inductor): 1.04x MISS by 1.04x" in found  # issue 6's: the -ca rows left out
+    assert "cgtrees-ca <= 1x inductor-ca: 1.02x MISS by 1.02x" in found
+    assert "cgtrees-ca <= 1x cgtrees: 0.98x ok" in found
+    text = report.tables(rows)
+    assert "| figure | eager | inductor | inductor-ca | cgtrees | cgtrees-ca | cgtrees / best other | target |" in text
+    assert "| per call (us) | 9000.0 | 5000.0 | 5000.0 | 5200.0 | 5100.0 | 1.04x (inductor) |" in text
+    assert "| replays of cgtrees's backward graphs | - | - | - | - | 40 | - |" in text
+    summary = report.summary(rows)
+    assert "MISS gpt_block/train per call (us): cgtrees-ca <= 1x inductor-ca: 1.02x" in summary
+
+    # Result files from before compiled autograd have no -ca rows: no issue 20 check, nothing fails.
+    old = [r for r in rows if not r["backend"].endswith("-ca")]
+    assert not any("-ca" in c.text for c in report.checks(old)) and "-ca" not in report.tables(old)
+    # A -ca row that failed: the target says so instead of passing.
+    failed = [*old, _own_row("inductor-ca", 5e-3), {**_own_row("cgtrees-ca", None), "ok": False, "error": "x"}]
+    assert "cgtrees-ca <= 1x inductor-ca: n/a (cgtrees-ca missing or failed)" in {c.text for c in report.checks(failed)}
+
+
+def test_markdown_rewrite_keeps_hand_written_blocks_verbatim(tmp_path):
+    """docs/warm_start.md holds a hand-written precompile section between markers: rewriting the file
+    with ``--markdown`` (here from result files, old and new, merged) keeps it byte for byte."""
+    run = _bench("run")
+    old_file = os.path.join(ROOT, "benchmarks", "results", "4-gpt_block-train.json")
+    new_file = tmp_path / "ca.json"
+    new_file.write_text(json.dumps({"meta": {"date": "today", "command": "ca"},
+                                    "rows": [_own_row("cgtrees-ca", 5e-3), _own_row("inductor-ca", 6e-3)]}))
+    block = ("<!-- precompile:begin -->\n## Precompile\n\nWritten by hand:  `x`  \n\n| a | b |\n"
+             "<!-- precompile:end -->\n")
+    real = "<!-- real-models:begin -->\n## Real models\nkept\n<!-- real-models:end -->\n"
+    doc = tmp_path / "warm_start.md"
+    doc.write_text("# Old report\n\nold tables\n\n" + block + "\nbetween\n\n" + real)
+    run.main(["--from-json", f"{old_file},{new_file}", "--markdown", str(doc)])
+    text = doc.read_text()
+    assert "old tables" not in text and "### gpt_block / train" in text
+    assert block in text and real in text and text.index(block) < text.index(real)
+    assert "cgtrees-ca <= 1x inductor-ca: 0.83x ok" in text
+    run.main(["--from-json", str(old_file), "--markdown", str(doc)])  # again: kept once, not twice
+    assert doc.read_text().count("<!-- precompile:begin -->") == 1 and block in doc.read_text()
+
+
+def test_the_repository_warm_start_doc_keeps_its_precompile_block(tmp_path):
+    """The real docs/warm_start.md rebuilt from its own result files keeps its precompile section."""
+    run = _bench("run")
+    doc = tmp_path / "warm_start.md"
+    original = open(os.path.join(ROOT, "docs", "warm_start.md")).read()
+    start, end = original.index("<!-- precompile:begin -->"), original.index("<!-- precompile:end -->")
+    block = original[start:end + len("<!-- precompile:end -->")]
+    doc.write_text(original)
+    results = os.path.join(ROOT, "benchmarks", "results")
+    run.main(["--from-json", f"{results}/check-warm-median-mlp_small-norm_act.json", "--markdown", str(doc)])
+    assert block in doc.read_text()

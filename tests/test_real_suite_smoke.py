@@ -153,3 +153,37 @@ def test_report_section_has_the_columns_and_replaces_only_itself(tmp_path):
     rebuilt = doc.read_text()
     assert "old own report" not in rebuilt and "### mlp_small / infer" in rebuilt
     assert real_report.existing(rebuilt) == real_report.existing(text)
+
+
+def test_compiled_autograd_rows_are_lines_of_their_own_and_issue_20_is_checked(tmp_path):
+    real_report, run = _bench("real_report"), _bench("run")
+    specs = run.plan(run.parse_args(["--suite", "real", "--models", "gpt2", "--modes", "infer,train",
+                                     "--backends", "cgtrees,cgtrees-ca,inductor-ca", "--cold-warm"]), "cuda")
+    assert [(s["mode"], s["backend"], s["phase"]) for s in specs] == [
+        ("infer", "cgtrees", "cold"), ("infer", "cgtrees", "warm"), ("train", "cgtrees", "cold"),
+        ("train", "cgtrees", "warm"), ("train", "cgtrees-ca", "cold"), ("train", "cgtrees-ca", "warm"),
+        ("train", "inductor-ca", "cold"), ("train", "inductor-ca", "warm")]  # compiled autograd: train only
+
+    ca = _row("gpt2", "train", "cgtrees-ca", "cold", 0.9e-3, 22.0)
+    ca["counters"]["cgtrees"] = {"graph_fallbacks": 0, "aten_fallbacks": 7, "aten_gaps": 1, "cudagraph_skips": 0,
+                                 "compiled_autograd_graphs": 1}  # a -ca row's counters are cgtrees's
+    ca.update(ca_captures=1, compiled_autograd_graphs=1, backward_replays=120)
+    rows = [_row("gpt2", "train", "eager", "cold", 4e-3, 1.0), _row("gpt2", "train", "cgtrees", "cold", 1e-3, 20.0),
+            _row("gpt2", "train", "reduce-overhead", "cold", 2e-3, 50.0),
+            _row("gpt2", "train", "inductor-ca", "cold", 1.2e-3, 45.0), ca]
+    screen = real_report.screen(rows)
+    lines = {line.split()[2]: line for line in screen.splitlines() if line.startswith("gpt2")}
+    assert set(lines) == {"eager", "cgtrees", "reduce-overhead", "inductor-ca", "cgtrees-ca"}
+    assert lines["cgtrees-ca"].split()[3:5] == ["22.00", "-"] and " 7 " in lines["cgtrees-ca"]  # our counters
+    assert "issue 20, per call: cgtrees-ca <= 1x inductor-ca: 0.75x ok; cgtrees-ca <= 1x cgtrees: 0.90x ok" in screen
+    section = real_report.section(rows, {})
+    assert "| per call (ms) | 4.000 | 1.200 | 2.000 | 1.000 | 0.900 | 0.50x |" in section
+    assert "| replays of cgtrees's backward graphs | - | - | - | - | 120 | - |" in section
+    assert "cgtrees-ca <= 1x cgtrees: 0.90x ok" not in real_report.screen(rows[:-1])  # older files: no check
+
+    # Merging an older file (no -ca rows) with a newer one listed last: the newer rows win.
+    old, new = tmp_path / "a.json", tmp_path / "b.json"
+    old.write_text(json.dumps({"meta": {}, "rows": rows[:3]}))
+    new.write_text(json.dumps({"meta": {}, "rows": [{**rows[1], "step_s": 1.1e-3}, *rows[3:]]}))
+    merged, _, _ = run.load(f"{old},{new}")
+    assert {r["backend"]: r["step_s"] for r in merged}["cgtrees"] == 1.1e-3 and len(merged) == 5
