@@ -20,6 +20,7 @@ from backend.codegen import (  # noqa: F401  (register lowerings)
     ir,
     lower_indexing,
     lower_pointwise,
+    lower_pool,
     lower_reductions,
     lower_scan,
     lower_scatter,

@@ -22,6 +22,10 @@ PATTERNS = (  # reduction kernels named after what they compute, by the aten ops
     ("log_softmax", {"amax", "exp", "sum", "log"}),
     ("softmax", {"amax", "exp", "sum", "div"}),
     ("layernorm", {"var_mean", "rsqrt"}),
+    ("max_pool2d_backward", {"max_pool2d_with_indices_backward"}),
+    ("avg_pool2d_backward", {"avg_pool2d_backward"}),
+    ("max_pool2d", {"max_pool2d_with_indices"}),
+    ("avg_pool2d", {"avg_pool2d"}),
 )
 
 
