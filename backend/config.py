@@ -39,6 +39,15 @@ class Config:
                                     doc="turn on Dynamo's caching precompile (torch._dynamo.config.caching_precompile) "
                                         "and save its cache at each compiled graph's first call; set it with the "
                                         "env var, which must be in force before torch.compile (backend.precompile)")
+    layout_opt: str = _field("auto", affects_codegen=True,
+                             doc="channels-last convolution graphs (backend.aot.layout): auto (CUDA graphs "
+                                 "whose convolutions gain), off (also 0/false), force (any device: tests)")
+
+    def __post_init__(self) -> None:
+        mode = _LAYOUT_MODES.get(str(self.layout_opt).lower())
+        if mode is None:
+            raise ValueError(f"cgtrees: layout_opt={self.layout_opt!r}; valid values: auto, off, force")
+        object.__setattr__(self, "layout_opt", mode)
 
     @classmethod
     def resolve(cls, mode: str | None = None, options: Mapping[str, Any] | None = None,
@@ -67,6 +76,8 @@ class Config:
                      if f.metadata["affects_codegen"])
 
 
+_LAYOUT_MODES = {"auto": "auto", "1": "auto", "true": "auto", "on": "auto", "off": "off", "0": "off",
+                 "false": "off", "force": "force"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 

@@ -9,6 +9,7 @@ reason is logged once and counted (``graph_fallbacks``).
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any, Callable
 
@@ -16,7 +17,7 @@ import torch
 import torch.fx
 
 from backend import cache, codegen, counters, runtime
-from backend.aot import compat, constants
+from backend.aot import compat, constants, layout
 from backend.config import Config
 from backend.context import GraphContext
 from backend.logs import log, log_once
@@ -49,7 +50,7 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
         fw_compiler=_aten_compiler("forward", name, pair, config),
         bw_compiler=_aten_compiler("backward", name, pair, config),
         inference_compiler=_aten_compiler("inference", name, pair, config),
-        partition_fn=partition,
+        partition_fn=functools.partial(partition, layout_opt=config.layout_opt),  # channels-last: layout.py
         decompositions=decomposition_table(),
         keep_inference_input_mutations=True,
     )
@@ -63,6 +64,8 @@ def _aten_compiler(kind: str, name: str, pair: FunctionPair, config: Config) -> 
         n = next(versions)  # a graph recompiled for new shapes gets a new name
         static = _static_inputs(kind, gm)
         consts = constants.lift(gm)  # get_attr tensors -> trailing inputs, appended to every call
+        if kind == "inference":  # training graphs: in the partitioner, on the joint graph
+            layout.optimize(gm, config.layout_opt, inference=True)
         ctx = GraphContext(
             config=config, kind=kind, name=f"{name}_{kind}" + (f"_{n}" if n else ""),
             static_input_indices=static + consts.indices(len(example_inputs)),

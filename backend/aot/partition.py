@@ -6,7 +6,7 @@ the sink; values the backward may not recompute (inputs, matrix products, convol
 ops, reductions other than row reductions such as batch norm's statistics: see cost.py) connect to
 the source. The cheapest cut is the set of values to save; everything between the
 cut and the backward is recomputed there. Parameters cost (almost) nothing to save: they are alive
-anyway.
+anyway. Before the cut, ``layout.optimize`` may rewrite the joint graph channels-last (``layout_opt``).
 
 Callable with AOTAutograd's ``partition_fn`` protocol.
 """
@@ -18,15 +18,17 @@ from typing import Any
 import networkx as nx
 import torch.fx
 
-from backend.aot import compat
+from backend.aot import compat, layout
 from backend.aot.cost import is_recomputable, saved_bytes
 
 _SOURCE, _SINK = "__source__", "__sink__"
 
 
 def partition(joint_module: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
-              static_lifetime_input_indices: list[int] | None = None,
+              static_lifetime_input_indices: list[int] | None = None, layout_opt: str = "auto",
               **_: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    # 0. Channels-last convolutions, decided on the joint graph so both halves agree (layout.py).
+    layout.optimize(joint_module, layout_opt, inference=False)
     graph = joint_module.graph
     # 1. Which nodes belong to the backward (they depend on a tangent) and which the backward reads.
     backward = _tangent_dependent(graph)
