@@ -90,14 +90,15 @@ class GraphNode:
                live_ptrs: set[int]) -> list[Any]:
         """Capture ``call`` on ``args``, replay it once, checkpoint; returns this call's outputs."""
         self._plan_inputs(args, static, live_ptrs, mutated)  # which inputs are copied, which checked
-        capture_args = list(args)
-        for i, slot in zip(self.copy_index, self.slots):
-            capture_args[i] = slot
+        outs = self._capture(call, args)  # the graph; outputs are pool tensors
+        self._view_pool_slots()
         self._copy_in(args)
-        outs = self._capture(call, capture_args)  # the graph; outputs are pool tensors
         self.graph.replay()  # this call's results
         self._write_back(args)
         self._plan_outputs(outs, args)  # how each output is rebuilt on replay
+        # Outputs that alias an input are rebuilt from the caller's input: the capture's own (over
+        # a pool slot, say) go now, so a slot they held is free in the checkpoint, as in the graph.
+        outs = [None if kind == _INPUT else o for o, (kind, _, _) in zip(outs, self.out_plan)]
         self.checkpoint = compat.get_checkpoint_state(self.manager.device, self.manager.pool)
         self.checkpoint_ptrs = tuple(dict.fromkeys([p for p, _ in self.protected]
                                                    + [p for p, _ in self.pool_storages]))
@@ -110,9 +111,10 @@ class GraphNode:
         self.static_storages: list[WeakStorage] = []  # theirs, to see when their model is gone
         self.check_ptrs: list[int | None] = [None] * len(args)
         self.copy_index: list[int] = []
-        self.slots: list[torch.Tensor] = []
-        self.copy_dst: list[torch.Tensor] = []
+        self.slots: list[torch.Tensor | None] = []  # None: a pool slot, allocated in the capture
+        self.copy_dst: list[torch.Tensor | None] = []
         self.copy_src: list[tuple[int, tuple | None]] = []
+        self.pool_slots: list[tuple[int, dict[str, Any], WeakStorage]] = []  # (slot, meta, storage)
         self.input_storages: dict[int, tuple[int, int]] = {}  # storage pointer -> (input, offset)
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
@@ -128,18 +130,51 @@ class GraphNode:
                 self.check_ptrs[i] = a.data_ptr()
                 self.input_storages.setdefault(a.untyped_storage().data_ptr(), (i, a.storage_offset()))
                 continue
-            slot = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
             index = _unexpanded(a)
             self.copy_index.append(i)
+            self.copy_src.append((i, index))
+            if index is None and i not in mutated and a.numel() > 0:
+                self.slots.append(None)  # in the pool: the graph may reuse it once read (_capture_args)
+                self.copy_dst.append(None)
+                continue
+            # a slot of its own, outside the pool: written back after the graph (a mutated input),
+            # or holding one element per broadcast dimension
+            slot = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
             self.slots.append(slot)
             self.copy_dst.append(slot if index is None else slot[index])
-            self.copy_src.append((i, index))
             self.input_storages.setdefault(slot.untyped_storage().data_ptr(), (i, slot.storage_offset()))
+        self.write_back = [(i, self.slots[self.copy_index.index(i)]) for i in mutated if i in self.copy_index]
+
+    def _capture_args(self, args: list[Any]) -> list[Any]:
+        """The capture's arguments: checked inputs as they are, copied ones as their slots. Called
+        inside the capture, so the pool slots are blocks of the pool that only the returned list
+        holds: the graph frees each at its last read and may reuse its memory for what it computes
+        later (an input the size of the output costs nothing). Replays copy into the slot's
+        address, which is memory this graph writes: ``protected`` never covers it."""
+        capture_args = list(args)
+        for k, i in enumerate(self.copy_index):
+            slot = self.slots[k]
+            if slot is None:
+                a = args[i]
+                slot = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+                self.pool_slots.append((k, _meta(slot), WeakStorage(slot.untyped_storage())))
+            capture_args[i] = slot
+        return capture_args
+
+    def _view_pool_slots(self) -> None:
+        """After the capture: each pool slot as a tensor over its address that owns nothing; a slot
+        still alive is one an output aliases (rebuilt from the caller's input)."""
+        for k, meta, storage in self.pool_slots:
+            view = compat.tensor_from_storage(meta, compat.storage_from_pointer(meta["data_ptr"], self.device,
+                                                                                meta["nbytes"]))
+            self.slots[k] = self.copy_dst[k] = view
+            if storage.alive():  # else its address may be an output's now: never taken for an alias
+                self.input_storages.setdefault(meta["data_ptr"], (self.copy_index[k], 0))
+        self.pool_slots = []
         # the cheapest copy for the common case of one plain input
         single = len(self.copy_src) == 1 and self.copy_src[0][1] is None
         self.single_index = self.copy_src[0][0] if single else -1
         self.single_slot = self.copy_dst[0] if single else None
-        self.write_back = [(i, self.slots[self.copy_index.index(i)]) for i in mutated if i in self.copy_index]
 
     def _copy_in(self, args: list[Any]) -> None:
         if self.single_slot is not None:
@@ -152,7 +187,7 @@ class GraphNode:
         for i, slot in self.write_back:
             args[i].copy_(slot)
 
-    def _capture(self, call: Any, capture_args: list[Any]) -> list[Any]:
+    def _capture(self, call: Any, args: list[Any]) -> list[Any]:
         manager = self.manager
         torch.cuda.synchronize(manager.device)
         # cuBLAS keeps a workspace per stream; allocated inside the capture, it is graph scratch
@@ -161,7 +196,7 @@ class GraphNode:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(manager.device), torch.cuda.graph(
                 graph, pool=manager.pool, stream=manager.stream, capture_error_mode="thread_local"):
-            outs = call(capture_args)
+            outs = call(self._capture_args(args))
         if compat.clear_cublas_workspaces is not None:
             compat.clear_cublas_workspaces()
         self.graph = graph

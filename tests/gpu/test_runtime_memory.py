@@ -95,6 +95,43 @@ def test_two_threads_two_trees():
     assert counters["cgtrees"]["cudagraph_replayed"] >= 4, runtime.describe()
 
 
+def test_input_slots_live_in_the_pool():
+    """Issue 17: a copied input's slot is pool memory that the graph frees at its last read, not a
+    permanent allocation: once the outputs are gone nothing of the calls stays allocated (before:
+    the 4 MiB slot did), the graph may put what it computes later there, and replays with other
+    inputs, kept outputs among them, stay right."""
+    torch.manual_seed(0)
+    w = torch.randn(1024, 1024, device=DEV)
+
+    def fn(x):
+        return (x.sin() @ w).cos()  # the product may take the slot's block once sin read it
+
+    xs = [torch.randn(1024, 1024, device=DEV) for _ in range(6)]
+    f = cg(fn)
+    before = _settled_allocated()
+    with torch.no_grad():
+        for x in xs[:3]:  # warmup, record, replay
+            f(x)
+        assert counters["cgtrees"]["cudagraph_recorded"] >= 1, runtime.describe()
+        after = _settled_allocated()
+        assert after - before < (1 << 20), f"{(after - before) / 2**20:.1f} MiB stayed allocated\n{runtime.describe()}"
+        kept = [f(x) for x in xs]  # each kept output forces a branch at first; all must stay right
+        for x, y in zip(xs, kept):
+            torch.testing.assert_close(y, fn(x), rtol=1e-4, atol=1e-4 * max(1.0, fn(x).abs().max().item()))
+
+
+def test_output_aliasing_a_copied_input():
+    """An output that is a view of a copied input is the caller's input, on record and replay."""
+    f = cg(lambda x: (x.view(-1)[:10], x * 2))
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(64, 64, device=DEV) + i
+            view, doubled = f(x)
+            assert view.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+            torch.testing.assert_close(view, x.view(-1)[:10])
+            torch.testing.assert_close(doubled, x * 2)
+
+
 def _deep_mlp() -> nn.Module:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
