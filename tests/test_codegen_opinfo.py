@@ -43,13 +43,17 @@ OPS = {
     "scatter_reduce.prod", "scatter_reduce.mean", "scatter_reduce.amax", "scatter_reduce.amin",
     # scans (lower_scan.py)
     "cumsum", "cumprod",
+    # pooling (lower_pool.py)
+    "nn.functional.max_pool2d", "nn.functional.avg_pool2d", "nn.functional.max_pool1d", "nn.functional.avg_pool1d",
+    "max_pool2d_with_indices_backward",
 }
 # Ops whose sample graph must be generated whole: no aten call is left in the module's ``call``.
 GENERATED = {
     "nn.functional.embedding", "gather", "take_along_dim", "index_select", "__getitem__", "constant_pad_nd",
     "nn.functional.pad.constant", "slice_scatter", "select_scatter", "cat", "full_like",
     "scatter", "scatter_add", "scatter_reduce.sum", "index_add", "index_copy", "_unsafe_masked_index_put_accumulate",
-    "index_put", "cumsum", "cumprod",
+    "index_put", "cumsum", "cumprod", "nn.functional.max_pool2d", "nn.functional.avg_pool2d",
+    "nn.functional.max_pool1d", "nn.functional.avg_pool1d", "max_pool2d_with_indices_backward",
 }
 # Graphs codegen does not generate on purpose (the whole graph then runs through aten, still checked):
 WHOLE_GRAPH_ATEN = {"narrow"}  # its sample takes the start from a tensor: data-dependent sizes

@@ -89,7 +89,8 @@ ALWAYS_GENERATED = {
     "aten.cat.default", "aten.constant_pad_nd.default", "aten.slice_scatter.default",
     "aten.select_scatter.default", "aten.full_like.default", "aten.index_put.default",
     "aten.embedding_dense_backward.default", "aten.scatter.src", "aten.scatter.value", "aten.scatter_add.default",
-    "aten.cumsum.default", "aten.cumprod.default",
+    "aten.cumsum.default", "aten.cumprod.default", "aten.max_pool2d_with_indices.default",
+    "aten.max_pool2d_with_indices_backward.default", "aten.avg_pool2d.default", "aten.avg_pool2d_backward.default",
 }
 OUR_DECOMPOSITIONS = {
     aten._softmax.default: "softmax",
