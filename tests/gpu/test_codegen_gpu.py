@@ -170,6 +170,63 @@ def test_int64_indexing_past_2_to_the_31():
     torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_pooling_resnet_stem_training_matches_eager(channels_last):
+    """conv -> BN -> ReLU -> max pool 3x3/2 (resnet's stem), a residual conv block, avg pool:
+    outputs and gradients against eager; the pooling ops are generated kernels, not aten calls."""
+    import re
+
+    import torch.nn as nn
+
+    h = _helpers()
+    torch.manual_seed(0)
+
+    class Stem(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 16, 7, 2, 3, bias=False), nn.BatchNorm2d(16)
+            self.conv2, self.bn2 = nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16)
+            self.fc = nn.Linear(16 * 8 * 8, 10)
+
+        def forward(self, x):
+            y = F.max_pool2d(F.relu(self.bn(self.conv(x))), 3, 2, 1)
+            y = F.relu(self.bn2(self.conv2(y)) + y)
+            return self.fc(F.avg_pool2d(y, 2, 2).flatten(1))
+
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = Stem().to(DEV, memory_format=fmt)
+    x = torch.randn(8, 3, 64, 64, device=DEV).to(memory_format=fmt)
+    comp = h.Compiler()
+    out = torch.compile(model, backend=comp.backend)(x)
+    out.square().sum().backward()
+    comp.check()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = model(x)
+    ref.square().sum().backward()
+    close(out, ref, atol=1e-3, rtol=1e-3)
+    for g, p in zip(grads, model.parameters()):
+        close(g, p.grad, atol=1e-3 * max(p.grad.abs().max().item(), 1.0), rtol=1e-3)
+    calls = {c for m in comp.modules for c in re.findall(r"\baten\.[\w.]+",
+                                                         m.source.split("\ndef call(")[1].split("\ndef call_aten(")[0])}
+    assert not {c for c in calls if "pool" in c}, calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_max_pool_indices_ties_and_nan_match_eager(dtype):
+    """CUDA eager's rule too: the first max of a window, the last NaN where it holds one."""
+    h = _helpers()
+    x = torch.randint(0, 3, (4, 8, 33, 31), device=DEV).to(dtype)
+    x[:, :, 5, 7] = float("nan")
+    x[:, :, 6, 6] = float("nan")
+    f = lambda x: F.max_pool2d(x, 3, 2, 1, return_indices=True)  # noqa: E731
+    m = h.compile_fn(f, x)
+    values, indices = h.run(m, x)
+    ref_values, ref_indices = f(x)
+    close(values, ref_values, atol=0, rtol=0, equal_nan=True)
+    assert torch.equal(indices, ref_indices)
+
+
 def _opinfo_cases():
     from test_codegen_opinfo import OPS, op_db
 
