@@ -30,8 +30,9 @@ and the backward agree on strides), and over inference graphs. The steps:
    - every other op (``as_strided``, custom ops, anything unknown) gets its inputs in the traced
      layout, so it sees exactly the strides it was traced with;
    - graph outputs (user outputs, gradients, mutated buffers) are converted back to the strides
-     eager gives. Values between the forward and the backward are not outputs here: saved
-     activations stay channels-last.
+     eager gives (a view where only the strides of size-1 dimensions differ, else a copy). Values
+     between the forward and the backward are not outputs here: saved activations stay
+     channels-last.
    A value that must be converted back to strides no dense copy has (a strided view returned as an
    output) leaves the graph as it was: the pass is all or nothing.
 
@@ -282,9 +283,12 @@ class _Rewriter:
         return self.to_traced[arg]
 
     def _copy_like(self, arg: torch.fx.Node, want: torch.Tensor) -> torch.fx.Node:
-        """A copy of ``arg`` in ``want``'s dimension order: contiguous, channels-last, or any other
-        dense order (permute into it, copy contiguous, permute back)."""
+        """``arg`` in ``want``'s dimension order: a view where only strides of size-1 dimensions
+        differ (a 1x1 convolution's weight gradient), else a copy: contiguous, channels-last, or any
+        other dense order (permute into it, copy contiguous, permute back)."""
         name = f"{arg.name}_{'nchw' if want.dim() == 4 else 'traced'}"
+        if _same_memory(arg.meta["val"], want):
+            return self._add(aten.as_strided.default, (arg, list(want.shape), list(want.stride())), {}, name)
         if want.is_contiguous():
             return self._convert(arg, torch.contiguous_format, name)
         if want.dim() == 4 and want.is_contiguous(memory_format=CHANNELS_LAST):
@@ -315,6 +319,11 @@ def _fake_run(target: Any, args: tuple, kwargs: dict, fake_mode: Any) -> Any:
     fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta.get("val"))
     with fake_mode:
         return target(*fake_args, **fake_kwargs)
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same elements at the same offsets: strides differ at most where a dimension has size 1."""
+    return a.shape == b.shape and all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride()))
 
 
 def _same_strides(a: Any, b: Any) -> bool:

@@ -64,6 +64,7 @@ HELPERS = {
 class KernelWriter:
     def __init__(self, kernel: Kernel, name: str, interpret: bool) -> None:
         self.kernel = kernel
+        self.ranges = kernel.ranges  # the kernel's dimensions, outermost first (``_follow_layout``)
         self.name = name
         self.interpret = interpret
         self.members = {m.name: m for m in kernel.members}
@@ -80,11 +81,12 @@ class KernelWriter:
     # -------------------------------------------------------------------------------------- entry
     def write(self) -> KernelCode:
         bodies, stores = self._resolve()  # member loads -> registers / inlined expressions
+        bodies, stores = self._follow_layout(bodies, stores)  # pointwise: walk the output in memory order
         bodies, stores, dims = self._simplify(bodies, stores)  # merge dims, name x*/r* symbols
         self.dims = dims
         xnumel = sympy.Mul(*[n for _, n, red in dims if not red])
         rnumel = sympy.Mul(*[n for _, n, red in dims if red]) if self.two_d else None
-        inner = bool(dims) and dims[-1][2]
+        inner = _reduces_innermost(bodies, dims)
         if any(m.step.alone and m.step.is_reduction for m in self.kernel.members):
             cfg = heuristics.scan(xnumel, rnumel, self.interpret)
         elif self.two_d:
@@ -124,12 +126,27 @@ class KernelWriter:
             return resolved[e.buf] if member.role == "full" else ir.Ref(e.buf, member.step.dtype)
         return ir.map_children(e, lambda a: self._replace(a, seen, resolved))
 
+    def _follow_layout(self, bodies: dict, stores: dict) -> tuple[dict, dict]:
+        """A pointwise kernel walks its dimensions in the memory order of the first output it
+        stores (a channels-last output: C fastest), so that neighbouring threads write neighbouring
+        addresses; dimensions are renumbered outermost first. Reductions keep their order (an
+        argmax's index and a scan's direction follow it)."""
+        if self.two_d or self.targets or not stores:
+            return bodies, stores
+        order = _memory_order(next(iter(stores.values())), self.ranges)
+        if order == list(range(len(self.ranges))):
+            return bodies, stores
+        subs = {ir.index_symbol(d): ir.index_symbol(i) for i, d in enumerate(order)}
+        self.ranges = tuple(self.ranges[d] for d in order)
+        return ({k: ir.map_indices(b, subs) for k, b in bodies.items()},
+                {k: sympy.expand(sympy.sympify(i).xreplace(subs)) for k, i in stores.items()})
+
     def _simplify(self, bodies: dict, stores: dict) -> tuple[dict, dict, list]:
         exprs = [*bodies.values(), *(i for t in self.targets.values() for i in t)]
         indices = [ld.index for b in exprs for ld in ir.loads(b)]
         indices += [iv.index for b in exprs for iv in _index_values(b)]
         indices += list(stores.values())
-        dims, subs = merge_dims(self.kernel.ranges, self.kernel.reduced, indices)
+        dims, subs = merge_dims(self.ranges, self.kernel.reduced, indices)
         bodies = {k: ir.map_indices(b, subs) for k, b in bodies.items()}
         self.targets = {k: tuple(ir.map_indices(i, subs) for i in t) for k, t in self.targets.items()}
         stores = {k: sympy.expand(sympy.sympify(i).xreplace(subs)) for k, i in stores.items()}
@@ -491,6 +508,36 @@ def _size_symbols(kernel: Kernel, xnumel: sympy.Expr, rnumel: sympy.Expr | None)
                 out |= sympy.sympify(e.index).free_symbols
         out |= sympy.sympify(m.step.layout.index(ir.index_symbols(len(m.step.layout.size)))).free_symbols
     return {s for s in out if not ir.is_kernel_symbol(s)}
+
+
+def _memory_order(index: sympy.Expr, ranges: tuple[sympy.Expr, ...]) -> list[int]:
+    """The dimensions of ``ranges`` by decreasing stride in ``index`` (a store's), the order they
+    already have where a stride is not a positive number (symbolic, or a dimension not indexed)."""
+    index = sympy.expand(sympy.sympify(index))
+    strides = []
+    for d, n in enumerate(ranges):
+        stride = index.coeff(ir.index_symbol(d)) if n != 1 else sympy.Integer(0)
+        if n != 1 and not (stride.is_number and stride > 0):
+            return list(range(len(ranges)))
+        strides.append(int(stride) if n != 1 else 0)
+    return sorted(range(len(ranges)), key=lambda d: -strides[d])
+
+
+def _reduces_innermost(bodies: dict, dims: list) -> bool:
+    """Whether a reduction's reduced elements are adjacent in memory (a row reduction) rather than
+    its rows (a column reduction: batch norm's statistics over N, H, W of a channels-last tensor).
+    Read from the load that walks the most dimensions: is its smallest stride a reduced one?"""
+    if not dims or not any(red for _, _, red in dims):
+        return False
+    loads = [ld for b in bodies.values() for ld in ir.loads(b) if not ld.indirect]
+    if not loads:
+        return dims[-1][2]
+    index = sympy.expand(sympy.sympify(max(loads, key=lambda ld: len(ld.index.free_symbols)).index))
+    strides = [(index.coeff(s), red) for s, _, red in dims]
+    known = [(st, red) for st, red in strides if st.is_number and st > 0]
+    if len(known) != len(strides):
+        return dims[-1][2]  # symbolic strides: the last dimension is innermost, as when contiguous
+    return min(known, key=lambda t: t[0])[1]
 
 
 def _symbol_kinds(index: sympy.Expr) -> set[str]:
