@@ -51,7 +51,8 @@ OPS = {
 GENERATED = {
     "nn.functional.embedding", "gather", "take_along_dim", "index_select", "__getitem__", "constant_pad_nd",
     "nn.functional.pad.constant", "slice_scatter", "select_scatter", "cat", "full_like",
-    "scatter", "scatter_add", "scatter_reduce.sum", "index_add", "index_copy", "_unsafe_masked_index_put_accumulate",
+    "scatter", "scatter_add", "scatter_reduce.sum", "scatter_reduce.mean", "index_add", "index_copy",
+    "_unsafe_masked_index_put_accumulate",
     "index_put", "cumsum", "cumprod", "nn.functional.max_pool2d", "nn.functional.avg_pool2d",
     "nn.functional.max_pool1d", "nn.functional.avg_pool1d", "max_pool2d_with_indices_backward",
 }

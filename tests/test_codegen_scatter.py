@@ -168,12 +168,30 @@ def test_scatter_into_a_0d_tensor():
     generated(lambda b, i, s: (b.scatter(0, i, s), b.scatter_add(0, i, s) * 2), base, index, src)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int8])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce_mean_and_sum_count_their_values(dtype, include_self):
+    """A mean (or a sum without self) adds the values and counts them; elements no index names
+    keep self (rows 3 and 9 below); integers divide rounding down (negative sums included)."""
+    base = (torch.randn(11, 6) * 20).to(dtype)
+    src = (torch.randn(15, 6) * 20).to(dtype)
+    index = torch.tensor([0, 5, 5, 1, 10, 5, 2, 4, 0, 6, 7, 8, 5, 1, 0])[:, None].expand(15, 6).contiguous()
+    index[::3, 2] = 10
+
+    def fn(b, i, s):
+        return (torch.scatter_reduce(b, 0, i, s, "mean", include_self=include_self),
+                torch.scatter_reduce(b, 0, i, s, "sum", include_self=include_self))
+
+    module = generated(fn, base, index, src, terms=6, atomic=True)
+    assert "_count" in module.source
+
+
 def test_scatter_reduce_without_an_atomic_runs_through_aten():
     base, src, index = torch.randn(5, 4), torch.randn(6, 4), torch.randint(0, 5, (6, 4))
     def reducing(reduce):
         return lambda b, i, s: torch.scatter_reduce(b, 0, i, s, reduce)
 
-    for reduce in ("amax", "prod", "mean"):
+    for reduce in ("amax", "amin", "prod"):
         module = compile_fn(reducing(reduce), base, index, src)
         assert aten_calls(module) == ["aten.scatter_reduce.two"], reduce
         torch.testing.assert_close(run(module, base, index, src)[0], torch.scatter_reduce(base, 0, index, src, reduce))

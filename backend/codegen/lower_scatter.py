@@ -23,9 +23,13 @@ computed in it (a lazy ``src`` fuses).
 ``index_put`` with a boolean mask (``x[mask] = v``) is a ``where`` when ``v`` is one value for
 every selected element (it does not vary along the selection's count).
 
+``scatter_reduce`` of a mean, or of a sum without ``self``, adds the values and counts them (two
+scatters), then combines them with ``self`` pointwise as eager does.
+
 Run through aten, each with its reason: other boolean mask indices (how many values a mask takes
-is data-dependent), ``scatter_reduce`` other than a sum including ``self`` (no atomic
-product, mean or NaN-propagating max), ``embedding_dense_backward`` scaled by frequency.
+is data-dependent), ``scatter_reduce`` of a product, max or min (no atomic product; Triton's
+atomic max and min on floats do not propagate NaN), ``embedding_dense_backward`` scaled by
+frequency.
 """
 
 from __future__ import annotations
@@ -66,7 +70,15 @@ def write_at(ctx: LowerCtx, base: TensorValue, ranges: tuple, value: ir.Expr, co
     ``ir.Indirect``)."""
     dtype = ctx.out_meta().dtype
     acc = ACCUMULATE_IN.get(dtype, dtype) if mode == ir.Write.ADD else dtype
-    target = ctx.fresh(TensorValue(base.size, acc, cast(base.body, acc)), suffix="" if acc == dtype else "_acc")
+    target = scatter_buffer(ctx, base, ranges, value, coords, mode, acc, "" if acc == dtype else "_acc")
+    return target if acc == dtype else TensorValue(target.size, dtype, cast(target.body, dtype))
+
+
+def scatter_buffer(ctx: LowerCtx, base: TensorValue, ranges: tuple, value: ir.Expr, coords: list[Any],
+                   mode: ir.Write, acc: torch.dtype, suffix: str) -> TensorValue:
+    """A new buffer of type ``acc`` (named after the node plus ``suffix``) holding ``base`` with
+    ``value`` written, or added, at ``coords``."""
+    target = ctx.fresh(TensorValue(base.size, acc, cast(base.body, acc)), suffix=suffix)
     buf, layout = target.view
     syms, indirect = [], []
     for c in coords:
@@ -76,7 +88,7 @@ def write_at(ctx: LowerCtx, base: TensorValue, ranges: tuple, value: ir.Expr, co
         else:
             syms.append(c)
     ctx.scatter_into(buf, acc, ranges, cast(value, acc), ir.Scatter(layout.index(tuple(syms)), tuple(indirect), mode))
-    return target if acc == dtype else TensorValue(target.size, dtype, cast(target.body, dtype))
+    return target
 
 
 def _arg(node: torch.fx.Node, i: int, name: str, default: Any = None) -> Any:
@@ -156,8 +168,8 @@ def _scatter_ok(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
     if index.dtype not in INTEGER_INDEX:
         return f"scatter with a {index.dtype} index"
     if _mode(node) is None:
-        return f"scatter_reduce {_arg(node, 4, 'reduce')!r} (include_self={node.kwargs.get('include_self', True)}): " \
-               "only sums including self are generated (atomic adds; no atomic product, mean or NaN-aware max)"
+        return f"scatter_reduce {_arg(node, 4, 'reduce')!r}: only sums and means are generated (atomic adds; " \
+               "no atomic product, nor a NaN-propagating atomic max or min)"
     return None
 
 
@@ -166,8 +178,7 @@ def _mode(node: torch.fx.Node) -> ir.Write | None:
     if node.target == aten.scatter_add.default:
         return ir.Write.ADD
     if node.target == aten.scatter_reduce.two:
-        ok = _arg(node, 4, "reduce") == "sum" and node.kwargs.get("include_self", True)
-        return ir.Write.ADD if ok else None
+        return ir.Write.ADD if _arg(node, 4, "reduce") in ("sum", "mean") else None
     reduce = node.kwargs.get("reduce")  # scatter.reduce / scatter.value_reduce: "add" or "multiply"
     return {None: ir.Write.STORE, "add": ir.Write.ADD}.get(reduce)
 
@@ -196,7 +207,48 @@ def _scatter(ctx: LowerCtx, base: TensorValue, dim: int, index: TensorValue, src
     coords = [ir.Indirect(index.body, base.size[dim], wrap=False) if d == dim else ir.index_symbol(d)
               for d in range(len(base.size))]
     value = cast(src.body, compute) if isinstance(src, TensorValue) else broadcast(src, (), compute)
+    if _counted(ctx.node):
+        return _scatter_counted(ctx, base, index, value, coords)
     return write_at(ctx, base, index.size, value, coords, _mode(ctx.node))
+
+
+def _counted(node: torch.fx.Node) -> bool:
+    """A scatter_reduce that needs how many values land on each element: a mean, or a sum
+    without ``self``."""
+    return node.target == aten.scatter_reduce.two and (
+        _arg(node, 4, "reduce") == "mean" or not node.kwargs.get("include_self", True))
+
+
+def _scatter_counted(ctx: LowerCtx, base: TensorValue, index: TensorValue, value: ir.Expr,
+                     coords: list[Any]) -> TensorValue:
+    """Eager's ``scatter_reduce`` sum without ``self`` and mean: ``total`` (the values landing on
+    each element, added up) and ``count`` (how many), two scatters that add, then pointwise:
+    ``(self + total) / (count + 1)`` for a mean with ``self``, and without ``self`` ``total`` (or
+    ``total / count``) where ``count > 0``, ``self`` elsewhere. Integers divide rounding down,
+    the sum and count wrapping in the result's type, as eager's do."""
+    meta = ctx.out_meta()
+    dtype, include_self = meta.dtype, ctx.node.kwargs.get("include_self", True)
+    acc = ACCUMULATE_IN.get(dtype, dtype)
+    zeros = TensorValue(base.size, dtype, Const(0, dtype))
+    total = scatter_buffer(ctx, zeros, index.size, value, coords, ir.Write.ADD, acc, "_total")
+    count = scatter_buffer(ctx, zeros, index.size, Const(1, torch.int32), coords, ir.Write.ADD, torch.int32,
+                           "_count")
+    compute = compute_dtype(dtype)
+    own = cast(base.body, compute)
+    result = cast(total.body, compute)
+    n = cast(count.body, compute)  # eager counts in the result's type too
+    if include_self:
+        result = cast(cast(Op("add", (own, result), compute), dtype), compute)
+        n = Op("add", (n, Const(1, compute)), compute)
+    if _arg(ctx.node, 4, "reduce") == "mean":
+        n = cast(cast(n, dtype), compute)
+        divide = "truediv" if compute.is_floating_point else "ifloordiv"
+        result = Op(divide, (result, Op("where", (Op("eq", (n, Const(0, compute)), torch.bool), Const(1, compute), n),
+                                      compute)), compute)
+    if not include_self:
+        hit = Op("ne", (count.body, Const(0, torch.int32)), torch.bool)
+        result = Op("where", (hit, result, own), compute)
+    return TensorValue(base.size, dtype, cast(result, dtype))
 
 
 def _scatter_scalar(ctx: LowerCtx, base: TensorValue, index: TensorValue, src: Any) -> TensorValue:
