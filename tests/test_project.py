@@ -3,6 +3,7 @@ repository and tells a GPU user how to install; the demo works and says what a C
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -58,3 +59,22 @@ def test_demo_runs_and_matches_eager(tmp_path):
         assert "runs each compiled graph as plain aten calls: correct, not accelerated" in done.stdout
         assert "x eager" not in done.stdout, done.stdout
         assert "runs without CUDA graphs" not in done.stderr, done.stderr  # no warning per graph
+
+
+def test_pytest_hides_only_the_interpreters_expected_numpy_warnings(tmp_path):
+    """setup.cfg's filter drops numpy's floating-point warnings raised inside Triton's interpreter
+    (inf and nan in masked-off lanes, as a GPU computes them) and nothing else."""
+    (tmp_path / "test_w.py").write_text(
+        "import warnings\n"
+        "def warn(text, module):\n"
+        "    warnings.warn_explicit(text, RuntimeWarning, 'x.py', 1, module=module)\n"
+        "def test_w():\n"
+        "    warn('divide by zero encountered in log', 'triton.runtime.interpreter')\n"
+        "    warn('divide by zero encountered in log', 'backend.codegen.interp')\n"
+        "    warn('something else', 'triton.runtime.interpreter')\n")
+    shutil.copy(os.path.join(ROOT, "setup.cfg"), tmp_path)  # the project's pytest config, beside the test
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_w.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout
+    assert "1 passed, 2 warnings" in done.stdout, done.stdout
+    assert "something else" in done.stdout and done.stdout.count("divide by zero encountered in log") == 1
