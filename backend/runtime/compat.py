@@ -42,6 +42,9 @@ set_storage_error = _first("_set_storage_data_ptr_access_error_msg")
 storage_use_count = _first("_storage_Use_Count")
 _ptrs_equal = _first("_tensors_data_ptrs_at_indices_equal")
 clear_cublas_workspaces = _first("_cuda_clearCublasWorkspaces")
+# Whether the running backward keeps its graph (retain_graph; True outside a backward): then the
+# activations it reads are read again later, and a graph must not reuse their memory.
+keep_graph = getattr(getattr(_C, "_autograd", None), "_get_current_graph_task_keep_graph", None) or (lambda: True)
 
 # What the CUDA graph path cannot do without (the rest has a fallback below).
 _REQUIRED = {
@@ -71,7 +74,10 @@ def report() -> dict[str, bool]:
              "_tensors_data_ptrs_at_indices_equal", "_cuda_clearCublasWorkspaces",
              "_cuda_beginAllocateCurrentThreadToPool", "_cuda_beginAllocateCurrentStreamToPool",
              "_cuda_endAllocateToPool", "_cuda_endAllocateCurrentStreamToPool", "_cuda_releasePool"]
-    return {name: hasattr(_C, name) for name in names}
+    found = {name: hasattr(_C, name) for name in names}
+    found["_autograd._get_current_graph_task_keep_graph"] = hasattr(getattr(_C, "_autograd", None),
+                                                                    "_get_current_graph_task_keep_graph")
+    return found
 
 
 def restore_checkpoint(device: int, state: Any, give_deleters_to: Sequence[int]) -> None:

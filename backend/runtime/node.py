@@ -91,16 +91,22 @@ class GraphNode:
         """Capture ``call`` on ``args``, replay it once, checkpoint; returns this call's outputs."""
         self._plan_inputs(args, static, live_ptrs, mutated)  # which inputs are copied, which checked
         outs = self._capture(call, args)  # the graph; outputs are pool tensors
+        self.consumed = {key: count for key, storage, count in self.handed if not storage.alive()}
+        self.handed = []
+        for ptr, _ in self.consumed:  # dead: an output at that address is the graph's own
+            self.input_storages.pop(ptr, None)
         self._view_pool_slots()
         self._copy_in(args)
         self.graph.replay()  # this call's results
         self._write_back(args)
         self._plan_outputs(outs, args)  # how each output is rebuilt on replay
-        # Outputs that alias an input are rebuilt from the caller's input: the capture's own (over
-        # a pool slot, say) go now, so a slot they held is free in the checkpoint, as in the graph.
-        outs = [None if kind == _INPUT else o for o, (kind, _, _) in zip(outs, self.out_plan)]
+        # Outputs that alias a copied input are rebuilt from the caller's input: the capture's own
+        # (over a pool slot) go now, so a slot they held is free in the checkpoint, as in the graph.
+        outs = [None if kind == _INPUT and self.check_ptrs[a] is None else o
+                for o, (kind, a, _) in zip(outs, self.out_plan)]
         self.checkpoint = compat.get_checkpoint_state(self.manager.device, self.manager.pool)
-        self.checkpoint_ptrs = tuple(dict.fromkeys([p for p, _ in self.protected]
+        consumed = {p for p, _ in self.consumed}  # free in the checkpoint (unless an output took it)
+        self.checkpoint_ptrs = tuple(dict.fromkeys([p for p, _ in self.protected if p not in consumed]
                                                    + [p for p, _ in self.pool_storages]))
         return self._first_outputs(outs, args)
 
@@ -116,6 +122,11 @@ class GraphNode:
         self.copy_src: list[tuple[int, tuple | None]] = []
         self.pool_slots: list[tuple[int, dict[str, Any], WeakStorage]] = []  # (slot, meta, storage)
         self.input_storages: dict[int, tuple[int, int]] = {}  # storage pointer -> (input, offset)
+        # A backward's pool inputs (the activations its forward saved): handed to the capture
+        # (``_capture_args``); those that die in it are *consumed*, by key, with their use count.
+        self.handoff: list[int] = []
+        self.handed: list[tuple[tuple[int, int], WeakStorage, int]] = []
+        self.consumed: dict[tuple[int, int], int] = {}
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 continue
@@ -126,6 +137,8 @@ class GraphNode:
                 if a.untyped_storage().data_ptr() not in live_ptrs:
                     self.static_index.append(i)
                     self.static_storages.append(WeakStorage(a.untyped_storage()))
+                elif self.fn.kind == "backward" and not self.copy_out:
+                    self.handoff.append(i)
                 self.check_index.append(i)
                 self.check_ptrs[i] = a.data_ptr()
                 self.input_storages.setdefault(a.untyped_storage().data_ptr(), (i, a.storage_offset()))
@@ -159,7 +172,27 @@ class GraphNode:
                 slot = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
                 self.pool_slots.append((k, _meta(slot), WeakStorage(slot.untyped_storage())))
             capture_args[i] = slot
+        if self.handoff and not compat.keep_graph():
+            self._hand_off(args)
         return capture_args
+
+    def _hand_off(self, args: list[Any]) -> None:
+        """Let the capture hold a backward's pool inputs alone, so that it frees each at its last
+        read and reuses the memory, as an eager backward would (a training step's peak). Only where
+        autograd keeps no graph (no ``retain_graph``): nothing reads the activations afterwards.
+        ``fits`` replays such a node only when the same holds again: the graph keeps nothing, and
+        each consumed storage has the use count it had here (the call's arguments alone)."""
+        seen: dict[tuple[int, int], None] = {}
+        for i in self.handoff:
+            storage = args[i].untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in seen:
+                seen[key] = None
+                weak = WeakStorage(storage)
+                del storage  # a Python storage object counts as a use
+                self.handed.append((key, weak, compat.storage_use_count(weak.cdata)))
+        for i in self.handoff:
+            args[i] = None  # outputs that alias one of them are the capture's own (``_first_outputs``)
 
     def _view_pool_slots(self) -> None:
         """After the capture: each pool slot as a tensor over its address that owns nothing; a slot
@@ -237,7 +270,7 @@ class GraphNode:
                                         for s in range(len(self.pool_storages))])
         result = []
         for o, (kind, a, b) in zip(outs, self.out_plan):
-            if kind == _INPUT:
+            if kind == _INPUT and o is None:  # of a copied input: the caller's (a checked one's is)
                 base = args[a]
                 o = base.as_strided(b[0], b[1], base.storage_offset() + b[2])
             result.append(o)
@@ -253,6 +286,16 @@ class GraphNode:
         if self.check_index and not compat.ptrs_equal(args, self.check_ptrs, self.check_index):
             return _MOVED
         protected = self.protected
+        consumed = self.consumed
+        if consumed:  # the graph reuses these inputs' memory: only the call may hold them
+            if compat.keep_graph():
+                return _LIVE
+            use_count = compat.storage_use_count
+            for entry in live:
+                key = entry.key
+                if key not in protected or (key in consumed and use_count(entry.cdata) != consumed[key]):
+                    return _LIVE
+            return _OK
         for entry in live:
             if entry.key not in protected:
                 return _LIVE
@@ -323,7 +366,8 @@ class GraphNode:
         return (f"node {self.id} {self.function_name} parent={self.parent_id} gen={self.generation} "
                 f"key={self.key} replays={self.replays} inputs copied={copied} checked={len(self.check_index)} "
                 f"outputs={len(self.out_plan)} pool_bytes={sum(n for _, n in self.pool_storages)} "
-                f"protected={len(self.protected)}" + (" copy-out" if self.copy_out else ""))
+                f"protected={len(self.protected)} consumed={len(self.consumed)}"
+                + (" copy-out" if self.copy_out else ""))
 
     def release(self) -> None:
         """Free the input slots and, unless this is the manager's last node, the graph. The last

@@ -171,6 +171,52 @@ def test_backward_twice_with_retain_graph():
         ref.zero_grad(set_to_none=True)
 
 
+def test_retain_graph_after_plain_backwards():
+    """Plain backwards first (their graph may reuse the memory of the activations it reads: nothing
+    reads them again), then ``backward(retain_graph=True)`` and a second backward: the second reads
+    what the first left, as in eager, so the first must not run the graph that reuses it."""
+    model = mlp()
+    ref = copy.deepcopy(model)
+    f = cg(model)
+    for step in range(7):
+        x = torch.randn(16, 32, device=DEV)
+        out, want = f(x), ref(x)
+        loss, ref_loss = out.square().mean(), want.square().mean()
+        if step < 4:
+            loss.backward()
+            ref_loss.backward()
+        else:
+            loss.backward(retain_graph=True)
+            ref_loss.backward(retain_graph=True)
+            (2 * loss).backward()
+            (2 * ref_loss).backward()
+        grads_close(model, ref, f"step {step}")
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
+def test_output_the_backward_reads_and_the_user_keeps():
+    """The model's output is what its backward reads (tanh's gradient is 1 - y**2); a user who
+    keeps it across ``backward()`` finds it unchanged, on steps where others dropped it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh()).to(DEV)
+    ref = copy.deepcopy(model)
+    f = cg(model)
+    for step in range(8):
+        x = torch.randn(16, 32, device=DEV)
+        if step % 3 == 2:
+            y, want = f(x), ref(x)
+            y.sum().backward()
+            want.sum().backward()
+            close(y, want, f"step {step}: the kept output after backward")
+        else:
+            f(x).sum().backward()
+            ref(x).sum().backward()
+        grads_close(model, ref, f"step {step}")
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+
+
 def test_autograd_grad():
     """``torch.autograd.grad`` with respect to the input and the parameters (no ``.grad``
     written), and with ``create_graph=False``: eager's values."""
