@@ -1,8 +1,9 @@
 """Scans (backend/codegen/lower_scan.py: cumsum, cumprod) through Triton's interpreter, against eager.
 
 A scan is one kernel holding whole rows (its input fused into it); rows longer than
-``heuristics.SCAN_LIMIT`` run through aten. Float sums are taken in another order than eager's
-sequential one: the tolerance grows with the row's length and magnitudes.
+``heuristics.SCAN_LIMIT`` are scanned in chunks (three kernels), rows of symbolic length run
+through aten. Float sums are taken in another order than eager's sequential one: the tolerance
+grows with the row's length and magnitudes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 from codegen_helpers import INTERPRET, compile_fn, kernel_count, run
 
-from backend.codegen import heuristics
+from backend.codegen import heuristics, lower_scan
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: interpreted kernels only with CGTREES_INTERPRET=1")
 
@@ -64,11 +65,27 @@ def test_cumprod_and_consumers():
     check(lambda x: (torch.cumprod(x, -1) * 3, torch.cumsum(x, 0).sum(1)), x, row=23)
 
 
-def test_a_row_past_the_limit_runs_through_aten():
-    x = torch.randn(2, heuristics.SCAN_LIMIT + 1)
-    module = compile_fn(lambda x: torch.cumsum(x, 1), x)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_a_row_past_the_limit_is_scanned_in_chunks(dtype):
+    """Chunks scanned, their totals scanned, each element combined with the totals before its
+    chunk: two scans and a pointwise value (fused into the consumer); a padded last chunk."""
+    n = heuristics.SCAN_LIMIT + 3001
+    x = (torch.randn(2, n) * 3).to(dtype)
+    module = check(lambda x: torch.cumsum(x, 1) * 2, x, kernels=3, row=n)
+    assert "_chunks" in module.source and "_totals" in module.source
+
+
+def test_a_long_scan_along_a_middle_dim_and_a_product():
+    n = heuristics.SCAN_LIMIT + 2 * lower_scan.LONG_CHUNK  # no padding
+    x = torch.randn(2, n, 3).permute(1, 0, 2) * 0.01 + 1  # (n, 2, 3), scanned along a strided dim
+    check(lambda x: (torch.cumsum(x, 0), torch.cumprod(x, 0)), x, row=n)
+
+
+def test_a_row_of_symbolic_length_runs_through_aten():
+    x = torch.randn(2, 37)
+    module = compile_fn(lambda x: torch.cumsum(x, 1), x, dynamic=True)
     assert aten_calls(module) == ["aten.cumsum.default"]
-    torch.testing.assert_close(run(module, x)[0], torch.cumsum(x, 1))
+    torch.testing.assert_close(module.call([x])[0], torch.cumsum(x, 1))
 
 
 def test_a_long_row_fits_one_block():
