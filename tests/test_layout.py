@@ -250,3 +250,32 @@ def test_option_values():
     assert Config.resolve(options={"layout_opt": "force"}).layout_opt == "force"
     with pytest.raises(ValueError, match="valid values: auto, off, force"):
         Config.resolve(options={"layout_opt": "nhwc"})
+
+
+# ------------------------------------------------------------------ our kernels follow the layout
+@interpreted
+def test_pointwise_kernel_walks_channels_last_memory_in_order():
+    """A channels-last output is written in memory order: one flat index, no div/mod per element."""
+    from codegen_helpers import compile_fn, run
+
+    x, y = (torch.randn(4, 16, 5, 7).to(memory_format=torch.channels_last) for _ in range(2))
+    fn = lambda x, y: x.relu() * 2 + y  # noqa: E731
+    module = compile_fn(fn, x, y)
+    kernels = module.source[module.source.find("@triton.jit"):module.source.find("def call(")]
+    assert "//" not in kernels and "%" not in kernels, kernels
+    _same(run(module, x, y)[0], fn(x, y), "output")
+
+
+@pytest.mark.parametrize("strides, reduced_innermost", [
+    ((1, 16), False),  # sum over N, H, W of a channels-last tensor: C is adjacent in memory
+    ((140, 1), True),  # the same sum over a contiguous tensor: each row is adjacent
+])
+def test_reductions_read_row_or_column_from_strides(strides, reduced_innermost):
+    import sympy
+
+    from backend.codegen import ir
+    from backend.codegen.kernel import _reduces_innermost
+
+    x0, r0 = sympy.Symbol("x0", integer=True, nonnegative=True), sympy.Symbol("r0", integer=True, nonnegative=True)
+    load = ir.Load("buf", strides[0] * x0 + strides[1] * r0, torch.float32)
+    assert _reduces_innermost({"sum": load}, [(x0, 16, False), (r0, 140, True)]) is reduced_innermost
