@@ -62,13 +62,15 @@ def test_demo_runs_and_matches_eager(tmp_path):
 
 
 def test_pytest_hides_only_the_interpreters_expected_numpy_warnings(tmp_path):
-    """setup.cfg's filter drops numpy's floating-point warnings raised inside Triton's interpreter
-    (inf and nan in masked-off lanes, as a GPU computes them) and nothing else."""
+    """setup.cfg's filters drop numpy's floating-point warnings raised inside Triton's interpreter
+    (inf and nan in masked-off lanes, as a GPU computes them) and torch's deprecation of the
+    ``script_method`` its own mkldnn module uses, and nothing else."""
     (tmp_path / "test_w.py").write_text(
         "import warnings\n"
-        "def warn(text, module):\n"
-        "    warnings.warn_explicit(text, RuntimeWarning, 'x.py', 1, module=module)\n"
+        "def warn(text, module, category=RuntimeWarning):\n"
+        "    warnings.warn_explicit(text, category, 'x.py', 1, module=module)\n"
         "def test_w():\n"
+        "    warn('`torch.jit.script_method` is deprecated. Please', 'torch.jit._script', DeprecationWarning)\n"
         "    warn('divide by zero encountered in log', 'triton.runtime.interpreter')\n"
         "    warn('divide by zero encountered in log', 'backend.codegen.interp')\n"
         "    warn('something else', 'triton.runtime.interpreter')\n")
