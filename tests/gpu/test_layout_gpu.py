@@ -1,0 +1,153 @@
+"""Channels-last convolution graphs on CUDA (backend/aot/layout.py): the four conv nets trained
+against eager (outputs, gradients, running statistics, eager's strides), the decision taken by
+itself on a net with enough channels, and no cuDNN layout conversion kernels around convolutions
+in a compiled training step (kernel names from torch.profiler; the names each run saw are printed).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+from conv_models import BasicBlock, ConvBNReLU, ConvNeXtBlock, MobileBlock  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs CUDA (and compiled, not interpreted, Triton kernels)")
+
+DEV = "cuda"
+MODELS = {
+    "conv_bn_relu": lambda: (ConvBNReLU(), torch.randn(8, 3, 32, 32)),
+    "resnet_basic_block": lambda: (BasicBlock(), torch.randn(8, 8, 32, 32)),
+    "mobilenet_block": lambda: (MobileBlock(), torch.randn(8, 8, 32, 32)),
+    "convnext_block": lambda: (ConvNeXtBlock(), torch.randn(8, 16, 16, 16)),
+}
+# cuDNN's own NCHW <-> NHWC conversion kernels (cudnn 8 and 9 name them so, in namespaces that
+# change between releases); matched case-insensitively.
+CONVERSION_KERNELS = ("nchwtonhwc", "nhwctonchw", "nchwtonhwckernel", "nhwctonchwkernel")
+
+
+class WideNet(nn.Module):
+    """A small ResNet stem and stage at 64-128 channels: the decision takes NHWC by itself here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
+        self.block = BasicBlock(64)
+        self.down = nn.Sequential(nn.Conv2d(64, 128, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(128),
+                                  nn.ReLU())
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(self.block(self.stem(x)))
+        return self.head(y.mean((2, 3)))
+
+
+@pytest.fixture
+def no_tf32():
+    """Full float32 convolutions in eager and compiled alike (TF32's 1e-3 would hide a wrong value)."""
+    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _close(actual, expected, what, truth):
+    """As tests/test_layout.py: atol scaled to the values, at least 3x eager's own float32 error."""
+    atol = max(1e-5 * max(1.0, expected.abs().max().item()), 3 * (expected.double() - truth).abs().max().item())
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+def _same(actual, expected, what, truth):
+    _close(actual, expected, what, truth)
+    assert actual.stride() == expected.stride(), f"{what}: strides {actual.stride()}, eager's {expected.stride()}"
+
+
+def _train_against_eager(model: nn.Module, x: torch.Tensor, options: dict, steps: int = 3) -> None:
+    model, x = model.to(DEV), x.to(DEV)
+    eager, exact = copy.deepcopy(model), copy.deepcopy(model).double()
+    compiled = torch.compile(model, backend="cgtrees", options=options)
+    for step in range(steps):  # warmup, record, replay
+        x_ours, x_eager, x_exact = (x.clone().requires_grad_(), x.clone().requires_grad_(),
+                                    x.double().requires_grad_())
+        out, expected, truth = compiled(x_ours), eager(x_eager), exact(x_exact)
+        cotangent = torch.randn_like(expected)
+        for y, dy in ((out, cotangent), (expected, cotangent), (truth, cotangent.double())):
+            y.backward(dy)
+        _same(out, expected, f"step {step}: output", truth)
+        _same(x_ours.grad, x_eager.grad, f"step {step}: grad of the input", x_exact.grad)
+        for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
+            _same(p.grad, q.grad, f"step {step}: grad of {name}", r.grad)
+            p.grad, q.grad, r.grad = None, None, None
+        for (name, b), c, d in zip(model.named_buffers(), eager.buffers(), exact.buffers()):
+            _close(b, c, f"step {step}: buffer {name}", d)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_training_channels_last_matches_eager(name, no_tf32):
+    from torch._dynamo.utils import counters
+
+    _train_against_eager(*MODELS[name](), {"layout_opt": "force"})  # small nets: the decision says NCHW
+    assert counters["cgtrees"]["layout_channels_last"] == 1
+    assert counters["cgtrees"]["graph_fallbacks"] == 0
+
+
+def test_decision_takes_channels_last_by_itself(no_tf32):
+    from torch._dynamo.utils import counters
+
+    _train_against_eager(WideNet(), torch.randn(8, 3, 32, 32), {})
+    assert counters["cgtrees"]["layout_channels_last"] == 1
+    assert counters["cgtrees"]["graph_fallbacks"] == 0
+
+
+def test_inference_channels_last_matches_eager(no_tf32):
+    from torch._dynamo.utils import counters
+
+    model, x = WideNet().to(DEV).eval(), torch.randn(8, 3, 32, 32, device=DEV)
+    compiled = torch.compile(model, backend="cgtrees")
+    with torch.no_grad():
+        for _ in range(3):
+            out, expected = compiled(x), model(x)
+            torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+            assert out.stride() == expected.stride()
+    assert counters["cgtrees"]["layout_channels_last"] == 1
+
+
+def _kernel_names(model: nn.Module, x: torch.Tensor, options: dict) -> list[str]:
+    """Every GPU kernel of two training steps after warmup (CUDA graphs off: one launch per kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    compiled = torch.compile(model, backend="cgtrees", options={**options, "cudagraphs": False})
+    for _ in range(2):
+        compiled(x).sum().backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            compiled(x).sum().backward()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def _conversions(names: list[str]) -> list[str]:
+    return sorted({n for n in names if any(k in n.lower() for k in CONVERSION_KERNELS)})
+
+
+def test_no_layout_conversion_kernels_around_convolutions():
+    """With the layout on, cuDNN runs NHWC convolutions with no conversion kernel of its own; the
+    same net with the layout off shows what cuDNN did before (printed, for the record)."""
+    model, x = WideNet().to(DEV), torch.randn(32, 3, 64, 64, device=DEV)
+    before = _kernel_names(copy.deepcopy(model), x, {"layout_opt": "off"})
+    torch._dynamo.reset()
+    after = _kernel_names(model, x, {})
+    print(f"\nlayout off: {len(before)} kernels, conversions {_conversions(before)}")
+    print(f"layout on: {len(after)} kernels, conversions {_conversions(after)}")
+    print("layout on, kernels with nchw/nhwc/transpose in their names:",
+          sorted({n for n in after if any(k in n.lower() for k in ("nchw", "nhwc", "transpose"))}))
+    assert not _conversions(after)
