@@ -90,7 +90,12 @@ class GraphNode:
                live_ptrs: set[int]) -> list[Any]:
         """Capture ``call`` on ``args``, replay it once, checkpoint; returns this call's outputs."""
         self._plan_inputs(args, static, live_ptrs, mutated)  # which inputs are copied, which checked
-        outs = self._capture(call, args)  # the graph; outputs are pool tensors
+        try:
+            outs = self._capture(call, args)  # the graph; outputs are pool tensors
+        except BaseException:
+            self._take_back(args)  # the caller runs the graph eagerly on them
+            raise
+        self.handed_args = []
         self.consumed = {key: count for key, storage, count in self.handed if not storage.alive()}
         self.handed = []
         for ptr, _ in self.consumed:  # dead: an output at that address is the graph's own
@@ -126,6 +131,7 @@ class GraphNode:
         # (``_capture_args``); those that die in it are *consumed*, by key, with their use count.
         self.handoff: list[int] = []
         self.handed: list[tuple[tuple[int, int], WeakStorage, int]] = []
+        self.handed_args: list[tuple[int, dict[str, Any]]] = []  # (input, meta) until the capture ended
         self.consumed: dict[tuple[int, int], int] = {}
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
@@ -183,6 +189,7 @@ class GraphNode:
         ``fits`` replays such a node only when the same holds again: the graph keeps nothing, and
         each consumed storage has the use count it had here (the call's arguments alone)."""
         seen: dict[tuple[int, int], None] = {}
+        self.handed_args = [(i, _meta(args[i])) for i in self.handoff]
         for i in self.handoff:
             storage = args[i].untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
@@ -193,6 +200,15 @@ class GraphNode:
                 self.handed.append((key, weak, compat.storage_use_count(weak.cdata)))
         for i in self.handoff:
             args[i] = None  # outputs that alias one of them are the capture's own (``_first_outputs``)
+
+    def _take_back(self, args: list[Any]) -> None:
+        """After a failed capture, the inputs handed to it as tensors over their memory again (they
+        own nothing). Nothing ran in the capture, and only a capture allocates in the pool, so the
+        memory of those it freed still holds their values until the next recording."""
+        for i, meta in self.handed_args:
+            storage = compat.storage_from_pointer(meta["data_ptr"], self.device, meta["nbytes"])
+            args[i] = compat.tensor_from_storage(meta, storage)
+        self.handed_args = []
 
     def _view_pool_slots(self) -> None:
         """After the capture: each pool slot as a tensor over its address that owns nothing; a slot

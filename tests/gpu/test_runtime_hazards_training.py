@@ -174,10 +174,16 @@ def test_backward_twice_with_retain_graph():
 def test_retain_graph_after_plain_backwards():
     """Plain backwards first (their graph may reuse the memory of the activations it reads: nothing
     reads them again), then ``backward(retain_graph=True)`` and a second backward: the second reads
-    what the first left, as in eager, so the first must not run the graph that reuses it."""
+    what the first left, as in eager, so the first must not run the graph that reuses it.
+    AOTAutograd's own donated buffers forbid this order (its error names the setting to turn off)."""
     model = mlp()
     ref = copy.deepcopy(model)
     f = cg(model)
+    with torch._functorch.config.patch(donated_buffer=False):
+        _plain_then_retained(f, model, ref)
+
+
+def _plain_then_retained(f, model, ref):
     for step in range(7):
         x = torch.randn(16, 32, device=DEV)
         out, want = f(x), ref(x)
@@ -215,6 +221,38 @@ def test_output_the_backward_reads_and_the_user_keeps():
         grads_close(model, ref, f"step {step}")
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
+
+
+def test_failed_backward_capture_reruns_on_the_activations_it_freed(monkeypatch):
+    """A backward's capture that fails after it freed the activations handed to it: the step still
+    gets eager's gradients (the graph runs eagerly on their memory, which nothing reused), and so
+    do the next steps, without CUDA graphs for that backward."""
+    import backend.runtime.node as node_mod
+
+    real = node_mod.GraphNode._capture
+
+    def failing(self, call, args):
+        if self.fn.kind != "backward":
+            return real(self, call, args)
+
+        def free_then_fail(capture_args):
+            capture_args.clear()  # what the capture held alone dies here
+            raise RuntimeError("injected capture failure")
+
+        return real(self, free_then_fail, args)
+
+    monkeypatch.setattr(node_mod.GraphNode, "_capture", failing)
+    model = mlp()
+    ref = copy.deepcopy(model)
+    f = cg(model)
+    for step in range(4):
+        x = torch.randn(16, 32, device=DEV)
+        f(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        grads_close(model, ref, f"step {step}")
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    assert counters["cgtrees"]["cudagraph_skips"] >= 1
 
 
 def test_autograd_grad():

@@ -29,11 +29,6 @@ def _ratio(*flags: str) -> tuple[float, str]:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 17, open: 1.47-1.66x on the H100 (2026-11-23, after inference graphs left AOTAutograd's "
-    "runtime wrappers), against Dynamo's own floor of 1.04-1.16x (Dynamo + one copy + replay). Host time "
-    "of ours per call: the input copy_ 9-11 us, the 34 static-address checks 3.5-5 us, rebuilding the "
-    "output 3-4 us, the replay 4-5 us, against a 62 us graph"))
 def test_per_call_after_history_within_target():
     ratio, text = _ratio("--history")
     print(text)
