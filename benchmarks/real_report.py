@@ -74,8 +74,11 @@ not run are listed); the files go to `benchmarks/results/real/`, and the merge r
 
 ```
 python benchmarks/run.py --suite real --models gpt2 --modes train --cold-warm --budget 480 --out-dir OUT
-python benchmarks/run.py --suite real --models gpt2 --modes train --backends inductor-ca,cgtrees-ca,cgtrees \\
-    --cold-warm --budget 480 --out OUT/real-gpt2-train-ca.json    # compiled autograd (issue 20)
+python benchmarks/run.py --suite real --models gpt2 --modes train --cold-warm --warm-runs 1 --budget 540 \\
+    --backends eager,cgtrees,cgtrees-ca,inductor,inductor-ca,reduce-overhead,reduce-overhead-ca \\
+    --out OUT/real-gpt2-train-ca.json     # compiled autograd (issue 20); merged with the file listed last:
+python benchmarks/run.py --suite real --markdown docs/benchmarks.md --analysis benchmarks/results/real/analysis.md \\
+    --from-json benchmarks/results/real,benchmarks/results/real/real-gpt2-train-ca.json
 python benchmarks/run.py --suite real --from-json benchmarks/results/real --markdown docs/benchmarks.md
 python benchmarks/run.py --suite real --smoke --out-dir /tmp/real   # CPU: the HF models tiny, eager and cgtrees
 ```

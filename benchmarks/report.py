@@ -315,8 +315,9 @@ def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
         "```",
         "python benchmarks/run.py --models gpt_block --modes infer,train --cold-warm --out gpt_block.json",
         "python benchmarks/run.py --models decode --modes infer --cold-warm --kernels --out decode.json",
-        "python benchmarks/run.py --models gpt_block --modes train --no-floor --cold-warm "
-        "--backends inductor,inductor-ca,reduce-overhead-ca,cgtrees,cgtrees-ca --out gpt_block-ca.json",
+        "python benchmarks/run.py --models gpt_block --modes train --no-floor --cold-warm --warm-runs 1 "
+        "--budget 540 --backends eager,cgtrees,cgtrees-ca,inductor,inductor-ca,reduce-overhead,reduce-overhead-ca,"
+        "cudagraphs --out gpt_block-ca.json",
         "python benchmarks/run.py --from-json mlp_small.json,...,decode.json --markdown docs/benchmarks.md",
         "python benchmarks/run.py --smoke   # CPU, tiny sizes, eager and cgtrees, one process (CI)",
         "```",

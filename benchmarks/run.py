@@ -21,8 +21,9 @@ Compiled autograd (issue 20): the backends ``cgtrees-ca``, ``inductor-ca`` and `
 (named in ``--backends``; training rows only) run the same step with the backward captured by
 compiled autograd and compiled by the same backend (``worker.py`` says how), cold and warm:
 
-    python benchmarks/run.py --models gpt_block --modes train --no-floor --cold-warm --warm-runs 1 \\
-        --backends eager,inductor,inductor-ca,reduce-overhead,reduce-overhead-ca,cgtrees,cgtrees-ca --out ca.json
+    python benchmarks/run.py --models gpt_block --modes train --no-floor --cold-warm --warm-runs 1 --budget 540 \\
+        --backends eager,cgtrees,cgtrees-ca,inductor,inductor-ca,reduce-overhead,reduce-overhead-ca,cudagraphs \\
+        --out ca.json
 
 ``--markdown`` rewrites the whole file but keeps, verbatim, every block between ``<!-- name:begin -->``
 and ``<!-- name:end -->`` that it had: the real-model section and hand-written ones (the precompile
@@ -265,13 +266,16 @@ def result_files(paths: str) -> list[Path]:
 
 def load(paths: str) -> tuple[list[dict], dict | None, dict]:
     """Rows, kernel report and meta (date, commands) of earlier runs, merged in order: a later
-    file's row replaces an earlier one for the same (workload, mode, backend, phase)."""
+    file's row replaces an earlier one for the same (workload, mode, backend, phase), unless it
+    was never run (a spent ``--budget``: it measured nothing)."""
     by_key: dict[tuple, dict] = {}
     kernels, metas = None, []
     for path in result_files(paths):
         data = json.loads(path.read_text())
         for row in data["rows"]:
-            by_key[(row["workload"], row["mode"], row["backend"], row["phase"])] = row
+            key = (row["workload"], row["mode"], row["backend"], row["phase"])
+            if key not in by_key or not str(row.get("error") or "").startswith(NOT_RUN):
+                by_key[key] = row
         kernels = data.get("kernels") or kernels
         metas.append(data.get("meta", {}))
     order = {name: i for i, name in enumerate(workloads.NAMES)}
@@ -297,8 +301,11 @@ class Budget:
         return max(1.0, min(timeout, self.deadline - time.perf_counter()))
 
 
+NOT_RUN = "not run:"
+
+
 def not_run(spec: dict, budget: float | None) -> dict:
-    return {**spec, "ok": False, "error": f"not run: the --budget of {budget:.0f}s was spent"}
+    return {**spec, "ok": False, "error": f"{NOT_RUN} the --budget of {budget:.0f}s was spent"}
 
 
 def measure_all(args: argparse.Namespace, on_row: Callable[[list[dict]], None]) -> tuple[list[dict], dict | None]:

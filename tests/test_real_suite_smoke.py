@@ -187,3 +187,11 @@ def test_compiled_autograd_rows_are_lines_of_their_own_and_issue_20_is_checked(t
     new.write_text(json.dumps({"meta": {}, "rows": [{**rows[1], "step_s": 1.1e-3}, *rows[3:]]}))
     merged, _, _ = run.load(f"{old},{new}")
     assert {r["backend"]: r["step_s"] for r in merged}["cgtrees"] == 1.1e-3 and len(merged) == 5
+    # ... except a row the newer call never ran (its --budget spent): the older measurement stays.
+    cut = tmp_path / "c.json"
+    spec = {k: rows[2][k] for k in ("workload", "mode", "backend", "phase")}  # reduce-overhead's
+    cut.write_text(json.dumps({"meta": {}, "rows": [run.not_run(spec, 540.0)]}))
+    merged, _, _ = run.load(f"{old},{new},{cut}")
+    assert next(r for r in merged if r["backend"] == "reduce-overhead")["ok"]
+    merged, _, _ = run.load(str(cut))
+    assert not merged[0]["ok"] and "--budget" in merged[0]["error"]  # alone, it is listed as not run
