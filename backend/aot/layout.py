@@ -53,6 +53,7 @@ import torch.fx
 
 from backend import counters
 from backend.aot import compat
+from backend.logs import log_once
 
 aten = torch.ops.aten
 log = logging.getLogger("backend.aot.layout")
@@ -87,6 +88,10 @@ def optimize(gm: torch.fx.GraphModule, mode: str | Mode = Mode.AUTO, *, inferenc
     except _KeepLayout as exc:
         log.debug("cgtrees layout: NCHW kept (%s)", exc)
         return False
+    except Exception as exc:  # noqa: BLE001  (a bug here must not sink the compile: NCHW is right too)
+        log_once(log, f"layout:{type(exc).__name__}:{exc}", "cgtrees layout: rewrite failed (%s: %s); NCHW kept",
+                 type(exc).__name__, exc)
+        return False
     gm.graph = graph  # 3. swapped in only when whole
     gm.recompile()
     counters.bump("layout_channels_last")
@@ -114,7 +119,8 @@ def _why_not(graph: torch.fx.Graph, mode: Mode, inference: bool) -> str | None:
         return None
     if any(t.device.type != "cuda" for x, w in metas for t in (x, w)):
         return "not on CUDA"
-    if len(graph.nodes) >= NODES_PER_CONV * len(convs):
+    backward = graph.find_nodes(op="call_function", target=aten.convolution_backward.default)
+    if len(graph.nodes) >= NODES_PER_CONV * (len(convs) + len(backward)):  # a joint graph counts both
         return "few convolutions for the size of the graph"
     if inference:
         return _inference_verdict(convs)
