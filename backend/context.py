@@ -26,3 +26,5 @@ class GraphContext:
     pair: Any = field(default=None, compare=False, hash=False)
     # The graph's lifted constants (``aot.constants``): its last inputs, appended to every call.
     constants: "Constants | None" = field(default=None, compare=False, hash=False)
+    # The digest of the graph's kernel-module cache key, which its module's header shows (None: no key).
+    cache_key: str | None = field(default=None, compare=False, hash=False)

@@ -113,19 +113,57 @@ def test_store_write_failure_is_a_warning(tmp_path, monkeypatch, caplog):
     assert store.usage().entries == 0 and not list((store.root / "module").iterdir())
 
 
-@pytest.mark.skipif(not hasattr(modules.codegen, "generate"), reason="codegen has no generate() yet")
 def test_kernel_module_level_shares_one_aten_graph(tmp_path, cgtrees_counters):
-    """Two graphs that differ only in names share one kernel module entry."""
+    """Two graphs that differ only in names share one kernel module entry: key, look up, codegen
+    and store, as the driver lists them."""
+    from backend import codegen
+
     config = Config(cache_dir=str(tmp_path))
     x, y = torch.randn(4, 8), torch.randn(8, 3)
-    results = []
+    results, digests = [], []
     for rename in ("", "_other"):
         gm = make_fx(_graph(rename))(x, y)
         ctx = GraphContext(config=config, kind="inference", name=f"t{rename}")
-        module = modules.compile_module(gm, [x, y], ctx)
+        key = modules.key_for(gm, [x, y], ctx)
+        digests.append(key.digest)
+        module = modules.lookup(key, gm, [x, y], ctx)
+        if module is None:
+            module = codegen.compile_graph(gm, [x, y], dataclasses.replace(ctx, cache_key=key.digest))
+            assert modules.store(key, module, ctx)
         results.append(module.call([x, y]))
     assert cgtrees_counters["cache_miss_module"] == 1 and cgtrees_counters["cache_hit_module"] == 1
+    assert digests[0] == digests[1]
     assert torch.equal(results[0][0], results[1][0])
+
+
+def test_module_header_shows_the_graph_text_digest_and_the_key(tmp_path):
+    """One canonical graph text: the module's GRAPH_HASH is the digest of the text the key holds,
+    and its header names the key's digest (the name of its cache entry)."""
+    from backend import codegen
+    from backend.cache.key import graph_digest
+
+    x, y = torch.randn(4, 8), torch.randn(8, 3)
+    gm = make_fx(_graph())(x, y)
+    ctx = GraphContext(config=Config(cache_dir=str(tmp_path)), kind="inference", name="t")
+    key = modules.key_for(gm, [x, y], ctx)
+    source = codegen.generate(gm, [x, y], dataclasses.replace(ctx, cache_key=key.digest))
+    assert f'GRAPH_HASH = {graph_digest(gm)!r}' in source
+    assert graph_digest(gm) == graph_digest(make_fx(_graph("_renamed"))(x, y))
+    assert f"# cache key: {key.digest}" in source
+    assert "# cache key: none (not cached)" in codegen.generate(gm, [x, y], ctx)
+
+
+def test_store_keeps_generated_modules_only(tmp_path):
+    """A graph that runs through aten has no source: level 2 keeps nothing for it."""
+    from backend import codegen
+
+    x, y = torch.randn(4, 8), torch.randn(8, 3)
+    gm = make_fx(_graph())(x, y)
+    ctx = GraphContext(config=Config(cache_dir=str(tmp_path)), kind="inference", name="t")
+    key = modules.key_for(gm, [x, y], ctx)
+    assert not modules.store(key, codegen.AtenModule(gm), ctx)
+    assert not modules.store(None, codegen.compile_graph(gm, [x, y], ctx), ctx)
+    assert modules.key_for(gm, [x, y], dataclasses.replace(ctx, config=Config(cache=False))) is None
 
 
 def test_triton_key_is_computed_once_and_remembered_across_processes(tmp_path, monkeypatch):

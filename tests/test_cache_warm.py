@@ -224,7 +224,7 @@ def test_bad_entry_is_corrupt_removed_and_recompiled(tmp_path, cold, damage):
     elif damage == "garbled":
         target.write_bytes(bytes(reversed(data)))
     elif damage == "checksum":  # same length, one payload byte changed
-        i = data.index(b'"source"') + 2
+        i = data.index(b'"parts"') + 2
         target.write_bytes(data[:i] + bytes([data[i] ^ 1]) + data[i + 1:])
     else:  # a good entry of another key under this key's name
         target.write_bytes(entries[1].read_bytes())
@@ -236,6 +236,44 @@ def test_bad_entry_is_corrupt_removed_and_recompiled(tmp_path, cold, damage):
     from backend.cache.store import decode
 
     assert "parts" in decode(target.read_bytes(), "aot", target.stem)
+
+
+def test_level_one_entries_refer_to_level_two(cold):
+    """A level-1 entry holds no module source: each generated module is named by the digest of
+    the level-2 entry that holds it."""
+    from backend.cache.store import decode
+
+    cache_dir, _ = cold
+    modules = {p.stem for p in _entries(cache_dir, "module")}
+    for entry in _entries(cache_dir):
+        payload = decode(entry.read_bytes(), "aot", entry.stem)
+        assert b'"source"' not in entry.read_bytes()
+        records = [part["module"] for part in payload["parts"].values()]
+        assert records and all(r["format"] == "level-2" and r["digest"] in modules for r in records), records
+
+
+@pytest.mark.parametrize("damage", ["removed", "garbled"])
+def test_level_one_hit_without_its_kernel_modules_is_a_miss(tmp_path, cold, damage):
+    """Kernel-module entries gone (evicted, removed) or damaged: each level-1 hit that needs one
+    becomes a counted miss that recompiles (a damaged module entry also counts as corrupt), never a
+    crash or a wrong result; both levels are written again, and the next process hits."""
+    cache_dir, cold_results = cold
+    n_modules = len(_entries(cache_dir, "module"))
+    for entry in _entries(cache_dir, "module"):
+        if damage == "removed":
+            entry.unlink()
+        else:
+            entry.write_bytes(bytes(reversed(entry.read_bytes())))
+    result = _run(tmp_path, cache_dir, save=str(tmp_path / "again.pt"))
+    counters = result["counters"]
+    assert counters["cache_miss_aot"] == 2 and counters["cache_hit_aot"] == 0, counters
+    assert counters["cache_corrupt_aot"] == 0 and result["calls"]["aot"] == 2
+    # each damaged entry is read once (by level 1, or by the recompile's level-2 lookup), then removed
+    assert counters["cache_corrupt_module"] == (n_modules if damage == "garbled" else 0), counters
+    _same_results(cold_results, tmp_path / "again.pt")
+    third = _run(tmp_path, cache_dir, save=str(tmp_path / "third.pt"))
+    assert third["counters"]["cache_hit_aot"] == 2 and third["counters"]["cache_miss"] == 0, third["counters"]
+    _same_results(cold_results, tmp_path / "third.pt")
 
 
 def test_other_torch_version_is_a_miss_never_loaded(tmp_path, cold):

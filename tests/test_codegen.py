@@ -283,7 +283,7 @@ def test_debug_dir_keeps_every_module(tmp_path):
 
 def test_debug_dir_with_the_cache_on(tmp_path, monkeypatch):
     """DESIGN: codegen writes the debug dir whether or not the cache is on, on a miss and a hit."""
-    from backend.cache.modules import compile_module
+    from backend.aot.driver import kernel_module
     from backend.context import GraphContext
 
     monkeypatch.setenv("CGTREES_CACHE_DIR", str(tmp_path / "cache"))
@@ -292,7 +292,7 @@ def test_debug_dir_with_the_cache_on(tmp_path, monkeypatch):
     gm = trace(lambda x: x.exp() * 2, x)
     ctx = GraphContext(config(debug_dir=str(debug), cache=True), "inference", "g0_inference")
     for _ in range(2):  # a miss, then a hit
-        module = compile_module(gm, [x], ctx)
+        module, _ = kernel_module(gm, [x], ctx)
         files = list(debug.glob("*.py"))
         assert len(files) == 1 and files[0].read_text() == module.source
         files[0].unlink()

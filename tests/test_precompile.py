@@ -299,3 +299,53 @@ def test_dynamo_cache_skips_the_trace_in_a_warm_process(snapshot, tmp_path):
         again = _run(snapshot, tmp_path / f"cache_{damage}", False, env=env, role="dynamo", batches=[8])["batches"]
         assert again[0]["dynamo_cache"] == {"dynamo_cache_error": 1}, damage  # Dynamo's miss, counted
         assert again[0]["graphs_compiled"] == 1 and again[0]["error_vs_eager"] < 1e-5, damage
+
+
+LEAN = r'''
+import json, sys, torch
+torch._dynamo.config.enable_aot_compile = True
+nn = torch.nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8))
+x = torch.randn(8, 16)
+
+def step(model, x):  # a tensor made inside: a graph constant, kept in the saved function
+    return model(x) * torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+
+path = sys.argv[2] + "/lean.bin"
+if sys.argv[1] == "save":
+    fn = torch.compile(step, fullgraph=True, backend="cgtrees").aot_compile(((model, x), {}))
+else:
+    with open(path, "rb") as f:
+        fn = torch.compiler.load_compiled_function(f)
+out = fn(model, x)
+out.square().mean().backward()
+grads = [p.grad.clone() for p in model.parameters()]
+if sys.argv[1] == "save":
+    fn.save_compiled_function(path)
+    torch.save({"out": out.detach(), "grads": grads}, sys.argv[2] + "/lean_saved.pt")
+else:
+    saved = torch.load(sys.argv[2] + "/lean_saved.pt")
+    assert torch.equal(saved["out"], out.detach())
+    assert all(torch.equal(a, b) for a, b in zip(saved["grads"], grads))
+print(json.dumps({m: m in sys.modules for m in ("torch._functorch.aot_autograd", "backend.aot.constants")}))
+'''
+
+
+def test_loading_imports_no_aot_autograd(snapshot, tmp_path):
+    """A loaded function (its graph holding a constant) runs its forward and backward without
+    importing AOTAutograd: ``aot.constants`` is imported, AOTAutograd is not."""
+    script = tmp_path / "lean.py"
+    script.write_text(LEAN)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
+    env.update(PYTHONPATH=str(snapshot), CGTREES_INTERPRET="0")
+    results = []
+    for role, cache in (("save", "cache"), ("load", "empty_cache")):
+        env["CGTREES_CACHE_DIR"] = str(tmp_path / cache)
+        proc = subprocess.run([sys.executable, str(script), role, str(tmp_path)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    saved, loaded = results
+    assert saved["torch._functorch.aot_autograd"]  # the compile needs it
+    assert loaded == {"torch._functorch.aot_autograd": False, "backend.aot.constants": True}, loaded

@@ -102,3 +102,28 @@ def is_builtin_backward_op(target: Any) -> bool:
 
     op_type = getattr(compiled_autograd, "Op", None)
     return op_type is not None and isinstance(target, op_type) and not getattr(target, "is_custom_function", True)
+
+
+def compiled_autograd_op(target: Any) -> tuple[str, bool] | None:
+    """``(name, is a custom Function's)`` for one of compiled autograd's ``ops`` (the name of a
+    custom Function's, ``CppNode<Name><n>``, is numbered per process); None for any other target."""
+    from torch._dynamo import compiled_autograd
+
+    op_type = getattr(compiled_autograd, "Op", None)
+    if op_type is None or not isinstance(target, op_type):
+        return None
+    return str(target.__name__), bool(getattr(target, "is_custom_function", True))
+
+
+def is_aot_backward_prologue(target: Any) -> bool:
+    """Compiled autograd's call of an AOTAutograd backward's prologue: a closure made for each
+    backward it traces, over its forward's metadata (torch 2.11 and 2.13 name it so)."""
+    name = getattr(target, "__qualname__", "")
+    return isinstance(name, str) and name.endswith("proxy_call_aot_backward.<locals>.call_aot_bwd_prologue")
+
+
+def trace(fn: Callable[..., Any], args: list[Any]) -> torch.fx.GraphModule:
+    """``fn``'s aten graph on ``args`` (fake tensors stay in their own fake mode)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn)(*args)

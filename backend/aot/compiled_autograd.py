@@ -23,10 +23,16 @@ hands it to us. It differs from a graph of the user's code in three ways, each h
   is the thread of its forward, so the per-(device, thread) tree manager it finds is its
   forward's: both share one tree and one pool.
 
-The first cache level is bypassed, with the reason logged: the graph calls compiled autograd's
-lazily bound ops by name (``ops.CppNode<Name><n>`` numbered in the order a process first meets
-each custom Function), so a key on its text could match another process's different graph. The
-second level (kernel modules, keyed by the aten graph) hits as for any graph.
+**Cached like any graph.** The graph calls compiled autograd's ``ops`` and, for each compiled
+forward it meets, a closure that runs that forward's backward prologue: neither has a name that
+means the same in every process, so ``name_ops`` gives each the text the cache key shows
+(``cache.key.TARGET_TEXT``): torch's own backward formulas (``ops.MulBackward0``) by their name, a
+prologue by the canonical text of its trace on the call's example values (what it does is all
+AOTAutograd will see of it). A C++ custom autograd Function's op is named ``CppNode<Name><n>``,
+numbered in the order a process first meets it, so a key on it could match another process's
+different graph: such a graph bypasses the first level with that reason (logged); the second level
+(kernel modules, keyed by the aten graph) still hits. A level-1 hit rebuilds the same runtime
+treatment: the part runs as a backward, behind the same flattening call.
 """
 
 from __future__ import annotations
@@ -38,17 +44,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
-from backend import cache, codegen, counters
-from backend.aot import compat, constants, driver
-from backend.cache import events
+from backend import counters
+from backend.aot import compat, driver
 from backend.config import Config
-from backend.context import GraphContext
 
 log = logging.getLogger("backend.aot")
-
-_NO_LEVEL_1 = ("a compiled-autograd graph calls ops that compiled autograd names per process "
-               "(custom Functions are numbered in the order they are met), so its text is no safe key")
 
 
 def is_backward_graph(example_inputs: Sequence[Any]) -> bool:
@@ -60,54 +62,65 @@ def compile_backward_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], 
                            graph_id: int) -> Callable[..., Any]:
     name = f"g{graph_id}"
     flat = flatten(gm, example_inputs)  # the list input -> one input per element
+    name_ops(flat.gm)  # compiled autograd's calls named for the cache key, or why level 1 cannot key it
     log.info("cgtrees: %s is a compiled-autograd backward (%d list inputs flattened)", name, flat.num_listed)
-    if torch.is_grad_enabled():  # backward(create_graph=True): differentiable, compiled as any graph
-        compiled = driver.compile_dynamo_graph(flat.gm, flat.inputs, config, graph_id)
-    else:
-        compiled = _compile_inference(flat, name, config)
+    # backward(create_graph=True) runs with grad mode on: differentiable, compiled as any graph
+    compiled = driver.compile_dynamo_graph(flat.gm, flat.inputs, config, graph_id,
+                                           backward=not torch.is_grad_enabled())
     counters.bump("compiled_autograd_graphs")  # not before: Dynamo may restart a compile
     return flat.caller(compiled)
 
 
-def _compile_inference(flat: FlatGraph, name: str, config: Config) -> Callable[..., Any]:
-    """The driver's steps (``compile_dynamo_graph``) for a backward run with grad mode off, but the
-    first cache level is bypassed and the runtime told that the graph is a backward."""
-    codegen.prepare(flat.inputs, config, cache.triton_key_file(config))
-    from backend.aot.decompositions import decomposition_table
-    from backend.aot.partition import partition
+# ---------------------------------------------------------------- naming ops for the cache key
+def name_ops(gm: torch.fx.GraphModule) -> None:
+    """Give each call of compiled autograd's own the text the cache key shows for it
+    (``node.meta[TARGET_TEXT]``), or leave in ``gm.meta[NO_LEVEL_1]`` why the first cache level
+    must not key the graph."""
+    from backend.cache.aot import NO_LEVEL_1
+    from backend.cache.compat import Uncacheable
+    from backend.cache.key import TARGET_TEXT
 
-    compiled = compat.aot_module_simplified(
-        flat.gm, flat.inputs,
-        fw_compiler=_not_training, bw_compiler=_not_training,
-        inference_compiler=_backward_compiler(driver.FunctionPair(name, len(flat.inputs)), config),
-        partition_fn=partition,
-        decompositions=decomposition_table(),
-        keep_inference_input_mutations=True,
-    )
-    if config.cache:  # once the graph compiled (Dynamo may restart a compile, and we are called again)
-        events.bypass("aot", name, _NO_LEVEL_1)
-    return compiled
-
-
-def _backward_compiler(pair: driver.FunctionPair, config: Config) -> Callable[..., Any]:
-    """The inference graph AOTAutograd traced, compiled as the driver compiles any aten graph, with
-    the runtime told it is a backward."""
-
-    def compile_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[[list[Any]], Any]:
-        consts = constants.lift(gm)  # get_attr tensors -> trailing inputs
-        ctx = GraphContext(
-            config=config, kind="backward", name=f"{pair.name}_backward",
-            # parameters: AOTAutograd marks every nn.Parameter static inside compiled autograd
-            static_input_indices=compat.forward_static_input_indices() + consts.indices(len(example_inputs)),
-            mutated_input_indices=driver.mutated_inputs(gm), pair=pair, constants=consts,
-        )
-        return compat.boxed(driver.compile_aten_graph(gm, [*example_inputs, *consts.tensors], ctx))
-
-    return compile_aten
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        op = compat.compiled_autograd_op(node.target)
+        if op is not None and op[1]:
+            gm.meta[NO_LEVEL_1] = (f"the compiled-autograd graph calls {op[0]}, the backward of a C++ custom "
+                                   "autograd Function, which compiled autograd names per process (numbered in "
+                                   "the order it meets them), so its text is no safe key")
+            return
+        if op is not None:
+            node.meta[TARGET_TEXT] = f"compiled_autograd.ops.{op[0]}"
+        elif compat.is_aot_backward_prologue(node.target):
+            try:
+                node.meta[TARGET_TEXT] = f"aot_backward_prologue{{{_traced_text(node)}}}"
+            except Exception as exc:  # noqa: BLE001 - the graph still compiles; level 1 is bypassed
+                why = str(exc) if isinstance(exc, Uncacheable) else f"{type(exc).__name__}: {exc}"
+                gm.meta[NO_LEVEL_1] = f"an AOT backward prologue could not be traced for the key ({why})"
+                return
 
 
-def _not_training(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-    raise RuntimeError("cgtrees: a compiled-autograd graph traced with grad mode off became a training graph")
+def _traced_text(node: torch.fx.Node) -> str:
+    """The canonical text of ``node``'s call traced on its arguments' example values: all that
+    AOTAutograd, tracing the graph on values of the same shapes, will see of it."""
+    from backend.cache.compat import Uncacheable
+    from backend.cache.key import graph_text
+
+    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    values = [leaf.meta.get("example_value") if isinstance(leaf, torch.fx.Node) else leaf for leaf in leaves]
+    if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in values):
+        raise Uncacheable("dynamic sizes")
+    positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+
+    def call(*tensors: torch.Tensor) -> Any:
+        filled = list(values)
+        for i, t in zip(positions, tensors):
+            filled[i] = t
+        args, kwargs = pytree.tree_unflatten(filled, spec)
+        return node.target(*args, **kwargs)
+
+    traced = compat.trace(call, [values[i] for i in positions])
+    return graph_text(traced).replace("\n", "; ")
 
 
 # ---------------------------------------------------------------- flattening the list input

@@ -14,7 +14,8 @@ trailing graph input, so every later stage sees only inputs:
   runtime: read in place, never copied into a CUDA graph, their address checked on replay.
 
 Invariant: a lifted graph holds no ``get_attr`` of a tensor; its attributes are deleted, so a
-stale copy cannot be read by mistake.
+stale copy cannot be read by mistake. Importing this module imports no AOTAutograd: a level-1 hit
+or a loaded precompiled function makes ``Constants`` without it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
-
-from backend.aot import compat
 
 
 @dataclass(frozen=True)
@@ -57,6 +56,8 @@ class Constants:
 
 def lift(gm: torch.fx.GraphModule) -> Constants:
     """Replace each tensor ``get_attr`` of ``gm`` by a trailing placeholder (in place)."""
+    from backend.aot import compat  # AOTAutograd: not imported where a loaded entry only appends constants
+
     attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(_attr(gm, n), torch.Tensor)]
     if not attrs:
         return Constants()

@@ -1,14 +1,18 @@
 """aot: drive torch's AOTAutograd over a Dynamo graph and compile each aten graph it hands us.
 
-    Dynamo graph --AOTAutograd (functionalize, decompose, joint trace, OUR partition)--> aten graphs
-    aten graph --codegen.compile_graph--> kernel module --runtime.wrap--> callable
+    Dynamo graph --cache level 1 (a hit skips the rest)
+                 --AOTAutograd (functionalize, decompose, joint trace, OUR partition)--> aten graphs
+    aten graph   --key --look up (level 2) --codegen --store --record (level 1)--> kernel module
+                 --runtime.wrap_module--> callable
 
-A failure in codegen or the runtime never reaches the user: that aten graph runs directly, and the
+The cache sits beside the pipeline: it looks up and stores, and the steps are listed here. A
+failure in codegen or the runtime never reaches the user: that aten graph runs directly, and the
 reason is logged once and counted (``graph_fallbacks``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from typing import Any, Callable
@@ -35,21 +39,29 @@ class FunctionPair:
 
 
 def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
-                         graph_id: int) -> Callable[..., Any]:
+                         graph_id: int, backward: bool = False) -> Callable[..., Any]:
+    """One Dynamo graph. ``backward``: a compiled-autograd graph traced with grad mode off
+    (``aot.compiled_autograd``): AOTAutograd makes it one inference graph, which the runtime runs
+    as a backward."""
     name = f"g{graph_id}"
     pair = FunctionPair(name, len(example_inputs))
-    codegen.prepare(example_inputs, config, cache.triton_key_file(config))
-    cached = cache.load_aot(gm, example_inputs, config, name, pair, wrap=_wrap)  # level 1: a hit skips AOT
+    codegen.prepare(example_inputs, config, cache.triton_key_file(config))  # start what kernels wait for
+    cached = cache.load_aot(gm, example_inputs, config, name, pair, _wrap, backward)  # level 1: a hit skips AOT
     if cached is not None:
         return cached
     from backend.aot.decompositions import decomposition_table  # a warm start never needs these
     from backend.aot.partition import partition
 
+    if backward:  # traced with grad mode off: AOTAutograd makes no training graph of it
+        fw_compiler = bw_compiler = _not_training
+    else:
+        fw_compiler = _aten_compiler("forward", name, pair, config)
+        bw_compiler = _aten_compiler("backward", name, pair, config)
     compiled = compat.aot_module_simplified(
         gm, example_inputs,
-        fw_compiler=_aten_compiler("forward", name, pair, config),
-        bw_compiler=_aten_compiler("backward", name, pair, config),
-        inference_compiler=_aten_compiler("inference", name, pair, config),
+        fw_compiler=fw_compiler,
+        bw_compiler=bw_compiler,
+        inference_compiler=_aten_compiler("inference", name, pair, config, "backward" if backward else None),
         partition_fn=functools.partial(partition, layout_opt=config.layout_opt),  # channels-last: layout.py
         decompositions=decomposition_table(),
         keep_inference_input_mutations=True,
@@ -57,12 +69,16 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
     return pair.lean or compiled
 
 
-def _aten_compiler(kind: str, name: str, pair: FunctionPair, config: Config) -> Callable[..., Any]:
+def _aten_compiler(aot_kind: str, name: str, pair: FunctionPair, config: Config,
+                   kind: str | None = None) -> Callable[..., Any]:
+    """The compiler of AOTAutograd's ``aot_kind`` graphs, which the runtime runs as ``kind`` (by
+    default the same; a compiled-autograd graph's inference graph runs as a backward)."""
     versions = itertools.count()
+    kind = kind or aot_kind
 
     def compile_aten(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[[list[Any]], Any]:
         n = next(versions)  # a graph recompiled for new shapes gets a new name
-        static = _static_inputs(kind, gm)
+        static = _static_inputs(aot_kind, gm)
         consts = constants.lift(gm)  # get_attr tensors -> trailing inputs, appended to every call
         if kind == "inference":  # training graphs: in the partitioner, on the joint graph
             layout.optimize(gm, config.layout_opt, inference=True)
@@ -99,17 +115,37 @@ def _lean_inference(call: Callable[[list[Any]], Any], num_inputs: int,
 
 def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list[Any],
                        ctx: GraphContext) -> Callable[[list[Any]], Any]:
-    """One aten graph: codegen, then the runtime; aten on any failure."""
-    try:
-        module = cache.compile_module(gm, example_inputs, ctx)  # level 2: a hit skips codegen
-    except Exception as exc:  # noqa: BLE001
-        _explain(ctx, "codegen", exc)
-        module = codegen.AtenModule(gm)  # the aten graph still gets CUDA graphs
-    cache.record_module(gm, example_inputs, ctx, module, wrapped=True)  # level 1 keeps it for a warm start
+    """One aten graph: its kernel module, recorded for level 1, wrapped in the runtime."""
+    module, level_2 = kernel_module(gm, example_inputs, ctx)  # key, look up, codegen, store
+    cache.record_module(gm, example_inputs, ctx, module, wrapped=True, level_2=level_2)  # for level 1's entry
     return _wrap(module, example_inputs, ctx)
 
 
+def kernel_module(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: GraphContext) -> tuple[Any, str | None]:
+    """The graph's kernel module, and the digest of the level-2 entry that holds it (None: none does)."""
+    key = cache.module_key(gm, example_inputs, ctx)  # None: cache off, or not keyable (a counted bypass)
+    ctx = dataclasses.replace(ctx, cache_key=key.digest if key else None)  # shown in the module's header
+    module = cache.lookup_module(key, gm, example_inputs, ctx)  # level 2: a hit skips codegen
+    if module is not None:
+        return module, key.digest
+    module = _generate(gm, example_inputs, ctx)  # codegen; the aten graph itself if that fails
+    stored = cache.store_module(key, module, ctx)  # a generated module, for later processes
+    return module, key.digest if key and stored else None
+
+
+def _generate(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: GraphContext) -> Any:
+    try:
+        return codegen.compile_graph(gm, example_inputs, ctx)
+    except Exception as exc:  # noqa: BLE001
+        _explain(ctx, "codegen", exc)
+        return codegen.AtenModule(gm)  # the aten graph still gets CUDA graphs
+
+
 _wrap = runtime.wrap_module  # the module in the runtime, its constants appended (level-1 hits use it too)
+
+
+def _not_training(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    raise RuntimeError("cgtrees: a compiled-autograd graph traced with grad mode off became a training graph")
 
 
 def _explain(ctx: GraphContext, stage: str, exc: Exception) -> None:

@@ -2,10 +2,16 @@
 codegen.
 
 An entry holds, for each aten graph AOTAutograd produced (inference, or forward and backward): its
-module record (``modules.module_record``), the GraphContext fields the driver gave it, and the
-metadata of its example inputs; plus the runtime plan (``compat.runtime_plan``) our wrapper needs.
-A hit loads the modules, wraps each in the runtime again (recording is per process) with the same
-context fields and one shared ``pair``, and puts our wrapper around them.
+module record (``modules.module_record``: a generated module by the digest of its level-2 entry),
+the GraphContext fields the driver gave it, and the metadata of its example inputs; plus the
+runtime plan (``compat.runtime_plan``) our wrapper needs. A hit reads the kernel modules from level
+2 (one that is gone or bad makes the hit a counted miss, and the entry is written again), wraps
+each in the runtime again (recording is per process) with the same context fields and one shared
+``pair``, and puts our wrapper around them.
+
+A compiled-autograd graph (``backward=True``) is traced with grad mode off: its one graph is an
+inference graph to AOTAutograd and to our wrapper, and a backward to the runtime (the part's
+``runtime_kind``). A graph whose ``meta[NO_LEVEL_1]`` holds a reason bypasses this level.
 
 On a miss, a ``Recorder`` rides on the pair: the driver hands it every aten graph it compiles, and
 it writes the entry once the last one (the inference graph, or the lazily compiled backward) is
@@ -14,7 +20,8 @@ reason instead of a miss and go straight to AOTAutograd.
 
 Precompile (``backend.precompile``) saves the same entry in a file of its own: it puts a ``Kept``
 in the Dynamo graph's ``meta[KEEP]``, and ``load`` and the recorder leave there the entry (a hit's
-or a new one's) or the reason the graph bypasses this level. With the cache off, the recorder
+or a new one's, its modules' sources and binaries in it: the file needs no cache) or the reason the
+graph bypasses this level. With the cache off, the recorder
 then still collects the entry, and writes nothing.
 """
 
@@ -38,6 +45,7 @@ Wrap = Callable[[Any, list[Any], GraphContext], Callable[[list[Any]], Any]]
 
 
 KEEP = "cgtrees_keep_aot_entry"
+NO_LEVEL_1 = "cgtrees_no_level_1"  # gm.meta: why this level must not key the graph (aot.compiled_autograd)
 
 
 class Kept:
@@ -49,14 +57,14 @@ class Kept:
 
 
 def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config, name: str,
-         pair: Any, wrap: Wrap) -> Callable[..., Any] | None:
+         pair: Any, wrap: Wrap, backward: bool = False) -> Callable[..., Any] | None:
     """The compiled function on a hit; None otherwise (then a recorder rides on ``pair``)."""
     kept: Kept | None = gm.meta.get(KEEP) if isinstance(getattr(gm, "meta", None), dict) else None
     if not config.cache and kept is None:
         return None
     try:
         _check_inputs(gm, example_inputs)
-        key = aot_key(gm, example_inputs, config)
+        key = aot_key(gm, example_inputs, config, backward)
     except Uncacheable as exc:
         _bypass(kept, config, name, str(exc))
         return None
@@ -73,16 +81,22 @@ def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config
                 _bypass(kept, config, name, payload["bypass"])
                 return None
             if payload is not None:
+                payload = resolve(payload, store)  # the kernel modules, from level 2
                 compiled = rebuild(payload, config, name, pair, wrap)
                 events.hit(LEVEL, name)
                 if kept is not None:
                     kept.payload = payload
                 return compiled
+            events.miss(LEVEL, name, explain=lambda: explain_miss(store, key))
+        except modules.MissingModule as exc:  # compiled again, and the entry written again
+            why = str(exc)
+            events.miss(LEVEL, name, explain=lambda: why)
+            store.remove(LEVEL, digest, only_bad=False)
         except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
             events.corrupt(LEVEL, name, f"{type(exc).__name__}: {exc}")
             store.remove(LEVEL, digest)
-        events.miss(LEVEL, name, explain=lambda: explain_miss(store, key))
-    pair.cache_recorder = Recorder(store, key, digest, config, name, len(example_inputs), kept)
+            events.miss(LEVEL, name)
+    pair.cache_recorder = Recorder(store, key, digest, config, name, len(example_inputs), kept, backward)
     return None
 
 
@@ -108,7 +122,8 @@ def explain_miss(store: Store, key: CacheKey) -> str:
     return "no entries to compare with" if best is None else "nearest entry differs in " + "; ".join(best)
 
 
-def aot_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config) -> CacheKey:
+def aot_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config,
+            backward: bool = False) -> CacheKey:
     static = [i for i, x in enumerate(example_inputs)
               if isinstance(x, torch.nn.Parameter) or getattr(x, "_dynamo_static_input_type", None)]
     context = [
@@ -117,6 +132,7 @@ def aot_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Con
         ("deterministic", torch.are_deterministic_algorithms_enabled()),
         ("default_dtype", torch.get_default_dtype()),
         ("functorch_config", compat.functorch_config_text()),
+        ("compiled_autograd", backward),
     ]
     return make_key(LEVEL, gm, example_inputs, config, static, context)
 
@@ -125,6 +141,8 @@ def _check_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> No
     """What we know up front we will not rebuild (AOTAutograd tells us the rest)."""
     if type(gm) is not torch.fx.GraphModule and not isinstance(gm, torch.fx.GraphModule):
         raise Uncacheable(f"not a GraphModule ({type(gm).__name__})")
+    if gm.meta.get(NO_LEVEL_1):
+        raise Uncacheable(gm.meta[NO_LEVEL_1])
     if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
         raise Uncacheable("graph owns parameters or buffers")
     if compat.autocast_enabled():
@@ -147,7 +165,16 @@ def _check_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> No
             raise Uncacheable("dynamic shapes")
 
 
+def resolve(payload: dict[str, Any], store: Store | None) -> dict[str, Any]:
+    """The entry with every kernel module read in from level 2 (``modules.resolve``): what
+    ``rebuild`` and precompile take. MissingModule when one is gone or bad."""
+    parts = {kind: {**part, "module": modules.resolve(part["module"], store)}
+             for kind, part in payload["parts"].items()}
+    return {**payload, "parts": parts}
+
+
 def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap: Wrap) -> Callable[..., Any]:
+    """The compiled function from a self-contained entry (``resolve``)."""
     plan, parts = payload["plan"], payload["parts"]
     mode = compat.fake_mode()  # one for all parts: making one costs more than the tensors
     calls = {kind: _load_part(part, kind, config, pair, wrap, mode, name) for kind, part in parts.items()}
@@ -164,7 +191,7 @@ def _load_part(part: dict[str, Any], kind: str, config: Config, pair: Any, wrap:
     # The entry's names are those of the process that wrote it ("g3_forward"): this process
     # names its graphs itself, so two functions never share a name in the runtime.
     _, sep, suffix = part["name"].partition("_")
-    ctx = GraphContext(config=config, kind=kind, name=f"{name}_{suffix}" if sep else name,
+    ctx = GraphContext(config=config, kind=part.get("runtime_kind", kind), name=f"{name}_{suffix}" if sep else name,
                        static_input_indices=tuple(part["static_inputs"]),
                        mutated_input_indices=tuple(part["mutated_inputs"]), pair=pair, constants=consts)
     module = modules.load_record(part["module"], ctx)
@@ -188,8 +215,7 @@ def constant_records(consts: Any) -> list[dict[str, Any]]:
 
 
 def load_constants(records: list[dict[str, Any]]) -> Any:
-    """The graph's constants; None when it has none (``aot.constants`` imports AOTAutograd, which
-    a precompiled function's load otherwise never needs)."""
+    """The graph's constants; None when it has none."""
     if not records:
         return None
     from backend.aot.constants import Constants
@@ -207,60 +233,70 @@ def load_constants(records: list[dict[str, Any]]) -> Any:
 
 class Recorder:
     """Collects one Dynamo graph's aten graphs as the driver compiles them, then writes the entry
-    (to ``store``, and to ``kept`` for precompile; either may be None)."""
+    (to ``store``, and to ``kept`` for precompile; either may be None). The store's entry refers to
+    the kernel modules level 2 holds; the kept one holds them."""
 
     def __init__(self, store: Store | None, key: CacheKey, digest: str, config: Config, name: str,
-                 num_inputs: int, kept: Kept | None = None) -> None:
+                 num_inputs: int, kept: Kept | None = None, backward: bool = False) -> None:
         self.store, self.key, self.digest, self.config = store, key, digest, config
-        self.name, self.num_inputs, self.kept = name, num_inputs, kept
+        self.name, self.num_inputs, self.kept, self.backward = name, num_inputs, kept, backward
         self.parts: dict[str, dict[str, Any]] = {}
+        self.kept_modules: dict[str, dict[str, Any]] = {}  # self-contained records, for ``kept``
         self.plan: dict[str, Any] | None = None
         self.detach: list[int] = []
         self.done = False
 
     def add(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext,
-            module: Any, wrapped: bool) -> None:
+            module: Any, wrapped: bool, level_2: str | None = None) -> None:
+        """``level_2``: the digest of the level-2 entry that holds ``module``, if one does."""
         if self.done:
             return
+        kind = "inference" if self.backward else ctx.kind  # AOTAutograd's kind of graph
         try:
-            self._add(gm, example_inputs, ctx, module, wrapped)
+            self._add(gm, example_inputs, ctx, kind, module, wrapped, level_2)
         except Uncacheable as exc:
             self._give_up(str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - our bug must not fail the compile; it is logged
             self._give_up(f"recording failed ({type(exc).__name__}: {exc})")
             return
-        if ctx.kind in ("inference", "backward"):
+        if kind in ("inference", "backward"):
             self._write()
 
-    def _add(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext,
-             module: Any, wrapped: bool) -> None:
-        if ctx.kind in self.parts:
-            raise Uncacheable(f"AOTAutograd compiled a second {ctx.kind} graph")
+    def _add(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext, kind: str,
+             module: Any, wrapped: bool, level_2: str | None) -> None:
+        if kind in self.parts:
+            raise Uncacheable(f"AOTAutograd compiled a second {kind} graph")
         num_constants = len(ctx.constants) if ctx.constants else 0
-        if ctx.kind in ("forward", "inference"):
+        if kind in ("forward", "inference"):
             if len(gm.graph.find_nodes(op="placeholder")) - num_constants != self.num_inputs:
                 raise Uncacheable("AOTAutograd deduplicated or merged inputs")
-            if ctx.kind == "forward" and compat.saved_tensors_hooks_inlined():
+            if kind == "forward" and compat.saved_tensors_hooks_inlined():
                 raise Uncacheable("saved-tensor hooks are inlined")
-            self.plan = compat.runtime_plan(compat.fw_metadata(), ctx.kind)
+            self.plan = compat.runtime_plan(compat.fw_metadata(), kind)
         elif self.plan is None:
             raise Uncacheable("backward without a forward")
         else:
             self.detach = _inputs_to_detach(gm, self.plan)
-        self.parts[ctx.kind] = {
+        self.parts[kind] = {
             "name": ctx.name, "static_inputs": list(ctx.static_input_indices),
             "mutated_inputs": list(ctx.mutated_input_indices), "wrapped": wrapped,
             "inputs": [_tensor_spec(x) for x in example_inputs],
-            "module": modules.module_record(gm, module),
+            "module": modules.module_record(gm, module, level_2 if self.store is not None else None),
             "constants": constant_records(ctx.constants),
         }
+        if ctx.kind != kind:
+            self.parts[kind]["runtime_kind"] = ctx.kind
+        if self.kept is not None and self.parts[kind]["module"]["format"] == "level-2":
+            self.kept_modules[kind] = modules.module_record(gm, module)
 
     def _write(self) -> None:
         self.done = True
         payload = {"key": self.key.as_dict(), "plan": self.plan, "parts": self.parts, "detach": self.detach}
         if self.kept is not None:
-            self.kept.payload = payload
+            parts = {kind: {**part, "module": self.kept_modules.get(kind, part["module"])}
+                     for kind, part in self.parts.items()}
+            self.kept.payload = {**payload, "parts": parts}  # holds the modules: the file needs no cache
         if self.store is not None:
             self.store.write(LEVEL, self.digest, payload, self.config.cache_size_mb)
 
@@ -273,10 +309,12 @@ class Recorder:
 
 
 def record(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext, module: Any,
-           wrapped: bool) -> None:
+           wrapped: bool, level_2: str | None = None) -> None:
+    """Give the Dynamo graph's recorder (if it has one) a compiled aten graph; ``level_2``: the
+    digest of the level-2 entry that holds ``module``, if one does."""
     recorder = getattr(ctx.pair, "cache_recorder", None)
     if recorder is not None:
-        recorder.add(gm, example_inputs, ctx, module, wrapped)
+        recorder.add(gm, example_inputs, ctx, module, wrapped, level_2)
 
 
 def _inputs_to_detach(bw: torch.fx.GraphModule, plan: dict[str, Any]) -> list[int]:

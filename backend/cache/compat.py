@@ -36,8 +36,8 @@ def _name(enum_value: Any) -> str:
     return getattr(enum_value, "name", str(enum_value))
 
 
-def _check_common(meta: Any) -> None:
-    """What neither wrapper we rebuild handles: raise Uncacheable with the reason."""
+def _check_common(meta: Any, kind: str) -> None:
+    """What the wrapper we rebuild for ``kind`` does not handle: raise Uncacheable with the reason."""
     from torch._functorch._aot_autograd.schemas import PlainTensorMeta
 
     checks = [
@@ -62,8 +62,9 @@ def _check_common(meta: Any) -> None:
             raise Uncacheable(f"input {i} is mutated outside the graph")
         if info.mutates_metadata or info.mutates_storage_metadata:
             raise Uncacheable(f"input {i} has a metadata mutation")
+    plain = ("non_alias", "unsafe_view_alias", *(("is_input",) if kind == "inference" else ()))
     for i, out in enumerate(meta.output_info):
-        if _name(out.output_type) not in ("non_alias", "unsafe_view_alias"):
+        if _name(out.output_type) not in plain:
             raise Uncacheable(f"output {i} aliases an input or intermediate ({_name(out.output_type)})")
         if not (isinstance(out.raw_type, type) and issubclass(out.raw_type, torch.Tensor)):
             raise Uncacheable(f"output {i} is not a tensor")
@@ -82,7 +83,7 @@ def runtime_plan(meta: Any, kind: str) -> dict[str, Any]:
     """The plain facts our runtime wrapper needs (see ``backend.cache.wrappers``)."""
     if meta is None:
         raise Uncacheable("no AOTAutograd metadata")
-    _check_common(meta)
+    _check_common(meta, kind)
     plan: dict[str, Any] = {
         "num_inputs": len(meta.input_info),
         "num_outputs": len(meta.output_info),
@@ -92,6 +93,10 @@ def runtime_plan(meta: Any, kind: str) -> dict[str, Any]:
                           and not info.mutations_hidden_from_autograd],
     }
     if kind == "inference":
+        # An output that is an input (compiled autograd accumulating into a ``.grad`` in place):
+        # the caller gets the input itself, as from AOTAutograd.
+        plan["input_outputs"] = [[i, out.base_idx] for i, out in enumerate(meta.output_info)
+                                 if _name(out.output_type) == "is_input"]
         return plan
     if getattr(meta, "num_symints_saved_for_bw", 0):
         raise Uncacheable("symbolic sizes saved for backward")

@@ -5,6 +5,11 @@ arguments, shapes, strides, dtypes, devices; node names replaced by their positi
 does not miss), the graph inputs' metadata, the static-input indices, the config fields marked as
 affecting codegen, a hash of our own source files, torch and Triton versions, and the device.
 Symbolic shapes print in their symbolic form.
+
+``graph_text`` is the one canonical text of a graph: the key holds it, and a generated kernel
+module's header shows its digest (``graph_digest``) beside the key's. A pass that knows what a call
+target without a stable name does (compiled autograd's ops, ``aot.compiled_autograd``) may name it
+for the text in ``node.meta[TARGET_TEXT]``.
 """
 
 from __future__ import annotations
@@ -103,8 +108,12 @@ def make_key(level: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     )
 
 
+TARGET_TEXT = "cgtrees_target_text"  # node.meta: the text of a call target that has no stable name
+
+
 def graph_text(gm: torch.fx.GraphModule) -> str:
-    """One line per node: position, op, target, arguments and value; names never appear."""
+    """One line per node: position, op, target, arguments and value; names never appear.
+    Uncacheable when some part has no text that means the same in every process."""
     index: dict[torch.fx.Node, str] = {}
     lines = []
     for i, node in enumerate(gm.graph.nodes):
@@ -117,10 +126,17 @@ def graph_text(gm: torch.fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
+def graph_digest(gm: torch.fx.GraphModule) -> str:
+    """A short digest of ``graph_text`` (a generated module's ``GRAPH_HASH``)."""
+    return hashlib.sha256(graph_text(gm).encode()).hexdigest()[:24]
+
+
 def _target_text(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
     target = node.target
     if node.op in ("placeholder", "output"):
         return ""
+    if TARGET_TEXT in node.meta:
+        return str(node.meta[TARGET_TEXT])
     if node.op == "call_method":
         return str(target)
     if node.op == "get_attr":

@@ -1,19 +1,26 @@
 """Level 2: one kernel module per aten graph, keyed by the aten graph, so two Dynamo graphs that
 lower to the same aten graph share it and a hit skips codegen.
 
-Built on codegen's ``generate(gm, example_inputs, ctx) -> source`` and ``load(source, ctx)``: a
-miss generates, loads (a source that does not load is never stored), then stores. Until codegen
-provides both, this level is a counted bypass and ``codegen.compile_graph`` runs as before.
+A lookup and store service beside the pipeline; the driver lists the steps (``aot.driver``):
 
-Also the module *records* of level 1: a module with a source is stored as that source, with its
-kernels' compiled binaries; a graph that runs through aten is stored as its FX code, which we load
-back with a fixed set of globals.
+    key_for(gm, example_inputs, ctx) -> ModuleKey | None    None: cache off, or the graph has no key
+    lookup(key, gm, ctx) -> module | None                    a hit loads the entry's source and binaries
+    store(key, module, ctx) -> bool                          whether the entry now holds the module
+
+A module with a source is stored as that source with its kernels' compiled binaries; a graph that
+runs through aten is not stored here. A bad entry is a counted ``corrupt``, removed, and a miss.
+
+Also the module *records* of level 1: a record refers to this level's entry by its digest
+(``ref``), and ``resolve`` reads the entry back into a self-contained record (source and
+binaries), as precompile saves it; a graph that runs through aten is recorded as its FX code,
+which we load back with a fixed set of globals.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,36 +39,63 @@ from backend.context import GraphContext
 LEVEL = "module"
 
 
-def compile_module(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext) -> Any:
-    """The kernel module for one aten graph: from the cache, or codegen (then stored)."""
+@dataclass(frozen=True)
+class ModuleKey:
+    """Where one aten graph's kernel module lives in the store."""
+
+    key: CacheKey
+    digest: str
+    store: Store
+
+
+def key_for(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext) -> ModuleKey | None:
+    """The graph's entry; None when the cache is off, or (a counted bypass) cannot hold it."""
     if not ctx.config.cache:
-        return codegen.compile_graph(gm, example_inputs, ctx)
-    facts = codegen.facts_of(gm)
-    dynamic = codegen.has_symbolic_shapes(list(example_inputs))
-
-    def generate_and_load() -> Any:
-        return codegen.load(codegen.generate(gm, example_inputs, ctx), ctx, path=codegen.debug_path(gm, ctx),
-                            facts=facts, dynamic=dynamic)
-
+        return None
     store = open_store(ctx.config)
-    try:
-        key = module_key(gm, example_inputs, ctx)
-    except Uncacheable as exc:
-        events.bypass(LEVEL, ctx.name, str(exc))
-        return generate_and_load()
     if store is None:
         events.bypass(LEVEL, ctx.name, "no usable cache directory")
-        return generate_and_load()
-    digest = key.digest()
-    module = _try_load(store, digest, gm, ctx, facts, dynamic)
-    if module is not None:
+        return None
+    try:
+        key = module_key(gm, example_inputs, ctx)
+    except Exception as exc:  # noqa: BLE001 - a graph we cannot key is compiled, uncached
+        events.bypass(LEVEL, ctx.name, str(exc) if isinstance(exc, Uncacheable) else f"{type(exc).__name__}: {exc}")
+        return None
+    return ModuleKey(key, key.digest(), store)
+
+
+def lookup(key: ModuleKey | None, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext) -> Any:
+    """The stored module (a counted hit), else None (a counted miss; a bad entry is removed)."""
+    if key is None:
+        return None
+    try:
+        payload = key.store.read(LEVEL, key.digest)
+        module = None if payload is None else _load_entry(payload, gm, example_inputs, ctx)
+    except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
+        events.corrupt(LEVEL, ctx.name, f"{type(exc).__name__}: {exc}")
+        key.store.remove(LEVEL, key.digest)
+        module = None
+    if module is None:
+        events.miss(LEVEL, ctx.name)
+    else:
         events.hit(LEVEL, ctx.name)
-        return module
-    events.miss(LEVEL, ctx.name)
-    module = generate_and_load()
-    store.write(LEVEL, digest, {"key": key.as_dict(), "source": module.source, "binaries": kernel_binaries(module)},
-                ctx.config.cache_size_mb)
     return module
+
+
+def _load_entry(payload: dict[str, Any], gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                ctx: GraphContext) -> Any:
+    return codegen.load(payload["source"], ctx, path=codegen.debug_path(gm, ctx), precompile_kernels=False,
+                        binaries=payload.get("binaries"), facts=codegen.facts_of(gm),
+                        dynamic=codegen.has_symbolic_shapes(list(example_inputs)))
+
+
+def store(key: ModuleKey | None, module: Any, ctx: GraphContext) -> bool:
+    """Keep a generated module (its source and binaries); False when it is not kept (no key, a
+    graph that runs through aten, a write that failed)."""
+    if key is None or getattr(module, "source", None) is None:
+        return False
+    payload = {"key": key.key.as_dict(), "source": module.source, "binaries": kernel_binaries(module)}
+    return key.store.write(LEVEL, key.digest, payload, ctx.config.cache_size_mb)
 
 
 def module_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext) -> CacheKey:
@@ -90,20 +124,6 @@ def point_triton_at(store: Store) -> None:
     Triton reads the variable when it compiles, so this must run before the first kernel loads;
     a directory the user chose wins."""
     os.environ.setdefault("TRITON_CACHE_DIR", str(store.triton_dir()))
-
-
-def _try_load(store: Store, digest: str, gm: torch.fx.GraphModule, ctx: GraphContext, facts: codegen.GraphFacts,
-              dynamic: bool) -> Any:
-    try:
-        payload = store.read(LEVEL, digest)
-        if payload is None:
-            return None
-        return codegen.load(payload["source"], ctx, path=codegen.debug_path(gm, ctx), precompile_kernels=False,
-                            binaries=payload.get("binaries"), facts=facts, dynamic=dynamic)
-    except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
-        events.corrupt(LEVEL, ctx.name, f"{type(exc).__name__}: {exc}")
-        store.remove(LEVEL, digest)
-        return None
 
 
 def kernel_binaries(module: Any) -> dict[str, list[dict]]:
@@ -142,19 +162,51 @@ class FxModule:
         return {}
 
 
-def module_record(gm: torch.fx.GraphModule, module: Any) -> dict[str, Any]:
-    """What level 1 stores for one compiled graph (Uncacheable if it cannot be stored)."""
+def module_record(gm: torch.fx.GraphModule, module: Any, level_2: str | None = None) -> dict[str, Any]:
+    """What level 1 keeps of one compiled graph (Uncacheable if it cannot be kept): a generated
+    module by the digest of its level-2 entry (``level_2``: the store holds it), else by its
+    source and binaries; a graph that runs through aten by its FX code."""
     facts = getattr(module, "facts", None) or codegen.facts_of(gm)
     source = getattr(module, "source", None)
     if source is not None:
-        return {"format": "codegen", "source": source, "binaries": kernel_binaries(module),
-                "facts": facts.as_record(), "dynamic": codegen.has_symbolic_shapes(_placeholder_values(gm))}
+        common = {"facts": facts.as_record(), "dynamic": codegen.has_symbolic_shapes(_placeholder_values(gm))}
+        if level_2 is not None:
+            return {"format": "level-2", "digest": level_2, **common}
+        return {"format": "codegen", "source": source, "binaries": kernel_binaries(module), **common}
     if not isinstance(module, codegen.AtenModule):
         raise Uncacheable(f"kernel module {type(module).__name__} has no source")
     return {"format": "fx-boxed", "source": fx_code(gm), "facts": facts.as_record()}
 
 
+class MissingModule(Exception):
+    """A level-1 record refers to a level-2 entry that is gone or bad (evicted, cleared, damaged)."""
+
+
+def resolve(record: dict[str, Any], store: Store | None) -> dict[str, Any]:
+    """The record with its level-2 entry read in (source and binaries): self-contained, as
+    ``load_record`` and precompile take it. MissingModule when the entry cannot be read."""
+    if record.get("format") != "level-2":
+        return record
+    digest = str(record["digest"])
+    if store is None:
+        raise MissingModule(f"kernel module {digest[:12]} is in a cache this process cannot use")
+    try:
+        payload = store.read(LEVEL, digest)
+    except CorruptEntry as exc:
+        events.corrupt(LEVEL, digest[:12], str(exc))
+        store.remove(LEVEL, digest)
+        raise MissingModule(f"kernel module {digest[:12]}'s entry is bad ({exc})") from None
+    if payload is None:
+        raise MissingModule(f"kernel module {digest[:12]} is no longer in the cache")
+    if not isinstance(payload.get("source"), str):
+        raise MissingModule(f"kernel module {digest[:12]}'s entry holds no source")
+    events.hit(LEVEL, digest[:12])
+    resolved = {k: v for k, v in record.items() if k != "digest"}
+    return {**resolved, "format": "codegen", "source": payload["source"], "binaries": payload.get("binaries")}
+
+
 def load_record(record: dict[str, Any], ctx: GraphContext) -> Any:
+    """The module of a self-contained record (``resolve`` first one that refers to level 2)."""
     facts = codegen.GraphFacts.from_record(record.get("facts"))
     if record["format"] == "codegen":
         return codegen.load(record["source"], ctx, precompile_kernels=False, binaries=record.get("binaries"),

@@ -111,12 +111,13 @@ class Store:
             pass
         return payload
 
-    def remove(self, level: str, digest: str) -> None:
-        """Remove a bad entry (under its lock: a writer may be replacing it right now)."""
+    def remove(self, level: str, digest: str, only_bad: bool = True) -> None:
+        """Remove a bad entry (under its lock: a writer may be replacing it right now); with
+        ``only_bad=False``, a good one too (a level-1 entry whose kernel modules are gone)."""
         path = self.path(level, digest)
         try:
             with self.lock(digest):
-                if not _is_good(path, level, digest):
+                if not only_bad or not _is_good(path, level, digest):
                     path.unlink(missing_ok=True)
         except (OSError, Timeout) as exc:
             log.warning("cgtrees: could not remove bad cache entry %s: %s", path, exc)

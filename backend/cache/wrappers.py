@@ -1,7 +1,8 @@
 """Our own runtime wrappers for a level-1 hit: what AOTAutograd would have built around the
 compiled graphs, for the common case only (``compat.runtime_plan`` says which).
 
-Inference: the inference graph over the flat inputs, with grad mode off.
+Inference: the inference graph over the flat inputs, with grad mode off; an output that is an
+input is that input.
 Training: an autograd.Function whose forward runs the forward graph and keeps its extra outputs
 (the saved activations) for the backward, and whose backward makes the tangents the layout the
 backward graph was traced with, runs the backward graph, and returns one gradient per input.
@@ -29,6 +30,7 @@ def inference_function(call: Boxed, plan: dict[str, Any]) -> Callable[..., Any]:
     require grad when no output does, and an aten call on them would then record history."""
     bump = plan["bump_versions"]
     grad_enabled, no_grad = torch.is_grad_enabled, torch.no_grad
+    input_outputs = plan.get("input_outputs") or ()
 
     def run(*args: Any) -> list[Any]:
         flat = list(args)
@@ -39,7 +41,10 @@ def inference_function(call: Boxed, plan: dict[str, Any]) -> Callable[..., Any]:
                 outs = call(flat)
         else:
             outs = call(flat)
-        return outs if type(outs) is list else list(outs)
+        outs = outs if type(outs) is list else list(outs)
+        for out, arg in input_outputs:
+            outs[out] = args[arg]
+        return outs
 
     return run
 

@@ -67,8 +67,7 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
     from backend.codegen import wrapper
 
     _ensure_meta(gm, example_inputs)  # shapes/strides/dtypes of every node
-    digest = graph_hash(gm, ctx)
-    header = _header(ctx, digest)
+    header = _header(ctx, graph_hash(gm))
     if not _uses_triton(gm, ctx):  # CPU without the interpreter: aten calls only
         return "\n".join([*header, "import math", "import operator", "", "import torch", "", "aten = torch.ops.aten",
                           "", "", *wrapper.aten_call(gm), "", "", "call = call_aten", ""])
@@ -82,33 +81,30 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
     return source
 
 
-def _header(ctx: GraphContext, digest: str) -> list[str]:
+def _header(ctx: GraphContext, digest: str | None) -> list[str]:
+    """The module's header: the digest of the canonical graph text (``cache.key.graph_text``, the
+    text the cache key holds) and the digest of the key itself, the name of its cache entry."""
     import triton
 
     return [
         f"# cgtrees kernel module for {ctx.name} ({ctx.kind})",
-        f"# graph hash: {digest}",
+        f"# graph hash: {digest or 'none (the graph has no canonical text)'}",
+        f"# cache key: {ctx.cache_key or 'none (not cached)'}",
         f"# versions: torch {torch.__version__}, triton {triton.__version__}",
-        f'GRAPH_HASH = "{digest}"',
+        f"GRAPH_HASH = {digest!r}",
     ]
 
 
-def graph_hash(gm: torch.fx.GraphModule, ctx: GraphContext) -> str:
-    """A hash of the graph's text: ops, arguments, and each value's shape, strides and dtype."""
-    parts = [repr(ctx.config.codegen_key())]
-    for node in gm.graph.nodes:
-        val = node.meta.get("val")
-        meta = _describe_val(val)
-        parts.append(f"{node.op}|{node.name}|{node.target}|{node.args}|{sorted(node.kwargs.items())}|{meta}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+def graph_hash(gm: torch.fx.GraphModule) -> str | None:
+    """The digest of the graph's canonical text, the one the cache key holds; None for a graph
+    with no such text (a call target without a stable name, say)."""
+    from backend.cache.compat import Uncacheable
+    from backend.cache.key import graph_digest
 
-
-def _describe_val(val: Any) -> str:
-    if isinstance(val, torch.Tensor):
-        return f"{val.dtype}{tuple(val.shape)}{val.stride()}+{val.storage_offset()}@{val.device}"
-    if isinstance(val, (list, tuple)):
-        return "(" + ",".join(_describe_val(v) for v in val) + ")"
-    return repr(val)
+    try:
+        return graph_digest(gm)
+    except Uncacheable:
+        return None
 
 
 def _uses_triton(gm: torch.fx.GraphModule, ctx: GraphContext) -> bool:
@@ -217,5 +213,6 @@ def debug_path(gm: torch.fx.GraphModule, ctx: GraphContext) -> str | None:
     if not ctx.config.debug_dir:
         return None
     os.makedirs(ctx.config.debug_dir, exist_ok=True)
-    return os.path.join(ctx.config.debug_dir, f"{_safe(ctx.name)}_{graph_hash(gm, ctx)[:12]}.py")
+    digest = ctx.cache_key or graph_hash(gm) or hashlib.sha256(gm.code.encode()).hexdigest()
+    return os.path.join(ctx.config.debug_dir, f"{_safe(ctx.name)}_{digest[:12]}.py")
 
