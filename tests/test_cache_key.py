@@ -232,3 +232,24 @@ def test_triton_stamp_follows_the_installed_files(tmp_path, monkeypatch):
     assert compat.installed_stamp() == stamp
     (fake / "_C" / "libtriton.so").write_bytes(b"\1" * 65)
     assert compat.installed_stamp() != stamp
+
+
+class _Scale:
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.k
+
+
+def test_key_refuses_a_call_target_bound_to_an_object():
+    """``_Scale(2).apply`` and ``_Scale(3).apply`` have one qualified name and differ: a graph
+    calling either has no canonical text (the first cache level bypasses it)."""
+    from backend.cache.compat import Uncacheable
+
+    for k in (2.0, 3.0):
+        graph = torch.fx.Graph()
+        x = graph.placeholder("x")
+        graph.output(graph.call_function(_Scale(k).apply, (x,)))
+        with pytest.raises(Uncacheable, match="bound to an object"):
+            graph_text(torch.fx.GraphModule(torch.nn.Module(), graph))

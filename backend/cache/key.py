@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -155,6 +156,9 @@ def stable_name(target: Any) -> str:
     module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
     if module is None or name is None:
         raise Uncacheable(f"call target {target!r} has no stable name")
+    owner = getattr(target, "__self__", None)
+    if owner is not None and not isinstance(owner, (types.ModuleType, type)):
+        raise Uncacheable(f"call target {target!r} is bound to an object: its name does not say what it does")
     if "<" in name:
         public = getattr(target, "__name__", "")
         owner = sys.modules.get(module)
