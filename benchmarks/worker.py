@@ -7,12 +7,13 @@ the environment. ``run_row`` is also called in-process by the ``--smoke`` run. A
 reported in the row (``error``), with whatever figures were measured before it.
 
 A backend named ``<backend>-ca`` (training only; ``backend_names.py``) is ``<backend>`` with the
-backward captured by compiled autograd and compiled by the same backend and mode (issue 20). It is turned on with
-``torch._dynamo.compiled_autograd._enable(compiler)`` around ``loss.backward()``, not with
-``torch._dynamo.config.compiled_autograd``: the config flag only takes effect when ``backward()``
-runs inside a compiled frame, so the loss and backward would have to move into one compiled step
-function, and the row would measure a different step from the other train rows. The context manager
-keeps the step as it is: the compiled model, the loss outside it, the backward, eager SGD.
+backward captured by compiled autograd and compiled by the same backend and mode (issue 20). It is
+turned on with ``torch._dynamo.compiled_autograd._enable(compiler)`` around ``loss.backward()``, not
+with ``torch._dynamo.config.compiled_autograd``: the config flag only takes effect when
+``backward()`` runs inside a compiled frame, so the loss and backward would have to move into one
+compiled step function, and the row would measure a different step from the other train rows. The
+context manager keeps the step as it is: the compiled model, the loss outside it, the backward,
+eager SGD.
 """
 
 from __future__ import annotations
