@@ -162,103 +162,16 @@ def test_gpt2_matches_eager(cgtrees_counters):
     assert cgtrees_counters["compiled_autograd_graphs"] >= 2
 
 
-WARM_WORKER = r"""
-import copy, json, logging, sys, torch
-import backend.aot.compat as aot_compat
-from backend import counters
-
-calls = {"aot": 0}
-real_aot = aot_compat.aot_module_simplified
-def counting_aot(*a, **k):
-    calls["aot"] += 1
-    return real_aot(*a, **k)
-aot_compat.aot_module_simplified = counting_aot
-
-class Keep(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages = []
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-keep = Keep()
-logging.getLogger("backend").addHandler(keep)
-logging.getLogger("backend").setLevel(logging.DEBUG)
-
-torch.manual_seed(0)
-nn = torch.nn
-model = nn.Sequential(nn.Linear(13, 24), nn.Tanh(), nn.Linear(24, 7))
-ref = copy.deepcopy(model)
-def halve(p):
-    p.grad.mul_(0.5)
-for m in (model, ref):  # hooks are traced into the graph: same code, same key
-    m[0].weight.register_hook(lambda g: g * 2.0)
-    m[2].bias.register_post_accumulate_grad_hook(halve)
-opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
-
-def step(m, x):
-    loss = (m(x) / 3.0).pow(2).mean()
-    loss.backward()
-    return loss.detach()
-
-with torch._dynamo.config.patch(compiled_autograd=True):
-    compiled = torch.compile(step, backend="cgtrees")
-error = 0.0
-xs = [torch.randn(6, 13) for _ in range(4)]
-for x, what in zip(xs, ["step", "accumulate", "step", "step"]):
-    losses = compiled(model, x), step(ref, x)
-    error = max([error, (losses[0] - losses[1]).abs().item()]
-                + [(p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())])
-    if what == "step":
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    error = max([error] + [(p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())])
-c = counters.snapshot()
-backward = [m.split()[1] for m in keep.messages if "is a compiled-autograd backward" in m]
-print(json.dumps({"error": error, "calls": calls, "backward": backward,
-                  "counters": {k: v for k, v in c.items() if k.startswith("cache_") or k.endswith("_graphs")},
-                  "aot_hits": [m.split()[-1] for m in keep.messages if m.startswith("cgtrees: cache hit (aot)")],
-                  "aot_misses": [m.split()[5].rstrip(":") for m in keep.messages
-                                 if m.startswith("cgtrees: cache miss (aot)")]}))
-"""
-
-
 def test_warm_process_hits_both_cache_levels_for_compiled_autograd(tmp_path):
     """A cold process compiles the compiled-autograd backward graphs (keyed at level 1 like any
     graph: compiled autograd's ops by name, the AOT backward prologue by its trace); a warm process
     loads them from level 1, whose entries read their kernel modules from level 2, without tracing
     them through AOTAutograd, with eager's gradients over steps with SGD, accumulation and hooks.
     (The forward misses level 1 in both: its backward is compiled autograd's, so AOTAutograd never
-    compiles the backward that level 1 keeps with a forward.) Fresh processes on a snapshot of the
-    backend: the key hashes our source, and the tree may be edited meanwhile."""
-    import json
-    import os
-    import shutil
-    import subprocess
-    import sys
-    from pathlib import Path
+    compiles the backward that level 1 keeps with a forward.)"""
+    from ca_warm_helpers import check_cold_and_warm, cold_and_warm
 
-    root = Path(__file__).resolve().parent.parent
-    shutil.copytree(root / "backend", tmp_path / "snapshot" / "backend",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "worker.py").write_text(WARM_WORKER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
-    env.update(CGTREES_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(tmp_path / "snapshot"))
-    runs = []
-    for _ in ("cold", "warm"):
-        proc = subprocess.run([sys.executable, str(tmp_path / "worker.py")], env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    cold, warm = runs
-    for run in runs:
-        assert run["error"] < 1e-5, run
-        assert run["counters"]["compiled_autograd_graphs"] == len(run["backward"]) >= 2, run
-        assert run["counters"].get("cache_corrupt", 0) == 0
-    assert set(cold["backward"]) <= set(cold["aot_misses"]), cold  # compiled and recorded
-    assert set(warm["backward"]) <= set(warm["aot_hits"]), warm  # loaded from level 1 ...
-    assert warm["counters"]["cache_hit_module"] >= len(warm["backward"]), warm  # ... reading level 2
-    assert warm["calls"]["aot"] == cold["calls"]["aot"] - len(cold["backward"]), (cold, warm)
+    check_cold_and_warm(*cold_and_warm(tmp_path, "cpu"))
 
 
 def _op(name: str, fn: Callable[..., Any], custom: bool) -> Any:
@@ -313,14 +226,25 @@ def test_graph_with_a_cpp_custom_function_bypasses_level_one(cgtrees_counters, c
     assert cgtrees_counters["cache_miss_module"] == 1 and cgtrees_counters["graph_fallbacks"] == 0
 
 
-def test_graph_of_torch_backward_ops_is_cached_at_level_one(cgtrees_counters):
+def test_graph_of_torch_backward_ops_is_cached_at_level_one(cgtrees_counters, monkeypatch):
     """The same graph calling one of torch's own backward ops (named by the C++ node, the same in
-    every process): level 1 keys it by that name, records it, and a second compile hits it."""
+    every process): level 1 keys it by that name, records it, and a second compile hits it; both
+    times the runtime is handed a backward, and the list input is stolen."""
+    from backend.aot import driver
+
+    kinds, wrap = [], driver._wrap
+
+    def spy(module: Any, example_inputs: list[Any], ctx: Any) -> Any:
+        kinds.append(ctx.kind)
+        return wrap(module, example_inputs, ctx)
+
+    monkeypatch.setattr(driver, "_wrap", spy)
     op = _op("CgtreesTestBuiltinSquare", _double, custom=False)
     _compile_and_check(op, 0)
     assert cgtrees_counters["cache_miss_aot"] == 1 and cgtrees_counters.get("cache_bypass_aot", 0) == 0
     _compile_and_check(op, 1)
     assert cgtrees_counters["cache_hit_aot"] == 1 and cgtrees_counters["graph_fallbacks"] == 0
+    assert kinds == ["backward", "backward"]  # compiled, then rebuilt from level 1
 
 
 def test_forward_from_level_one_then_compiled_autograd(cgtrees_counters):
