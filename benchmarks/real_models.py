@@ -40,7 +40,8 @@ Workload = tuple[nn.Module, Callable[[torch.device], tuple], Callable[[torch.Ten
 VOCAB, SMOKE_VOCAB = 8192, 256
 HF_MODELS = ("gpt2", "llama", "bert")  # need transformers only
 NEEDS = {"gpt2": ("transformers",), "llama": ("transformers",), "bert": ("transformers",),
-         "vit_tiny": ("timm", "torchvision"), "resnet18": ("torchvision",)}
+         "vit_tiny": ("timm", "torchvision"), "resnet18": ("torchvision",),
+         "mobilenet_v3_small": ("torchvision",), "convnext_atto": ("timm", "torchvision")}
 
 
 class MissingPackage(RuntimeError):
@@ -157,10 +158,26 @@ def resnet18(smoke: bool = False) -> Workload:
     return model, _images(batch, size), cross_entropy(classes, (batch,))
 
 
+def mobilenet_v3_small(smoke: bool = False) -> Workload:
+    (tv,) = _require("mobilenet_v3_small")
+    batch, size, classes = (2, 32, 10) if smoke else (32, 224, 1000)
+    model = tv.models.mobilenet_v3_small(weights=None, num_classes=classes)
+    return model, _images(batch, size), cross_entropy(classes, (batch,))
+
+
+def convnext_atto(smoke: bool = False) -> Workload:
+    timm, _ = _require("convnext_atto")
+    batch, size, classes = (2, 32, 10) if smoke else (32, 224, 1000)
+    model = timm.create_model("convnext_atto", pretrained=False, num_classes=classes)
+    return model, _images(batch, size), cross_entropy(classes, (batch,))
+
+
 MODELS: dict[str, Callable[..., Workload]] = {
     "gpt2": gpt2,
     "llama": llama,
     "bert": bert,
     "vit_tiny": vit_tiny,
     "resnet18": resnet18,
+    "mobilenet_v3_small": mobilenet_v3_small,
+    "convnext_atto": convnext_atto,
 }

@@ -53,10 +53,15 @@ class WideNet(nn.Module):
 @pytest.fixture
 def no_tf32():
     """Full float32 convolutions in eager and compiled alike (TF32's 1e-3 would hide a wrong value)."""
-    old = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = old
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    old = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    # through flags(): torch's test utilities, imported by other test modules of this process,
+    # forbid setting cuDNN's flags directly (disable_global_flags)
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                     allow_tf32=False):
+        yield
+    matmul.allow_tf32 = old
 
 
 def _close(actual, expected, what, truth):
