@@ -34,6 +34,7 @@ from backend.codegen.lowering import (
     TensorValue,
     load_buffer,
     meta_layout,
+    reads_values,
     sym,
     why_not_lowered,
 )
@@ -189,7 +190,8 @@ class GraphLowerer:
     def _lower(self, node: torch.fx.Node) -> Any:
         self.ctx.node = node
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: self.env[n])
-        lazy_origins = [self.origins.get(n, ()) for n in node.all_input_nodes if self._is_lazy(n)]
+        lazy_origins = [self.origins.get(n, ()) for n in node.all_input_nodes
+                        if self._is_lazy(n) and reads_values(node, n)]  # not a ``copy``'s unread destination
         self._current_origins = tuple(dict.fromkeys([o for group in lazy_origins for o in group] + [node.name]))
         steps_before = len(self.steps)
         try:
@@ -213,7 +215,8 @@ class GraphLowerer:
             return False
         if any(user.op == "output" for user in node.users):
             return True  # realize outputs where they are computed, so they fuse with their producers
-        return len(node.users) > 1 or ir.size_of(value.body) > INLINE_LIMIT
+        readers = sum(reads_values(user, node) for user in node.users)  # not ``copy``'s destination
+        return readers > 1 or ir.size_of(value.body) > INLINE_LIMIT
 
     def _check_templates(self, value: Any) -> None:
         if not isinstance(value, TensorValue):
@@ -267,6 +270,16 @@ class GraphLowerer:
         name = self._claim(name)
         self.steps.append(ir.Compute(name, layout, dtype, ranges, body, tuple(reduced), kind,
                                      origins=self._current_origins))
+        self.layouts[name] = layout
+        self.meta_offsets[name] = sympy.Integer(0)
+        return load_buffer(name, layout, dtype)
+
+    def add_empty(self, node: torch.fx.Node, layout: ir.Layout, dtype: torch.dtype,
+                  device: torch.device) -> TensorValue:
+        """A buffer allocated in ``call`` and filled by nobody (``empty_strided``): no kernel."""
+        name = self._claim(node.name)
+        self.steps.append(ir.Extern(name, "torch.empty_strided", (list(layout.size), list(layout.stride)),
+                                    (("dtype", dtype), ("device", device)), origins=(node.name,)))
         self.layouts[name] = layout
         self.meta_offsets[name] = sympy.Integer(0)
         return load_buffer(name, layout, dtype)

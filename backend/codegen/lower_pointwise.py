@@ -1,5 +1,12 @@
 """Lowerings of pointwise aten ops: arithmetic, comparisons, logic, ``where``, casts, unary math,
-constants (``full``, ``scalar_tensor``, ``arange``)."""
+constants (``full``, ``scalar_tensor``, ``arange``), and allocations (``empty_strided`` and friends).
+
+An allocation is a buffer ``call`` allocates and no kernel fills. Where its only users are ``copy``s
+into it (``copy(new_empty_strided(...), grad)``: how accumulate-grad clones a gradient with the
+parameter's strides, in every compiled-autograd backward), nothing reads it at all: it is left
+unmaterialized and vanishes, and the ``copy`` is the source written with the node's strides and
+dtype, fused with the source's producer or consumer.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ from backend.codegen.lowering import (
     meta_size,
     pointwise,
     promoted,
+    reads_values,
 )
 
 aten = torch.ops.aten
@@ -303,9 +311,33 @@ _ALIASES = (aten.alias.default, aten.detach.default)
 
 
 @lowering(aten.copy.default)
-def _copy(ctx: LowerCtx, dst: TensorValue, src: TensorValue, non_blocking: bool = False) -> TensorValue:
+def _copy(ctx: LowerCtx, dst: TensorValue, src: Any, non_blocking: bool = False) -> TensorValue:
+    # ``dst``'s values are never read (``reads_values`` relies on it): the result is ``src``
+    # broadcast to ``dst``'s size and cast to its dtype; realized, it takes the node's (dst's) strides.
     meta = ctx.out_meta()
     return TensorValue(meta_size(meta), meta.dtype, broadcast(src, meta_size(meta), meta.dtype))
+
+
+# ---------------------------------------------------------------------------------------- allocations
+def _plain_allocation(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
+    if node.kwargs.get("pin_memory"):
+        return "pinned memory"
+    return _plain_device(node, ctx)
+
+
+def _only_overwritten(node: torch.fx.Node) -> bool:
+    """Whether every user of ``node`` only takes its metadata (``copy`` into it, ``new_empty``...)."""
+    return bool(node.users) and not any(reads_values(user, node) for user in node.users)
+
+
+@lowering(aten.empty_strided.default, aten.new_empty_strided.default, aten.new_empty.default,
+          aten.empty.memory_format, aten.empty_like.default, aten.empty_permuted.default,
+          can_lower=_plain_allocation)
+def _empty(ctx: LowerCtx, *args: Any, **kwargs: Any) -> TensorValue:
+    meta = ctx.out_meta()
+    if _only_overwritten(ctx.node):  # never read, never returned: no buffer at all
+        return TensorValue(meta_size(meta), meta.dtype, broadcast(0, (), meta.dtype))
+    return ctx.allocate()
 
 
 # ---------------------------------------------------------------------------------------- constants

@@ -137,6 +137,12 @@ class LowerCtx:
         """Add a reduction step writing a new buffer; returns the buffer as a value."""
         return self.builder.add_reduction(name, layout, dtype, ranges, reduced, kind, body, self.node)
 
+    def allocate(self) -> TensorValue:
+        """A new buffer laid out as the current node's result, allocated and never filled: the
+        value of ``empty_strided`` and friends (no kernel; whoever reads it reads garbage, as in eager)."""
+        meta = self.out_meta()
+        return self.builder.add_empty(self.node, meta_layout(meta), meta.dtype, meta.device)
+
     def meta_offset(self, buf: str) -> sympy.Expr:
         """The storage offset (in the node metas) of the tensor that buffer ``buf`` points at."""
         return self.builder.meta_offsets[buf]
@@ -144,6 +150,22 @@ class LowerCtx:
     def out_meta(self, i: int | None = None) -> torch.Tensor:
         val = self.node.meta["val"]
         return val[i] if i is not None else val
+
+
+# Ops that read the tensor in their first argument for its metadata only (size, strides, dtype,
+# device), never its values: our lowerings of them never look at its body.
+METADATA_FIRST = frozenset({
+    aten.copy.default,  # copy(self, src): self says where src goes
+    aten.new_empty_strided.default, aten.new_empty.default, aten.empty_like.default, aten.full_like.default,
+})
+
+
+def reads_values(user: torch.fx.Node, node: torch.fx.Node) -> bool:
+    """Whether ``user`` reads the values of ``node`` (not only its size, strides, dtype, device): a
+    value read only for its metadata is no reason to write it to memory."""
+    if user.target in METADATA_FIRST and user.args and user.args[0] is node:
+        return node in user.args[1:] or node in user.kwargs.values()
+    return True
 
 
 # ---------------------------------------------------------------------------------------- helpers
