@@ -31,8 +31,10 @@ prologue by the canonical text of its trace on the call's example values (what i
 AOTAutograd will see of it). A C++ custom autograd Function's op is named ``CppNode<Name><n>``,
 numbered in the order a process first meets it, so a key on it could match another process's
 different graph: such a graph bypasses the first level with that reason (logged); the second level
-(kernel modules, keyed by the aten graph) still hits. A level-1 hit rebuilds the same runtime
-treatment: the part runs as a backward, behind the same flattening call.
+(kernel modules, keyed by the aten graph) still hits. So does a graph with symbolic sizes, as the
+context manager makes them by default (``dynamic=True``; ``torch._dynamo.config.compiled_autograd``
+follows ``torch.compile``'s ``dynamic``): level 1 rebuilds static shapes only. A level-1 hit
+rebuilds the same runtime treatment: the part runs as a backward, behind the same flattening call.
 """
 
 from __future__ import annotations
@@ -94,9 +96,12 @@ def name_ops(gm: torch.fx.GraphModule) -> None:
         elif compat.is_aot_backward_prologue(node.target):
             try:
                 node.meta[TARGET_TEXT] = f"aot_backward_prologue{{{_traced_text(node)}}}"
+            except Uncacheable as exc:
+                gm.meta[NO_LEVEL_1] = str(exc)
+                return
             except Exception as exc:  # noqa: BLE001 - the graph still compiles; level 1 is bypassed
-                why = str(exc) if isinstance(exc, Uncacheable) else f"{type(exc).__name__}: {exc}"
-                gm.meta[NO_LEVEL_1] = f"an AOT backward prologue could not be traced for the key ({why})"
+                gm.meta[NO_LEVEL_1] = (f"an AOT backward prologue could not be traced for the key "
+                                       f"({type(exc).__name__}: {exc})")
                 return
 
 
@@ -107,9 +112,12 @@ def _traced_text(node: torch.fx.Node) -> str:
     from backend.cache.key import graph_text
 
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
-    values = [leaf.meta.get("example_value") if isinstance(leaf, torch.fx.Node) else leaf for leaf in leaves]
-    if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in values):
-        raise Uncacheable("dynamic sizes")
+    if any(isinstance(leaf, torch.fx.Node) and "example_value" not in leaf.meta for leaf in leaves):
+        raise Uncacheable("an argument has no example value")
+    values = [leaf.meta["example_value"] if isinstance(leaf, torch.fx.Node) else leaf for leaf in leaves]
+    sizes = [s for v in values if isinstance(v, torch.Tensor) for s in (*v.shape, *v.stride())]
+    if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in [*values, *sizes]):
+        raise Uncacheable("dynamic shapes")
     positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
 
     def call(*tensors: torch.Tensor) -> Any:
