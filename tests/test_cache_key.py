@@ -253,3 +253,23 @@ def test_key_refuses_a_call_target_bound_to_an_object():
         graph.output(graph.call_function(_Scale(k).apply, (x,)))
         with pytest.raises(Uncacheable, match="bound to an object"):
             graph_text(torch.fx.GraphModule(torch.nn.Module(), graph))
+
+
+def test_debug_dir_keeps_the_modules_of_a_level_one_hit(tmp_path, monkeypatch, cgtrees_counters):
+    """``CGTREES_DEBUG_DIR`` gets every module with the cache on, also those a level-1 hit reads
+    from level 2 (named by their entries' digests)."""
+    debug = tmp_path / "debug"
+    monkeypatch.setenv("CGTREES_DEBUG_DIR", str(debug))
+    model, x = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh()), torch.randn(3, 8)
+
+    def train_step() -> list[str]:
+        torch._dynamo.reset()
+        torch.compile(model, backend="cgtrees")(x).sum().backward()
+        written = sorted(p.read_text() for p in debug.glob("*.py"))
+        for path in debug.glob("*.py"):
+            path.unlink()
+        return written
+
+    cold = train_step()
+    assert len(cold) == 2 and cgtrees_counters["cache_miss_aot"] == 1  # forward and backward
+    assert train_step() == cold and cgtrees_counters["cache_hit_aot"] == 1

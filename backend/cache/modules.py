@@ -18,6 +18,7 @@ which we load back with a fixed set of globals.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -201,16 +202,20 @@ def resolve(record: dict[str, Any], store: Store | None) -> dict[str, Any]:
     if not isinstance(payload.get("source"), str):
         raise MissingModule(f"kernel module {digest[:12]}'s entry holds no source")
     events.hit(LEVEL, digest[:12])
-    resolved = {k: v for k, v in record.items() if k != "digest"}
-    return {**resolved, "format": "codegen", "source": payload["source"], "binaries": payload.get("binaries")}
+    return {**record, "format": "codegen", "source": payload["source"], "binaries": payload.get("binaries")}
 
 
 def load_record(record: dict[str, Any], ctx: GraphContext) -> Any:
-    """The module of a self-contained record (``resolve`` first one that refers to level 2)."""
+    """The module of a self-contained record (``resolve`` first one that refers to level 2); one
+    read from level 2 keeps its digest, which names its copy in ``CGTREES_DEBUG_DIR``."""
     facts = codegen.GraphFacts.from_record(record.get("facts"))
     if record["format"] == "codegen":
-        return codegen.load(record["source"], ctx, precompile_kernels=False, binaries=record.get("binaries"),
-                            facts=facts, dynamic=bool(record.get("dynamic", True)))
+        path = None
+        if record.get("digest"):
+            ctx = dataclasses.replace(ctx, cache_key=record["digest"])
+            path = codegen.debug_path(None, ctx)
+        return codegen.load(record["source"], ctx, path=path, precompile_kernels=False,
+                            binaries=record.get("binaries"), facts=facts, dynamic=bool(record.get("dynamic", True)))
     if record["format"] == "fx-boxed":
         return FxModule(record["source"], ctx.name, facts)
     raise CorruptEntry(f"unknown module format {record['format']!r}")

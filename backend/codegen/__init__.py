@@ -207,10 +207,11 @@ def compile_graph(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphCont
                 dynamic=has_symbolic_shapes(example_inputs))
 
 
-def debug_path(gm: torch.fx.GraphModule, ctx: GraphContext) -> str | None:
-    """Where ``CGTREES_DEBUG_DIR`` keeps this graph's module (None when it is not set); a module
-    loaded from there is the one that runs, so tracebacks point at it."""
-    if not ctx.config.debug_dir:
+def debug_path(gm: torch.fx.GraphModule | None, ctx: GraphContext) -> str | None:
+    """Where ``CGTREES_DEBUG_DIR`` keeps this graph's module, named by its cache key's digest or
+    else its graph's (None when it is not set, or there is neither); a module loaded from there is
+    the one that runs, so tracebacks point at it."""
+    if not ctx.config.debug_dir or (gm is None and not ctx.cache_key):
         return None
     os.makedirs(ctx.config.debug_dir, exist_ok=True)
     digest = ctx.cache_key or graph_hash(gm) or hashlib.sha256(gm.code.encode()).hexdigest()
