@@ -129,6 +129,18 @@ def test_mlp_matches_eager(enable, mode, cgtrees_counters):
         assert cgtrees_counters["kernels_generated"] > 0
 
 
+@needs_interpreter
+def test_backward_is_generated_whole(cgtrees_counters):
+    """Accumulate-grad's ``copy(new_empty_strided(grad, ...), grad)`` per parameter is generated
+    code (the copy's own buffer, filled by a kernel), not aten: no aten gap in the
+    compiled-autograd backward, with eager's gradients."""
+    inputs = [torch.randn(6, 13) for _ in range(3)]
+    _train(_mlp, "context", {"interpret": True}, inputs, ["step", "accumulate", "step"])
+    _assert_all_compiled(cgtrees_counters, backward_graphs=2)
+    assert cgtrees_counters["kernels_generated"] > 0
+    assert cgtrees_counters.get("aten_gaps", 0) == 0, dict(cgtrees_counters)
+
+
 def test_mlp_with_new_batch_sizes_matches_eager(cgtrees_counters):
     """Compiled autograd passes sizes as inputs (dynamic by default under the context manager): we
     turn them into size arguments, and a new batch size gives eager's gradients."""
