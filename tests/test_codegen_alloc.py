@@ -183,3 +183,16 @@ def test_opinfo_allocation_metadata(op, dtype):
         actual = run(module, *[t.clone() for t in tensors])[0]
         assert (actual.shape, actual.stride(), actual.dtype, actual.device) == \
             (expected.shape, expected.stride(), expected.dtype, expected.device), sample
+
+
+def test_copy_from_another_device_is_left_to_aten():
+    from backend.codegen.lowering import why_not_lowered
+
+    graph = torch.fx.Graph()
+    dst, src = graph.placeholder("dst"), graph.placeholder("src")
+    copy = graph.call_function(aten.copy.default, (dst, src))
+    dst.meta["val"], src.meta["val"] = torch.empty(3), torch.empty(3, device="meta")
+    copy.meta["val"] = torch.empty(3)
+    assert why_not_lowered(copy, None) == "copy to another device (meta -> cpu)"
+    src.meta["val"] = torch.empty(3)
+    assert why_not_lowered(copy, None) is None

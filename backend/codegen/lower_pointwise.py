@@ -310,7 +310,12 @@ def _clone(ctx: LowerCtx, x: TensorValue, **kwargs: Any) -> TensorValue:
 _ALIASES = (aten.alias.default, aten.detach.default)
 
 
-@lowering(aten.copy.default)
+def _copy_same_device(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
+    dst, src = (a.meta["val"].device for a in node.args[:2])
+    return None if dst == src else f"copy to another device ({src} -> {dst})"
+
+
+@lowering(aten.copy.default, can_lower=_copy_same_device)
 def _copy(ctx: LowerCtx, dst: TensorValue, src: Any, non_blocking: bool = False) -> TensorValue:
     # ``dst``'s values are never read (``reads_values`` relies on it): the result is ``src``
     # broadcast to ``dst``'s size and cast to its dtype; realized, it takes the node's (dst's) strides.
