@@ -255,6 +255,16 @@ def test_key_refuses_a_call_target_bound_to_an_object():
             graph_text(torch.fx.GraphModule(torch.nn.Module(), graph))
 
 
+def test_key_names_a_pybind_function_published_on_its_module():
+    """``torch._C._log_api_usage_once`` (in HF Llama's graphs) is bound to its pybind11 function
+    record, yet it is the one object ``torch._C`` publishes under that name: it has a text."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(torch._C._log_api_usage_once, ("test",))
+    graph.output(x)
+    assert "torch._C._log_api_usage_once" in graph_text(torch.fx.GraphModule(torch.nn.Module(), graph))
+
+
 def test_debug_dir_keeps_the_modules_of_a_level_one_hit(tmp_path, monkeypatch, cgtrees_counters):
     """``CGTREES_DEBUG_DIR`` gets every module with the cache on, also those a level-1 hit reads
     from level 2 (named by their entries' digests)."""

@@ -157,7 +157,7 @@ def stable_name(target: Any) -> str:
     if module is None or name is None:
         raise Uncacheable(f"call target {target!r} has no stable name")
     owner = getattr(target, "__self__", None)
-    if owner is not None and not isinstance(owner, (types.ModuleType, type)):
+    if owner is not None and not isinstance(owner, (types.ModuleType, type)) and not _published(target, module, name):
         raise Uncacheable(f"call target {target!r} is bound to an object: its name does not say what it does")
     if "<" in name:
         public = getattr(target, "__name__", "")
@@ -166,6 +166,12 @@ def stable_name(target: Any) -> str:
             raise Uncacheable(f"call target {target!r} has no stable name")
         name = public
     return f"{module}.{name}"
+
+
+def _published(target: Any, module: str, name: str) -> bool:
+    """Whether ``module.name`` is ``target`` itself: a pybind11 function (``torch._C._log_api_usage_once``,
+    bound to its function record) is one object in every process; a bound method is new at each access."""
+    return getattr(sys.modules.get(module), name, None) is target
 
 
 def constants_text(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> str:
