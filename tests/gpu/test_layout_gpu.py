@@ -99,8 +99,10 @@ def _train_against_eager(model: nn.Module, x: torch.Tensor, options: dict, steps
 def test_training_channels_last_matches_eager(name, no_tf32):
     from torch._dynamo.utils import counters
 
-    _train_against_eager(*MODELS[name](), {"layout_opt": "force"})  # small nets: the decision says NCHW
-    assert counters["cgtrees"]["layout_channels_last"] == 1
+    # forced, and still NCHW: a CUDA training graph is never rewritten (layout.TRAINING_ON_CUDA; forced,
+    # conv_bn_relu's input gradients were wrong here before)
+    _train_against_eager(*MODELS[name](), {"layout_opt": "force"})
+    assert counters["cgtrees"]["layout_channels_last"] == 0
     assert counters["cgtrees"]["graph_fallbacks"] == 0
 
 
@@ -145,6 +147,8 @@ def _conversions(names: list[str]) -> list[str]:
     return sorted({n for n in names if any(k in n.lower() for k in CONVERSION_KERNELS)})
 
 
+@pytest.mark.xfail(strict=True, reason="issue 18, open: CUDA training graphs stay NCHW (layout.TRAINING_ON_CUDA), so "
+                   "cuDNN's nchwToNhwc/nhwcToNchw kernels remain around each convolution")
 def test_no_layout_conversion_kernels_around_convolutions():
     """With the layout on, cuDNN runs NHWC convolutions with no conversion kernel of its own; the
     same net with the layout off shows what cuDNN did before (printed, for the record)."""
