@@ -73,7 +73,9 @@ print(json.dumps({"error": error, "calls": calls, "backward": backward,
                                if k.startswith(("cache_", "cudagraph_")) or k.endswith(("_graphs", "_fallbacks"))},
                   "aot_hits": [m.split()[-1] for m in keep.messages if m.startswith("cgtrees: cache hit (aot)")],
                   "aot_misses": [m.split()[5].rstrip(":") for m in keep.messages
-                                 if m.startswith("cgtrees: cache miss (aot)")]}))
+                                 if m.startswith("cgtrees: cache miss (aot)")],
+                  "why": [m for m in keep.messages if m.startswith(("cgtrees: cache miss (aot)", "cgtrees: g"))
+                          and ("miss" in m or "bypass" in m)]}))
 """
 
 
