@@ -169,8 +169,11 @@ def stable_name(target: Any) -> str:
 
 
 def _published(target: Any, module: str, name: str) -> bool:
-    """Whether ``module.name`` is ``target`` itself: a pybind11 function (``torch._C._log_api_usage_once``,
-    bound to its function record) is one object in every process; a bound method is new at each access."""
+    """Whether ``target`` is a free function despite its ``__self__``: a pybind11 function
+    (``torch._C._log_api_usage_once``) is bound to its function record, which holds no state of the
+    caller's; or ``module.name`` is ``target`` itself (a bound method is new at each access)."""
+    if "pybind11" in type(getattr(target, "__self__", None)).__name__:
+        return True
     return getattr(sys.modules.get(module), name, None) is target
 
 
