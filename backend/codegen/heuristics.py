@@ -24,8 +24,8 @@ reductions (under ``SPLIT_MIN_NUMEL`` elements in all) stay one kernel: a second
 more than it saves.
 
 Scans (cumsum) hold a whole row in one block of ``RBLOCK = next_pow2(row)`` columns, rows of at
-most ``SCAN_LIMIT`` elements (longer ones run through aten), rows per program as for a persistent
-reduction, whether the scanned dimension is the innermost in memory or not.
+most ``SCAN_LIMIT`` elements (longer ones are scanned in chunks, then their totals: ``lower_scan``),
+rows per program as for a persistent reduction, whether the scanned dimension is the innermost in memory or not.
 
 Under Triton's interpreter every program costs Python time, so blocks are larger there.
 """
