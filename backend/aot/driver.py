@@ -36,6 +36,10 @@ class FunctionPair:
         # An inference graph in our own runtime wrapper, where AOTAutograd's wrappers would add
         # nothing (``_lean_inference``): it replaces AOTAutograd's function, ~20 us a call less.
         self.lean: Callable[..., Any] | None = None
+        # The tree manager the forward ran under, for its backward (the runtime's: ``function._tree``).
+        self.cgtrees_manager: Any = None
+        # Collects the aten graphs for the level-1 entry on a miss (``cache.aot.Recorder``).
+        self.cache_recorder: Any = None
 
 
 def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
