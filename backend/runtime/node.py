@@ -6,8 +6,13 @@ Invariants:
   lies outside them: replaying is safe exactly when every live pool output is in ``protected``.
 - Inputs are read in one of two ways, fixed at record time: *checked* inputs (static inputs and
   inputs that already live in the pool) are read where they are, and the replay only compares their
-  addresses (one C call); every other tensor input is *copied* into the node's own input slot
-  (allocated outside the pool, so no recording can reuse it). Mutated copied inputs are written back.
+  addresses (one C call); every other tensor input is *copied* into an input slot. A slot is pool
+  memory allocated inside the capture and freed there at its last read (the graph may reuse it), so
+  copying into its address is a write of this graph; mutated and broadcast inputs keep a slot of
+  their own outside the pool, and mutated ones are written back.
+- A backward's checked pool inputs (the activations its forward saved) that die inside its capture
+  are *consumed*: the graph reuses their memory, so it replays only when autograd keeps no graph and
+  each of them is held by the call alone (its recorded storage use count).
 - Outputs are rebuilt on every replay as fresh tensors over the same pool memory (storages without
   a deleter: the pool, not the tensor, owns the memory); outputs that alias an input are rebuilt as
   views of that input; non-tensor outputs are constants of the recording. Outputs that shared one
@@ -95,11 +100,7 @@ class GraphNode:
         except BaseException:
             self._take_back(args)  # the caller runs the graph eagerly on them
             raise
-        self.handed_args = []
-        self.consumed = {key: count for key, storage, count in self.handed if not storage.alive()}
-        self.handed = []
-        for ptr, _ in self.consumed:  # dead: an output at that address is the graph's own
-            self.input_storages.pop(ptr, None)
+        self._settle_handoff()
         self._view_pool_slots()
         self._copy_in(args)
         self.graph.replay()  # this call's results
@@ -188,35 +189,45 @@ class GraphNode:
         autograd keeps no graph (no ``retain_graph``): nothing reads the activations afterwards.
         ``fits`` replays such a node only when the same holds again: the graph keeps nothing, and
         each consumed storage has the use count it had here (the call's arguments alone)."""
-        seen: dict[tuple[int, int], None] = {}
+        seen: set[tuple[int, int]] = set()
         self.handed_args = [(i, _meta(args[i])) for i in self.handoff]
         for i in self.handoff:
             storage = args[i].untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
             if key not in seen:
-                seen[key] = None
+                seen.add(key)
                 weak = WeakStorage(storage)
                 del storage  # a Python storage object counts as a use
                 self.handed.append((key, weak, compat.storage_use_count(weak.cdata)))
         for i in self.handoff:
             args[i] = None  # outputs that alias one of them are the capture's own (``_first_outputs``)
 
+    def _settle_handoff(self) -> None:
+        """After the capture: the handed inputs that died in it are consumed; their addresses are no
+        input's any more (an output there is the graph's own)."""
+        self.consumed = {key: count for key, storage, count in self.handed if not storage.alive()}
+        self.handed = self.handed_args = []
+        for ptr, _ in self.consumed:
+            self.input_storages.pop(ptr, None)
+
     def _take_back(self, args: list[Any]) -> None:
         """After a failed capture, the inputs handed to it as tensors over their memory again (they
         own nothing). Nothing ran in the capture, and only a capture allocates in the pool, so the
         memory of those it freed still holds their values until the next recording."""
         for i, meta in self.handed_args:
-            storage = compat.storage_from_pointer(meta["data_ptr"], self.device, meta["nbytes"])
-            args[i] = compat.tensor_from_storage(meta, storage)
+            args[i] = self._unowned(meta)
         self.handed_args = []
+
+    def _unowned(self, meta: dict[str, Any]) -> torch.Tensor:
+        """A tensor over the memory ``meta`` describes that owns nothing (the pool does)."""
+        return compat.tensor_from_storage(meta, compat.storage_from_pointer(meta["data_ptr"], self.device,
+                                                                            meta["nbytes"]))
 
     def _view_pool_slots(self) -> None:
         """After the capture: each pool slot as a tensor over its address that owns nothing; a slot
         still alive is one an output aliases (rebuilt from the caller's input)."""
         for k, meta, storage in self.pool_slots:
-            view = compat.tensor_from_storage(meta, compat.storage_from_pointer(meta["data_ptr"], self.device,
-                                                                                meta["nbytes"]))
-            self.slots[k] = self.copy_dst[k] = view
+            self.slots[k] = self.copy_dst[k] = self._unowned(meta)
             if storage.alive():  # else its address may be an output's now: never taken for an alias
                 self.input_storages.setdefault(meta["data_ptr"], (self.copy_index[k], 0))
         self.pool_slots = []
