@@ -274,7 +274,7 @@ def test_reductions_read_row_or_column_from_strides(strides, reduced_innermost):
     import sympy
 
     from backend.codegen import ir
-    from backend.codegen.kernel import _reduces_innermost
+    from backend.codegen.kernel_facts import reduces_innermost as _reduces_innermost
 
     x0, r0 = sympy.Symbol("x0", integer=True, nonnegative=True), sympy.Symbol("r0", integer=True, nonnegative=True)
     load = ir.Load("buf", strides[0] * x0 + strides[1] * r0, torch.float32)

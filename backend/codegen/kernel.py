@@ -19,6 +19,7 @@ import sympy
 import torch
 
 from backend.codegen import heuristics, ir, ops, printer
+from backend.codegen import kernel_facts as facts
 from backend.codegen.scheduler import Kernel, Member
 from backend.codegen.simplify import merge_dims
 
@@ -86,7 +87,7 @@ class KernelWriter:
         self.dims = dims
         xnumel = sympy.Mul(*[n for _, n, red in dims if not red])
         rnumel = sympy.Mul(*[n for _, n, red in dims if red]) if self.two_d else None
-        inner = _reduces_innermost(bodies, dims)
+        inner = facts.reduces_innermost(bodies, dims)
         if any(m.step.alone and m.step.is_reduction for m in self.kernel.members):
             cfg = heuristics.scan(xnumel, rnumel, self.interpret)
         elif self.two_d:
@@ -133,7 +134,7 @@ class KernelWriter:
         argmax's index and a scan's direction follow it)."""
         if self.two_d or self.targets or not stores:
             return bodies, stores
-        order = _memory_order(next(iter(stores.values())), self.ranges)
+        order = facts.memory_order(next(iter(stores.values())), self.ranges)
         if order == list(range(len(self.ranges))):
             return bodies, stores
         subs = {ir.index_symbol(d): ir.index_symbol(i) for i, d in enumerate(order)}
@@ -144,7 +145,7 @@ class KernelWriter:
     def _simplify(self, bodies: dict, stores: dict) -> tuple[dict, dict, list]:
         exprs = [*bodies.values(), *(i for t in self.targets.values() for i in t)]
         indices = [ld.index for b in exprs for ld in ir.loads(b)]
-        indices += [iv.index for b in exprs for iv in _index_values(b)]
+        indices += [iv.index for b in exprs for iv in facts.index_values(b)]
         indices += list(stores.values())
         dims, subs = merge_dims(self.ranges, self.kernel.reduced, indices)
         bodies = {k: ir.map_indices(b, subs) for k, b in bodies.items()}
@@ -220,7 +221,7 @@ class KernelWriter:
     def _emit_looped(self, outer: _Scope, bodies: dict, stores: dict) -> None:
         loop_of, avail = {}, {}
         for m in self.kernel.members:
-            level = max((avail[r] for r in _refs(bodies[m.name])), default=0)
+            level = max((avail[r] for r in facts.refs(bodies[m.name])), default=0)
             if m.role == "row":
                 avail[m.name] = level
             else:
@@ -283,7 +284,7 @@ class KernelWriter:
             value = f"tl.broadcast_to({value}, {shape})"
         ptr = self._ptr(m.name, m.step.dtype)
         offset = printer.expr(index, triton=True)
-        kinds = _symbol_kinds(index)
+        kinds = facts.symbol_kinds(index)
         if "x" not in kinds or (self.two_d and full and "r" not in kinds):  # pointer must span the block
             offset += f" + tl.zeros({shape}, tl.int32)"
         scope.lines.append(f"tl.store({ptr} + ({offset}), {value}, {mask})")
@@ -296,7 +297,7 @@ class KernelWriter:
             subs[ir.indirect_symbol(k)] = sympy.Symbol(var, integer=True)
             conds.append(self.in_range[var])
         offset = printer.expr(sympy.sympify(index).xreplace(subs), triton=True)
-        if "x" not in _symbol_kinds(index).union(*(_kinds(i) for i in self.targets[m.name])):
+        if "x" not in facts.symbol_kinds(index).union(*(facts.kinds(i) for i in self.targets[m.name])):
             offset += " + tl.zeros([XBLOCK], tl.int32)"  # pointers must span the block
         dtype = printer.TRITON_DTYPES[m.step.dtype]
         if _is_literal(value) and self.interpret and m.step.dtype == torch.bfloat16:
@@ -404,7 +405,7 @@ class KernelWriter:
         if e.mask is not None or e.indirect:
             return self._guarded_load_text(e, ptr, scope)
         index = printer.expr(e.index, triton=True)
-        names = _symbol_kinds(e.index)
+        names = facts.symbol_kinds(e.index)
         if not names and self.interpret:  # the interpreter mixes 0-d and block values badly: load a block
             shape = "[XBLOCK, 1]" if self.two_d else "[XBLOCK]"
             return f"tl.load({ptr} + {index} + tl.zeros({shape}, tl.int32), xmask, other=0)"
@@ -415,7 +416,7 @@ class KernelWriter:
 
     def _guarded_load_text(self, e: ir.Load, ptr: str, scope: _Scope) -> str:
         """A load that reads only where its mask holds and its indirect indices are in range."""
-        need = _kinds(e) | {"x"}  # the mask has xmask's shape at least
+        need = facts.kinds(e) | {"x"}  # the mask has xmask's shape at least
         subs, conds = {}, [self._mask(need)]
         for k, ind in enumerate(e.indirect):
             index = self.value(ind, scope)
@@ -424,7 +425,7 @@ class KernelWriter:
         if e.mask is not None:
             conds.append(self.value(e.mask, scope))
         offset = printer.expr(sympy.sympify(e.index).xreplace(subs), triton=True)
-        if need - _kinds(ir.Load(e.buf, e.index, e.dtype, None, e.indirect)):  # pointers must span the mask
+        if need - facts.kinds(ir.Load(e.buf, e.index, e.dtype, None, e.indirect)):  # pointers must span the mask
             offset += f" + tl.zeros({self._shape(need)}, tl.int32)"
         return f"tl.load({ptr} + ({offset}), {' & '.join(conds)}, other=0)"
 
@@ -439,7 +440,7 @@ class KernelWriter:
         if e.wrap:
             index = self._var(scope, f"tl.where({index} < 0, {index} + {size}, {index})")
         ok = self._var(scope, f"(0 <= {index}) & ({index} < {size})")
-        mask = self._mask(_kinds(e)) + (f" & {self.value(e.mask, scope)}" if e.mask is not None else "")
+        mask = self._mask(facts.kinds(e)) + (f" & {self.value(e.mask, scope)}" if e.mask is not None else "")
         low = f"-{printer.expr(e.size)}" if e.wrap else "0"
         message = f"index out of range: an index is outside [{low}, {printer.expr(e.size)})"
         scope.lines.append(f'tl.device_assert({ok}, "{message}", {mask})')
@@ -475,7 +476,7 @@ class KernelWriter:
 
     # ----------------------------------------------------------------------------------- finish
     def _finish(self, body: _Scope, xnumel: sympy.Expr, rnumel: sympy.Expr | None) -> KernelCode:
-        sizes = sorted({s.name for s in _size_symbols(self.kernel, xnumel, rnumel)})
+        sizes = sorted({s.name for s in facts.size_symbols(self.kernel, xnumel, rnumel)})
         # The interpreter cannot use a runtime int as a loop bound (numpy 2 refuses ``int()`` of a
         # 1-element array), so there the row length is a constexpr; compiled kernels keep it dynamic.
         rnumel_param = "rnumel: tl.constexpr" if self.interpret else "rnumel"
@@ -487,85 +488,6 @@ class KernelWriter:
             ((printer.expr(rnumel),) if self.two_d else ())
         return KernelCode(self.name, "\n".join(lines) + "\n", args, tuple(self.ptr_dtypes[b] for b in self.ptrs),
                           xnumel, rnumel, self.cfg, frozenset(self.helpers), self.libdevice)
-
-
-def _size_symbols(kernel: Kernel, xnumel: sympy.Expr, rnumel: sympy.Expr | None) -> set[sympy.Symbol]:
-    out: set[sympy.Symbol] = set()
-    for e in [*kernel.ranges, xnumel, rnumel or 0]:
-        out |= sympy.sympify(e).free_symbols
-    for m in kernel.members:
-        targets = m.step.scatter.indirect if m.step.scatter is not None else ()
-        if m.step.scatter is not None:
-            out |= sympy.sympify(m.step.scatter.index).free_symbols
-        for ld in [ld for e in [m.step.body, *targets] for ld in ir.loads(e)]:
-            out |= sympy.sympify(ld.index).free_symbols
-        for c in _consts(m.step.body):
-            out |= c.value.free_symbols
-        for e in [e for t in [m.step.body, *targets] for e in ir.walk(t)]:
-            if isinstance(e, ir.Indirect):
-                out |= sympy.sympify(e.size).free_symbols
-            elif isinstance(e, ir.IndexValue):
-                out |= sympy.sympify(e.index).free_symbols
-        out |= sympy.sympify(m.step.layout.index(ir.index_symbols(len(m.step.layout.size)))).free_symbols
-    return {s for s in out if not ir.is_kernel_symbol(s)}
-
-
-def _memory_order(index: sympy.Expr, ranges: tuple[sympy.Expr, ...]) -> list[int]:
-    """The dimensions of ``ranges`` by decreasing stride in ``index`` (a store's), the order they
-    already have where a stride is not a positive number (symbolic, or a dimension not indexed)."""
-    index = sympy.expand(sympy.sympify(index))
-    strides = []
-    for d, n in enumerate(ranges):
-        stride = index.coeff(ir.index_symbol(d)) if n != 1 else sympy.Integer(0)
-        if n != 1 and not (stride.is_number and stride > 0):
-            return list(range(len(ranges)))
-        strides.append(int(stride) if n != 1 else 0)
-    return sorted(range(len(ranges)), key=lambda d: -strides[d])
-
-
-def _reduces_innermost(bodies: dict, dims: list) -> bool:
-    """Whether a reduction's reduced elements are adjacent in memory (a row reduction) rather than
-    its rows (a column reduction: batch norm's statistics over N, H, W of a channels-last tensor).
-    Read from the load that walks the most dimensions: is its smallest stride a reduced one?"""
-    if not dims or not any(red for _, _, red in dims):
-        return False
-    loads = [ld for b in bodies.values() for ld in ir.loads(b) if not ld.indirect]
-    if not loads:
-        return dims[-1][2]
-    index = sympy.expand(sympy.sympify(max(loads, key=lambda ld: len(ld.index.free_symbols)).index))
-    strides = [(index.coeff(s), red) for s, _, red in dims]
-    known = [(st, red) for st, red in strides if st.is_number and st > 0]
-    if len(known) != len(strides):
-        return dims[-1][2]  # symbolic strides: the last dimension is innermost, as when contiguous
-    return min(known, key=lambda t: t[0])[1]
-
-
-def _symbol_kinds(index: sympy.Expr) -> set[str]:
-    """Which block dimensions an index walks: "x" (rows/elements), "r" (reduced columns)."""
-    return {s.name[0] for s in sympy.sympify(index).free_symbols if s.name[0] in "xr" and s.name[1:].isdigit()}
-
-
-def _kinds(e: ir.Expr) -> set[str]:
-    """Which block dimensions a value varies along (its loads', index values' and row values')."""
-    out: set[str] = set()
-    for v in ir.walk(e):
-        if isinstance(v, (ir.Load, ir.IndexValue)):
-            out |= _symbol_kinds(v.index)
-        elif isinstance(v, ir.Ref):
-            out.add("x")
-    return out
-
-
-def _consts(e: ir.Expr) -> list[ir.Const]:
-    return [c for c in ir.walk(e) if isinstance(c, ir.Const) and isinstance(c.value, sympy.Expr)]
-
-
-def _index_values(e: ir.Expr) -> list[ir.IndexValue]:
-    return [v for v in ir.walk(e) if isinstance(v, ir.IndexValue)]
-
-
-def _refs(e: ir.Expr) -> set[str]:
-    return {v.name for v in ir.walk(e) if isinstance(v, ir.Ref)}
 
 
 def _cast(e: ir.Expr, dtype: torch.dtype) -> ir.Expr:
