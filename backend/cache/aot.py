@@ -149,7 +149,7 @@ def _check_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> No
         raise Uncacheable("autocast is on")
     if compat.saved_tensors_hooks_inlined():
         raise Uncacheable("saved-tensor hooks are inlined")
-    storages = set()
+    storages: dict[Any, int] = {}
     for i, x in enumerate(example_inputs):
         if not isinstance(x, torch.Tensor):
             raise Uncacheable(f"input {i} is a {type(x).__name__}, not a tensor (dynamic shapes?)")
@@ -157,8 +157,8 @@ def _check_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> No
             raise Uncacheable(f"input {i} is a {type(x).__name__} with layout {x.layout}")
         storage = compat.storage_id(x)
         if storage in storages:
-            raise Uncacheable("inputs share storage")
-        storages.add(storage)
+            raise Uncacheable(f"inputs {storages[storage]} and {i} share storage")
+        storages[storage] = i
     for node in gm.graph.find_nodes(op="placeholder"):
         value = node.meta.get("example_value")
         if isinstance(value, torch.Tensor) and any(not isinstance(s, int) for s in (*value.shape, *value.stride())):
