@@ -72,6 +72,18 @@ def _unexpanded(t: torch.Tensor) -> tuple | None:
     return tuple(slice(0, 1) if (st == 0 and sz > 1) else slice(None) for sz, st in zip(t.shape, t.stride()))
 
 
+def _is_whole(base: torch.Tensor | None, view: tuple) -> bool:
+    """Whether an output over an input's memory is that input itself (its size, strides and first
+    element): the graph returned the input, and so does a replay. Compiled autograd tells saved
+    tensors apart by identity: a parameter saved for the backward must stay the parameter."""
+    return base is not None and view[2] == 0 and view[0] == base.size() and view[1] == base.stride()
+
+
+def _view_of(base: torch.Tensor, view: tuple | None) -> torch.Tensor:
+    """An output rebuilt over the caller's input: the input itself, or a view of it."""
+    return base if view is None else base.as_strided(view[0], view[1], base.storage_offset() + view[2])
+
+
 class GraphNode:
     """A recorded graph of one function, for one input shape, around one set of live outputs."""
 
@@ -276,7 +288,8 @@ class GraphNode:
             ptr = o.untyped_storage().data_ptr()
             if ptr in self.input_storages:  # a view of an input: rebuilt from that input
                 i, base_offset = self.input_storages[ptr]
-                self.out_plan.append((_INPUT, i, (o.size(), o.stride(), o.storage_offset() - base_offset)))
+                view = (o.size(), o.stride(), o.storage_offset() - base_offset)
+                self.out_plan.append((_INPUT, i, None if _is_whole(args[i], view) else view))
                 continue
             if ptr not in storage_index:
                 storage_index[ptr] = len(self.pool_storages)
@@ -298,8 +311,7 @@ class GraphNode:
         result = []
         for o, (kind, a, b) in zip(outs, self.out_plan):
             if kind == _INPUT and o is None:  # of a copied input: the caller's (a checked one's is)
-                base = args[a]
-                o = base.as_strided(b[0], b[1], base.storage_offset() + b[2])
+                o = _view_of(args[a], b)
             result.append(o)
         storages: dict[int, torch.UntypedStorage] = {}
         for o, (kind, s, _) in zip(result, self.out_plan):
@@ -367,8 +379,7 @@ class GraphNode:
             if kind == _POOL:
                 outs.append(compat.tensor_from_storage(b, storages[a]))
             elif kind == _INPUT:
-                base = args[a]
-                outs.append(base.as_strided(b[0], b[1], base.storage_offset() + b[2]))
+                outs.append(_view_of(args[a], b))
             else:
                 outs.append(a)
         return outs

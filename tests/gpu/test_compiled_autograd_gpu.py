@@ -125,6 +125,9 @@ def test_backward_replays_in_the_forward_tree_and_matches_eager(enable):
     assert_all_in_cuda_graphs()
     assert backward_replays() - replays_before >= 5, "the backward graph must replay every step once recorded"
     assert counters["cgtrees"]["cudagraph_replayed"] >= 10
+    # One capture serves every step: a replayed forward hands the backward the parameters it saved
+    # themselves, as eager does, not new views of them that compiled autograd would capture anew
+    assert counters["cgtrees"]["compiled_autograd_graphs"] == 1, dict(counters["cgtrees"])
 
 
 @pytest.mark.parametrize("mark_steps", [False, True])
