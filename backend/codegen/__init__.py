@@ -170,14 +170,18 @@ def load(source: str, ctx: GraphContext, path: str | None = None, precompile_ker
         exec_deferred(module, source, path, binaries)  # kernels with binaries are not decorated
     else:
         spec.loader.exec_module(module)
+    ready = False  # every kernel compiled before the first call: no compile can fail in it
     if not ctx.config.interpret:
+        kernels = source.count("\n@triton.jit\n")
         if precompile_kernels:
-            precompile(module, ctx.name)
-        _launch_from_binaries(module, binaries, ctx.name)
-    return KernelModule(module, source, path, ctx.name, facts, dynamic)
+            ready = precompile(module, ctx.name) == kernels
+        installed = _launch_from_binaries(module, binaries, ctx.name)
+        ready = ready or installed == kernels
+    return KernelModule(module, source, path, ctx.name, facts, dynamic, kernels_ready=ready)
 
 
-def _launch_from_binaries(module: Any, records: dict[str, list[dict]] | None, name: str) -> None:
+def _launch_from_binaries(module: Any, records: dict[str, list[dict]] | None, name: str) -> int:
+    """The number of kernels that launch from a compiled binary."""
     from backend.codegen import binaries
 
     try:
@@ -185,8 +189,9 @@ def _launch_from_binaries(module: Any, records: dict[str, list[dict]] | None, na
     except Exception as exc:  # noqa: BLE001  (the kernels launch through Triton's JIT)
         log_once(log, f"binaries:{name}", "cgtrees codegen: %s: its stored binaries could not be installed "
                  "(%s: %s); its kernels launch through Triton's JIT", name, type(exc).__name__, exc)
-        return
+        return 0
     log.debug("cgtrees codegen: %s: %d kernels launch from their binaries", name, n)
+    return n
 
 
 def _safe(name: str) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -147,12 +148,17 @@ class KernelModule:
     (or a Triton kernel fails to compile on a later call with new shapes: a new specialization),
     the reason and the source path are logged and the module's aten path runs from then on.
 
-    To rerun a failed call through aten, the inputs are kept until the call returns, which holds
-    every input (a backward's saved activations) for the whole call. Only the first call of a
-    module with static shapes needs that; later calls free each input at its last use."""
+    To rerun a failed call through aten, its inputs must still exist. Where a kernel may compile in
+    the call (interpreted, or not every kernel compiled beforehand), the inputs are kept until the
+    call returns, which holds every input (a backward's saved activations) for the whole call.
+    Where every kernel was compiled before (``kernels_ready``), the first call holds its inputs
+    weakly and frees each at its last use, as later calls do: a training step's first backward
+    peaks no higher than the next ones. Should it fail all the same (a bug of ours in the generated
+    code), it reruns through aten if nothing it freed is gone, and raises saying so otherwise.
+    Only the first call of a module with static shapes is guarded at all."""
 
     def __init__(self, module: Any, source: str, path: str, name: str, facts: GraphFacts = UNKNOWN,
-                 dynamic: bool = False) -> None:
+                 dynamic: bool = False, kernels_ready: bool = False) -> None:
         self.module = module
         self.source = source
         self.path = path
@@ -163,6 +169,7 @@ class KernelModule:
         self._aten = module.call_aten
         self._verified = module.call is module.call_aten  # nothing to compile: no guard needed
         self._dynamic = dynamic  # new shapes compile new kernel specializations: keep guarding
+        self._hold_weakly = kernels_ready and not dynamic
         self._ran_once = False
         self.failure: str | None = None  # why the module switched to its aten path, if it did
 
@@ -175,7 +182,7 @@ class KernelModule:
     def call(self, args: list[Any]) -> Any:
         if self._verified:
             return self._run(args)
-        saved = list(args)
+        saved = [_Weak(a) for a in args] if self._hold_weakly else list(args)
         try:
             out = self._run(args)
         except Exception as exc:  # noqa: BLE001  (a kernel failure must not reach the user)
@@ -187,10 +194,33 @@ class KernelModule:
             counters.bump("graph_fallbacks")
             self.failure = f"{type(exc).__name__}: {exc}"
             self._run, self._verified = self._aten, True
+            if self._hold_weakly:
+                saved = [a.get() if isinstance(a, _Weak) else a for a in saved]
+                if any(a is _Weak.GONE for a in saved):
+                    raise RuntimeError(f"cgtrees codegen: {self.name}: generated code failed ({self.failure}) "
+                                       f"after freeing inputs nothing else holds, so it cannot rerun through "
+                                       f"aten; source: {self.path}") from exc
             return self._aten(saved)  # an error of the user's own program raises again here
         self._ran_once = True
         self._verified = not self._dynamic
         return out
+
+
+class _Weak:
+    """A first call's input, held weakly (a tensor) or as it is (anything else)."""
+
+    GONE = object()
+    __slots__ = ("ref", "value")
+
+    def __init__(self, value: Any) -> None:
+        self.ref = weakref.ref(value) if isinstance(value, torch.Tensor) else None
+        self.value = None if self.ref is not None else value
+
+    def get(self) -> Any:
+        if self.ref is None:
+            return self.value
+        value = self.ref()
+        return _Weak.GONE if value is None else value
 
 
 def _from_triton(exc: BaseException) -> bool:
