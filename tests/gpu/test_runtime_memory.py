@@ -161,16 +161,12 @@ def _training_peak(backend_name: str, steps: int = 6) -> int:
     return peak
 
 
-def test_training_peak_at_most_cudagraphs_backend(kernel_modules, request):
+def test_training_peak_at_most_cudagraphs_backend(kernel_modules):
     """Issue 17: a 6-layer 1024-wide MLP's training peak is no more than ``backend="cudagraphs"``'s
     (input slots in the pool, saved activations read in place and consumed by the backward's capture)."""
     theirs = _training_peak("cudagraphs")
     ours = _training_peak("cgtrees")
     print(f"training peak above the model: cgtrees {ours / 2**20:.1f} MiB, cudagraphs {theirs / 2**20:.1f} MiB")
-    if ours > theirs and request.node.callspec.params.get("kernel_modules") == "codegen":
-        pytest.xfail(f"issue 17, open: {ours / 2**20:.1f} MiB against {theirs / 2**20:.1f} (H100: 63.3 against 61.0): "
-                     "a generated module's first call (the warmup) keeps every input to rerun it through aten "
-                     "if a kernel fails; the aten modules' peak, 59.0 MiB there, is the runtime's own")
     assert ours <= theirs, f"cgtrees {ours} bytes > backend='cudagraphs' {theirs} bytes\n{runtime.describe()}"
 
 
