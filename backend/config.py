@@ -42,6 +42,9 @@ class Config:
     layout_opt: str = _field("auto", affects_codegen=True,
                              doc="channels-last convolution graphs (backend.aot.layout): auto (CUDA graphs "
                                  "whose convolutions gain), off (also 0/false), force (any device: tests)")
+    unfuse_addmm: bool = _field(True, affects_codegen=True,
+                                doc="run a float32/float64 addmm whose product feeds only pointwise kernels as "
+                                    "mm, its bias added in those kernels (backend.codegen.lower_addmm)")
 
     def __post_init__(self) -> None:
         mode = _LAYOUT_MODES.get(str(self.layout_opt).lower())

@@ -74,7 +74,7 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
     from backend.codegen.graph import GraphLowerer
     from backend.codegen.scheduler import schedule
 
-    program = GraphLowerer(gm, ctx.config.interpret).run()  # aten nodes -> IR steps (fallbacks as aten calls)
+    program = GraphLowerer(gm, ctx.config).run()  # aten nodes -> IR steps (fallbacks as aten calls)
     items = schedule(program)  # steps -> fused kernels, aten calls, views
     source, n_kernels = wrapper.module_source(header, program, items, gm, ctx.config.interpret)  # text
     counters.bump("kernels_generated", n_kernels)

@@ -18,6 +18,7 @@ import torch.fx
 from backend import counters
 from backend.codegen import (  # noqa: F401  (register lowerings)
     ir,
+    lower_addmm,
     lower_indexing,
     lower_pointwise,
     lower_pool,
@@ -38,6 +39,7 @@ from backend.codegen.lowering import (
     sym,
     why_not_lowered,
 )
+from backend.config import Config
 from backend.logs import log_once
 
 log = logging.getLogger("backend.codegen")
@@ -77,9 +79,9 @@ def _target_name(target: Any) -> str:
 
 
 class GraphLowerer:
-    def __init__(self, gm: torch.fx.GraphModule, interpret: bool) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, config: Config) -> None:
         self.gm = gm
-        self.interpret = interpret
+        self.interpret = config.interpret
         self.env: dict[torch.fx.Node, Any] = {}
         self.steps: list[ir.Step] = []
         self.inputs: list[ir.Input] = []
@@ -90,7 +92,7 @@ class GraphLowerer:
         self.used_names: set[str] = set()
         self.described: dict[str, str] = {}
         self.fallbacks: list[tuple[str, str]] = []
-        self.ctx = LowerCtx(interpret, self)
+        self.ctx = LowerCtx(config.interpret, self, config.unfuse_addmm)
         self._current_origins: tuple[str, ...] = ()
 
     # ------------------------------------------------------------------------------------ entry
@@ -361,6 +363,19 @@ class GraphLowerer:
         self.fallbacks.append((node.name, reason))
         log_once(log, f"fallback:{node.target}:{reason}", "cgtrees codegen: %s runs through aten (%s)",
                  node.target, reason, level=logging.INFO)
+        return self._extern(node, node.target, node.args, node.kwargs, node.meta.get("val"), node.name)
+
+    def library_call(self, node: torch.fx.Node, target: torch._ops.OpOverload, args: tuple,
+                     val: torch.Tensor, name: str) -> TensorValue:
+        """A library op (``aten.mm``) that a lowering of ``node`` calls: an aten call in ``call``,
+        counted as one; ``args`` may hold FX nodes, ``val`` is its result's meta."""
+        assert is_library_op(target), target
+        counters.bump("aten_fallbacks")
+        return self._extern(node, target, args, {}, val, name)
+
+    def _extern(self, node: torch.fx.Node, target: torch._ops.OpOverload, node_args: Any, node_kwargs: dict,
+                val: Any, base: str) -> Any:
+        """``base = target(*args, **kwargs)`` through aten (FX nodes in the arguments become buffers)."""
 
         def arg(a: Any) -> Any:
             if isinstance(a, torch.fx.Node):
@@ -370,16 +385,14 @@ class GraphLowerer:
                 return value
             return a
 
-        args = tuple(_map(arg, node.args))
-        kwargs = tuple((k, _map(arg, v)) for k, v in node.kwargs.items())
-        val = node.meta.get("val")
+        args = tuple(_map(arg, node_args))
+        kwargs = tuple((k, _map(arg, v)) for k, v in node_kwargs.items())
         unbacked = isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)) and \
             isinstance(val.node.expr, sympy.Symbol)
         # a data-dependent scalar (``.item()``) is bound to its own symbol, which later sizes use
-        name = self._claim(str(val.node.expr) if unbacked else node.name)
-        view = any(r.alias_info is not None for r in node.target._schema.returns)
-        self.steps.append(ir.Extern(name, _target_name(node.target), args, kwargs, (node.name,), view))
-        val = node.meta.get("val")
+        name = self._claim(str(val.node.expr) if unbacked else base)
+        view = any(r.alias_info is not None for r in target._schema.returns)
+        self.steps.append(ir.Extern(name, _target_name(target), args, kwargs, (node.name,), view))
         if isinstance(val, torch.Tensor):
             self.layouts[name] = meta_layout(val)
             self.meta_offsets[name] = sym(val.storage_offset())

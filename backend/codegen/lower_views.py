@@ -4,7 +4,7 @@ A view of a materialized buffer is exact and free: its size, strides and storage
 the node's meta (which matches the buffer, since every buffer we allocate follows its node's meta),
 so any view op works, ``as_strided`` included. A view of a value that is not materialized remaps
 the index symbols (permute, expand, unsqueeze, squeeze, select, slice, transpose, and reshapes that
-only add or drop size-1 dimensions); other reshapes of such values realize the value first.
+split dimensions or add or drop size-1 ones); other reshapes of such values realize the value first.
 """
 
 from __future__ import annotations
@@ -93,16 +93,31 @@ def _expand(x: TensorValue, size: tuple, *args: Any, **kwargs: Any) -> dict:
 @lowering(aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
           aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 @view_op
-def _reshape_ones(x: TensorValue, size: tuple, *args: Any, **kwargs: Any) -> dict | None:
-    """Reshapes that only insert or drop size-1 dimensions."""
-    src = [(j, n) for j, n in enumerate(x.size) if n != 1]
-    dst = [(i, n) for i, n in enumerate(size) if n != 1]
-    if [n for _, n in src] != [n for _, n in dst]:
-        return None
-    ys = _xs(len(size))
-    subs = {ir.index_symbol(j): sympy.Integer(0) for j, n in enumerate(x.size) if n == 1}
-    subs.update({ir.index_symbol(j): ys[i] for (j, _), (i, _) in zip(src, dst)})
-    return subs
+def _reshape_split(x: TensorValue, size: tuple, *args: Any, **kwargs: Any) -> dict | None:
+    return split_remap(x.size, size)
+
+
+def split_remap(src: tuple, dst: tuple) -> dict | None:
+    """A reshape from ``src`` to ``dst`` sizes where each input dimension is the product of a run of
+    consecutive output dimensions (a split, ``[B*T, N] -> [B, T, N]``, or size-1 dimensions added or
+    dropped), as an index remap: ``x0 = T*y0 + y1``. None for any other reshape (a merge would need
+    division and remainder in the index)."""
+    ys = _xs(len(dst))
+    outs = [(i, n) for i, n in enumerate(dst) if n != 1]
+    subs, k = {}, 0
+    for j, n in enumerate(src):
+        run, product = [], sympy.Integer(1)
+        while n != 1 and k < len(outs) and sympy.expand(product - n) != 0:
+            run.append(outs[k])
+            product *= outs[k][1]
+            k += 1
+        if sympy.expand(product - n) != 0:
+            return None
+        index, step = sympy.Integer(0), sympy.Integer(1)
+        for i, m in reversed(run):
+            index, step = index + step * ys[i], step * m
+        subs[ir.index_symbol(j)] = index
+    return subs if k == len(outs) else None
 
 
 @lowering(aten.select.int)

@@ -102,11 +102,13 @@ class LowerCtx:
     """What lowerings may use: the node being lowered, mode flags, and the program being built.
 
     ``builder`` is the graph lowerer (``backend.codegen.graph``): it owns buffers and steps.
+    ``unfuse_addmm``: the config's option of that name (``lower_addmm``).
     """
 
-    def __init__(self, interpret: bool, builder: Any) -> None:
+    def __init__(self, interpret: bool, builder: Any, unfuse_addmm: bool = True) -> None:
         self.interpret = interpret
         self.builder = builder
+        self.unfuse_addmm = unfuse_addmm
         self.node: torch.fx.Node | None = None
 
     def realize(self, value: TensorValue) -> TensorValue:
@@ -136,6 +138,11 @@ class LowerCtx:
                       reduced: tuple[int, ...], kind: ir.Reduce, body: Expr) -> TensorValue:
         """Add a reduction step writing a new buffer; returns the buffer as a value."""
         return self.builder.add_reduction(name, layout, dtype, ranges, reduced, kind, body, self.node)
+
+    def library_call(self, target: Any, args: tuple, val: torch.Tensor, suffix: str) -> TensorValue:
+        """Call library op ``target`` (``aten.mm``) on ``args`` (FX nodes or plain values) through
+        aten: a buffer named after the current node plus ``suffix``, laid out as ``val`` (its meta)."""
+        return self.builder.library_call(self.node, target, args, val, self.node.name + suffix)
 
     def allocate(self) -> TensorValue:
         """A new buffer laid out as the current node's result, allocated and never filled: the

@@ -1,0 +1,128 @@
+"""``addmm(bias, a, b)`` as ``mm(a, b)`` plus a bias added in the kernel of the product's consumer.
+
+Eager (and our aten fallback) runs addmm as one cuBLAS call that adds the bias in the GEMM's
+epilogue. Where the product feeds pointwise ops we generate anyway (GELU, a residual add, the next
+layer norm's input), calling ``mm`` and adding ``beta * bias`` in the consumer's kernel costs no
+launch, and cuBLAS picks its GEMM for ``mm`` alone (on the H100, GPT-2's MLP shapes got a 64x64
+tile as addmm and a 256x128 one as mm: ``benchmarks/results/real/analysis.md``). Inductor makes
+the same trade (``unfuse_bias_add_to_pointwise`` in its post-grad passes).
+
+An addmm stays one aten call (the lowering's ``can_lower`` says why) where:
+
+- the option ``unfuse_addmm`` is off;
+- its dtype is half precision. cuBLAS adds the bias in the float32 accumulator and rounds once;
+  unfused, the product rounds to bfloat16/float16 before the add. Inductor keeps these fused
+  (``keep_addmm_fused_for_half_dtypes``): the extra rounding compounded through deep models;
+- ``alpha`` is 0 (eager then never reads the product: NaN there is ignored) or not a number;
+- its result reaches anything but pointwise ops we generate and the graph's outputs, through views
+  that stay index remaps (``lower_views``); an add that fused with nothing would be a launch of its
+  own, so at least one pointwise op must read it, and every place the value is computed (each
+  pointwise user, and each node that is written to memory: an output, or one read twice) must
+  have one size, so that the scheduler puts them in one kernel.
+
+``beta = 0`` ignores the bias, NaN included, as eager does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from backend.codegen.ir import Op
+from backend.codegen.lower_views import split_remap
+from backend.codegen.lowering import (
+    LOWERINGS,
+    LowerCtx,
+    TensorValue,
+    broadcast,
+    cast,
+    lowering,
+    meta_size,
+    reads_values,
+    scalar,
+    why_not_lowered,
+)
+
+aten = torch.ops.aten
+
+UNFUSED_DTYPES = (torch.float32, torch.float64)
+# views of a lazy value that remap its index (``lower_views``); reshapes only where they split dimensions
+_REMAPS = frozenset({aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                     aten.permute.default, aten.transpose.int, aten.t.default, aten.expand.default,
+                     aten.select.int, aten.slice.Tensor})
+_RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+
+
+def why_kept(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
+    """None where ``node`` (an addmm) is lowered as mm plus a fused bias add, else why it is not."""
+    if not ctx.unfuse_addmm:
+        return "unfuse_addmm is off"
+    bias, a, b = node.args[:3]
+    dtypes = {x.meta["val"].dtype for x in (node, bias, a, b) if isinstance(x, torch.fx.Node)}
+    if len(dtypes) != 1 or not dtypes <= set(UNFUSED_DTYPES):
+        return f"dtypes {sorted(map(str, dtypes))}: a half-precision addmm adds its bias before the product rounds"
+    beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
+    if not all(isinstance(s, (int, float)) for s in (beta, alpha)) or alpha == 0:
+        return f"beta={beta!r}, alpha={alpha!r}"
+    return _why_not_fused(node, ctx)
+
+
+def _why_not_fused(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
+    """None where every reader of the sum is a pointwise op we lower (through index-remap views) or
+    the output, at least one pointwise op reads it, and all of them compute it at one size."""
+    sizes: set[tuple] = set()
+    pointwise = 0
+    pending = [node]
+    while pending:
+        value = pending.pop()
+        readers = [u for u in value.users if reads_values(u, value)]
+        if len(readers) > 1 or any(u.op == "output" for u in readers):
+            sizes.add(_size(value))  # written to memory where it is computed
+        for user in readers:
+            if user.op == "output":
+                continue
+            if user.target in _REMAPS or (user.target in _RESHAPES and
+                                          split_remap(_size(value), _size(user)) is not None):
+                pending.append(user)
+            elif _is_fusible_pointwise(user, ctx):
+                pointwise += 1
+                sizes.add(_size(user))
+            else:
+                return f"its product feeds {user.target} (the bias add would fuse with nothing)"
+    if pointwise == 0:
+        return "no pointwise op reads its product (the bias add would be a kernel of its own)"
+    if len(sizes) > 1:
+        return f"its sum would be computed at several sizes {sorted(map(str, sizes))} (in several kernels)"
+    return None
+
+
+def _is_fusible_pointwise(user: torch.fx.Node, ctx: LowerCtx) -> bool:
+    target = user.target
+    return (isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+            and target in LOWERINGS and why_not_lowered(user, ctx) is None)
+
+
+def _size(node: torch.fx.Node) -> tuple:
+    return meta_size(node.meta["val"])
+
+
+@lowering(aten.addmm.default, can_lower=why_kept)
+def _addmm(ctx: LowerCtx, bias: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1) -> TensorValue:
+    node = ctx.node
+    meta = ctx.out_meta()
+    product_meta = aten.mm.default(node.args[1].meta["val"], node.args[2].meta["val"])
+    product = ctx.library_call(aten.mm.default, tuple(node.args[1:3]), product_meta, "_mm")
+    if beta == 0 and alpha == 1:
+        return product  # the product's own buffer: nothing to add
+    size, dtype = meta_size(meta), meta.dtype
+    body = product.body
+    if alpha != 1:
+        body = Op("mul", (body, scalar(alpha, dtype)), dtype)
+    if beta != 0:
+        addend = broadcast(bias, size, dtype)
+        if beta != 1:
+            addend = Op("mul", (addend, scalar(beta, dtype)), dtype)
+        body = Op("add", (body, addend), dtype)
+    return TensorValue(size, dtype, cast(body, dtype))
