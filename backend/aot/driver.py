@@ -66,10 +66,12 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
         fw_compiler=fw_compiler,
         bw_compiler=bw_compiler,
         inference_compiler=_aten_compiler("inference", name, pair, config, "backward" if backward else None),
-        partition_fn=functools.partial(partition, layout_opt=config.layout_opt),  # channels-last: layout.py
+        # channels-last: layout.py; the backward graph is kept for level 1 (compiled autograd inlines it)
+        partition_fn=cache.aot.recorded_partition(pair, functools.partial(partition, layout_opt=config.layout_opt)),
         decompositions=decomposition_table(),
         keep_inference_input_mutations=True,
     )
+    cache.aot.finish(pair)  # level 1: a training graph's entry, its backward compiled or not
     return pair.lean or compiled
 
 

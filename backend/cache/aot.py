@@ -28,17 +28,21 @@ then still collects the entry, and writes nothing.
 from __future__ import annotations
 
 import base64
+import logging
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
 
-from backend.cache import compat, events, modules, wrappers
+from backend.cache import backward_graph, compat, events, modules, wrappers
 from backend.cache.compat import Uncacheable
 from backend.cache.key import CacheKey, make_key
 from backend.cache.store import CorruptEntry, Store
 from backend.config import Config
 from backend.context import GraphContext
+from backend.logs import log_once
+
+log = logging.getLogger("backend.cache")
 
 LEVEL = "aot"
 Wrap = Callable[[Any, list[Any], GraphContext], Callable[[list[Any]], Any]]
@@ -180,9 +184,47 @@ def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap:
     calls = {kind: _load_part(part, kind, config, pair, wrap, mode, name) for kind, part in parts.items()}
     if set(calls) == {"inference"}:
         return wrappers.inference_function(calls["inference"], plan)
+    graph = payload.get("backward_graph")
+    if set(calls) == {"forward"} and graph is not None:  # the backward was never compiled: compile it lazily
+        calls["backward"] = LazyBackward(graph, config, name, pair)
     if set(calls) == {"forward", "backward"}:
-        return wrappers.training_function(calls["forward"], calls["backward"], plan, payload["detach"])
+        return wrappers.training_function(calls["forward"], calls["backward"], plan, payload["detach"],
+                                          _aot_attributes(payload, plan))
     raise CorruptEntry(f"entry holds graphs {sorted(calls)}")
+
+
+def _aot_attributes(payload: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any] | None:
+    """What compiled autograd needs to inline the entry's backward graph (``backward_graph``)."""
+    graph, meta = payload.get("backward_graph"), payload.get("aot_metadata")
+    if graph is None or meta is None or plan["num_saved_no_vc_check"]:
+        return None  # compiled autograd traces our Function's backward instead
+    return compat.aot_backward_attributes(meta, lambda: backward_graph.graph_module(graph))
+
+
+class LazyBackward:
+    """The backward of an entry that keeps only its graph (the process that wrote it ran the
+    backward under compiled autograd): compiled at its first call, as AOTAutograd compiles a
+    backward, through the driver's steps (its kernel module from level 2 when one is there)."""
+
+    def __init__(self, graph: dict[str, Any], config: Config, name: str, pair: Any) -> None:
+        self.graph, self.config, self.name, self.pair = graph, config, name, pair
+        self.call: Callable[[list[Any]], Any] | None = None
+
+    def __call__(self, args: list[Any]) -> Any:
+        if self.call is None:
+            self.call = self._compile()
+        return self.call(args)
+
+    def _compile(self) -> Callable[[list[Any]], Any]:
+        from backend.aot import driver  # the driver imports this module: its steps, at first use
+
+        gm = backward_graph.graph_module(self.graph)
+        inputs = backward_graph.example_inputs(gm, self.graph)
+        ctx = GraphContext(config=self.config, kind="backward", name=f"{self.name}_backward",
+                           static_input_indices=tuple(self.graph["static"]),
+                           mutated_input_indices=driver.mutated_inputs(gm), pair=self.pair)
+        with torch.no_grad():
+            return driver.compile_aten_graph(gm, inputs, ctx)
 
 
 def _load_part(part: dict[str, Any], kind: str, config: Config, pair: Any, wrap: Wrap,
@@ -234,7 +276,14 @@ def load_constants(records: list[dict[str, Any]]) -> Any:
 class Recorder:
     """Collects one Dynamo graph's aten graphs as the driver compiles them, then writes the entry
     (to ``store``, and to ``kept`` for precompile; either may be None). The store's entry refers to
-    the kernel modules level 2 holds; the kept one holds them."""
+    the kernel modules level 2 holds; the kept one holds them.
+
+    An inference graph's entry is written once it is compiled. A training graph's is written when
+    AOTAutograd returns (``finish``), with AOTAutograd's backward graph and metadata
+    (``backward_graph``), whether or not the backward is compiled by then; a backward compiled
+    later (lazily, at the first plain ``backward()``) replaces that entry by one that holds it too.
+    Under compiled autograd the backward is never compiled here: the first entry is the only one.
+    """
 
     def __init__(self, store: Store | None, key: CacheKey, digest: str, config: Config, name: str,
                  num_inputs: int, kept: Kept | None = None, backward: bool = False) -> None:
@@ -244,7 +293,15 @@ class Recorder:
         self.kept_modules: dict[str, dict[str, Any]] = {}  # self-contained records, for ``kept``
         self.plan: dict[str, Any] | None = None
         self.detach: list[int] = []
+        self.bw_graph: torch.fx.GraphModule | None = None  # AOTAutograd's, from our partition
+        self.meta: Any = None  # AOTAutograd's metadata of the forward (runtime-safe once it returns)
+        self.extras: dict[str, Any] = {}  # the backward graph and metadata, once AOTAutograd returns
+        self.finished = False  # AOTAutograd has returned
+        self.partial = False  # an entry without the compiled backward is written
         self.done = False
+
+    def keep_backward_graph(self, bw: torch.fx.GraphModule) -> None:
+        self.bw_graph = bw
 
     def add(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext,
             module: Any, wrapped: bool, level_2: str | None = None) -> None:
@@ -260,8 +317,45 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001 - our bug must not fail the compile; it is logged
             self._give_up(f"recording failed ({type(exc).__name__}: {exc})")
             return
-        if kind in ("inference", "backward"):
+        if kind == "inference" or (kind == "backward" and self.finished):
             self._write()
+
+    def finish(self) -> None:
+        """AOTAutograd has returned: write a training graph's entry, with its backward graph."""
+        self.finished = True
+        if self.done or "forward" not in self.parts:
+            return
+        try:
+            self.extras["backward_graph"] = backward_graph.record(self._backward_graph())
+            if "backward" not in self.parts:
+                self.detach = _inputs_to_detach(self.bw_graph, self.plan)
+        except Uncacheable as exc:
+            self.extras.clear()
+            if "backward" not in self.parts:  # a plain backward may still compile it and write the entry
+                log_once(log, f"no-bw-graph:{self.name}", "cgtrees: %s's level-1 entry waits for its backward "
+                         "to be compiled (under compiled autograd it never is): %s", self.name, exc,
+                         level=logging.INFO)
+                return
+        except Exception as exc:  # noqa: BLE001 - our bug must not fail the compile; it is logged
+            self._give_up(f"recording the backward graph failed ({type(exc).__name__}: {exc})")
+            return
+        self._keep_metadata()
+        self._write()
+
+    def _backward_graph(self) -> torch.fx.GraphModule:
+        if self.bw_graph is None:
+            raise Uncacheable("AOTAutograd's backward graph did not come through our partition")
+        return self.bw_graph
+
+    def _keep_metadata(self) -> None:
+        """AOTAutograd's metadata, which compiled autograd reads off the forward's Function."""
+        if "backward_graph" not in self.extras:
+            return
+        try:
+            self.extras["aot_metadata"] = compat.pickle_aot_metadata(self.meta)
+        except Uncacheable as exc:  # a hit then runs our backward under compiled autograd: other graphs
+            log_once(log, f"no-aot-meta:{self.name}", "cgtrees: %s: compiled autograd will not inline the "
+                     "backward of its level-1 entry: %s", self.name, exc, level=logging.INFO)
 
     def _add(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext, kind: str,
              module: Any, wrapped: bool, level_2: str | None) -> None:
@@ -273,7 +367,8 @@ class Recorder:
                 raise Uncacheable("AOTAutograd deduplicated or merged inputs")
             if kind == "forward" and compat.saved_tensors_hooks_inlined():
                 raise Uncacheable("saved-tensor hooks are inlined")
-            self.plan = compat.runtime_plan(compat.fw_metadata(), kind)
+            self.meta = compat.fw_metadata()
+            self.plan = compat.runtime_plan(self.meta, kind)
         elif self.plan is None:
             raise Uncacheable("backward without a forward")
         else:
@@ -291,13 +386,18 @@ class Recorder:
             self.kept_modules[kind] = modules.module_record(gm, module)
 
     def _write(self) -> None:
-        self.done = True
-        payload = {"key": self.key.as_dict(), "plan": self.plan, "parts": self.parts, "detach": self.detach}
+        replace = self.partial  # the entry written without the compiled backward: this one holds it
+        self.done = "forward" not in self.parts or "backward" in self.parts
+        self.partial = not self.done
+        payload = {"key": self.key.as_dict(), "plan": self.plan, "parts": self.parts, "detach": self.detach,
+                   **self.extras}
         if self.kept is not None:
             parts = {kind: {**part, "module": self.kept_modules.get(kind, part["module"])}
                      for kind, part in self.parts.items()}
             self.kept.payload = {**payload, "parts": parts}  # holds the modules: the file needs no cache
         if self.store is not None:
+            if replace:
+                self.store.remove(LEVEL, self.digest, only_bad=False)
             self.store.write(LEVEL, self.digest, payload, self.config.cache_size_mb)
 
     def _give_up(self, reason: str) -> None:
@@ -315,6 +415,26 @@ def record(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphCo
     recorder = getattr(ctx.pair, "cache_recorder", None)
     if recorder is not None:
         recorder.add(gm, example_inputs, ctx, module, wrapped, level_2)
+
+
+def recorded_partition(pair: Any, partition: Callable[..., Any]) -> Callable[..., Any]:
+    """``partition``, which also hands the Dynamo graph's recorder (if it has one) the backward
+    graph: AOTAutograd keeps it uncompiled until the first backward, and compiled autograd never
+    has it compiled."""
+    def partition_and_keep(*args: Any, **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+        fw, bw = partition(*args, **kwargs)
+        if pair.cache_recorder is not None:
+            pair.cache_recorder.keep_backward_graph(bw)
+        return fw, bw
+
+    return partition_and_keep
+
+
+def finish(pair: Any) -> None:
+    """AOTAutograd has returned for the Dynamo graph of ``pair``: its recorder (if it has one)
+    writes what it holds (``Recorder.finish``)."""
+    if pair.cache_recorder is not None:
+        pair.cache_recorder.finish()
 
 
 def _inputs_to_detach(bw: torch.fx.GraphModule, plan: dict[str, Any]) -> list[int]:

@@ -9,16 +9,21 @@ an older torch read as their neutral value.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import base64
+import itertools
+import pickle
+from typing import Any, Callable, Iterable
 
 import torch
+import torch.fx
 
 __all__ = [
     "Uncacheable", "fw_metadata", "runtime_plan", "fake_mode", "fake_tensors", "storage_id",
     "increment_version", "view_replay", "saved_tensors_hooks_inlined", "autocast_enabled",
     "tensor_bytes", "SerializableCallable", "precompile_backend_id", "caching_precompile",
     "plain_aot_settings", "BackendArtifact", "record_backend_artifact", "enable_caching_precompile",
-    "save_dynamo_cache", "dynamo_names_used", "reserve_dynamo_names",
+    "save_dynamo_cache", "dynamo_names_used", "reserve_dynamo_names", "pickle_aot_metadata",
+    "aot_backward_attributes",
 ]
 
 
@@ -122,6 +127,50 @@ def runtime_plan(meta: Any, kind: str) -> dict[str, Any]:
         "deterministic": meta.deterministic,
     })
     return plan
+
+
+# ---- what compiled autograd reads off AOTAutograd's autograd.Function ---------------------------
+#
+# Compiled autograd treats a Function whose class has ``_aot_id`` as AOTAutograd's: it copies the
+# class's backward graph (``_lazy_backward_info``) into its capture, behind a call of the backward
+# prologue. torch 2.11 calls ``runtime_wrappers._backward_prologue_functional`` (and its epilogue)
+# with the class's ``metadata``, AOTAutograd's ViewAndMutationMeta; torch 2.13 calls the class's
+# ``_bw_prologue_fn`` and ``_bw_epilogue_fn``, which AOTAutograd generates from that metadata. Both
+# read only the metadata, so a rebuilt forward keeps it (pickled, as AOTAutograd's own cache does,
+# once AOTAutograd has made it runtime-safe) and hands compiled autograd exactly what it would.
+
+_aot_ids = itertools.count(1 << 20)  # apart from AOTAutograd's own ids (compiled autograd names nodes by them)
+
+
+def pickle_aot_metadata(meta: Any) -> str:
+    """AOTAutograd's ViewAndMutationMeta of a compiled training graph, for the entry (base64)."""
+    if meta is None:
+        raise Uncacheable("no AOTAutograd metadata")
+    if getattr(meta, "traced_tangents", None):
+        raise Uncacheable("AOTAutograd's metadata is not runtime-safe yet")
+    try:
+        return base64.b64encode(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)).decode()
+    except Exception as exc:  # noqa: BLE001 - the entry is written without it
+        raise Uncacheable(f"AOTAutograd's metadata cannot be pickled ({type(exc).__name__}: {exc})") from None
+
+
+def aot_backward_attributes(meta_text: str, bw_module_fn: Callable[[], torch.fx.GraphModule]) -> dict[str, Any]:
+    """The class attributes by which compiled autograd takes a rebuilt forward's Function for
+    AOTAutograd's (an entry of the same torch version wrote ``meta_text``: the key says so)."""
+    from torch._functorch._aot_autograd import runtime_wrappers as rw
+
+    meta = pickle.loads(base64.b64decode(meta_text))  # noqa: S301 - our own entry, in our private directory
+    attributes: dict[str, Any] = {
+        "_aot_id": next(_aot_ids),
+        "metadata": meta,
+        "maybe_subclass_metadata": None,
+        "num_symints_saved_for_bw": 0,
+        "_lazy_backward_info": rw.CachedAutogradLazyBackwardCompileInfo(bw_module_fn),
+    }
+    if hasattr(rw, "_codegen_backward_prologue"):  # torch 2.13; 2.11 reads ``metadata`` itself
+        attributes["_bw_prologue_fn"] = rw._codegen_backward_prologue(meta, None, None)
+        attributes["_bw_epilogue_fn"] = rw._codegen_backward_epilogue(meta, None, None)
+    return attributes
 
 
 def fake_mode() -> Any:

@@ -5,7 +5,9 @@ Inference: the inference graph over the flat inputs, with grad mode off; an outp
 input is that input.
 Training: an autograd.Function whose forward runs the forward graph and keeps its extra outputs
 (the saved activations) for the backward, and whose backward makes the tangents the layout the
-backward graph was traced with, runs the backward graph, and returns one gradient per input.
+backward graph was traced with, runs the backward graph, and returns one gradient per input. Under
+compiled autograd, the Function carries what compiled autograd reads off AOTAutograd's (its
+backward graph, its prologue), so compiled autograd inlines that graph as it would AOTAutograd's.
 
 Invariants (as AOTAutograd's): outputs that do not require grad are marked non-differentiable;
 saved views are detached; inputs whose gradient the backward never produces are detached before
@@ -49,10 +51,14 @@ def inference_function(call: Boxed, plan: dict[str, Any]) -> Callable[..., Any]:
     return run
 
 
-def training_function(forward: Boxed, backward: Boxed, plan: dict[str, Any],
-                      detach: list[int]) -> Callable[..., Any]:
+def training_function(forward: Boxed, backward: Boxed, plan: dict[str, Any], detach: list[int],
+                      aot_attributes: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """``aot_attributes``: what compiled autograd reads off AOTAutograd's Function
+    (``compat.aot_backward_attributes``); without them it traces our backward instead."""
     bump = plan["bump_versions"]
     function = _autograd_function(forward, backward, plan)
+    for name, value in (aot_attributes or {}).items():
+        setattr(function, name, value)
 
     def run(*args: Any) -> list[Any]:
         flat = list(args)
@@ -87,6 +93,7 @@ def _autograd_function(forward: Boxed, backward: Boxed, plan: dict[str, Any]) ->
                 user[i] = torch.ops.aten._unsafe_view(user[i], user[i].shape)
             ctx.mark_non_differentiable(*[user[i] for i in non_differentiable])
             ctx._materialize_non_diff_grads = False
+            ctx.symints = ()  # compiled autograd checks them against its own (static shapes: none)
             return tuple(user)
 
         @staticmethod

@@ -1,0 +1,84 @@
+"""The backward graph a level-1 training entry keeps beside its compiled forward.
+
+AOTAutograd compiles a backward lazily, at the first ``backward()``. Compiled autograd never has it
+compiled: it copies the backward graph (``_lazy_backward_info.bw_module`` of AOTAutograd's
+autograd.Function) into its own capture of the whole backward pass, which then reaches us as a
+graph of its own. So the entry keeps the backward graph itself, as AOTAutograd's partition left it:
+
+- a rebuilt forward offers it to compiled autograd as AOTAutograd's function would
+  (``compat.aot_backward_attributes``), so a warm process captures the same backward graph as a
+  cold one, and that graph hits its own level-1 entry;
+- a plain ``backward()`` after a warm start compiles it, as AOTAutograd would (its kernel module
+  from level 2 when one is there), where the entry holds no compiled backward.
+
+The graph is kept as its FX code (only torch's own globals: ``modules.fx_code``'s rule) and the
+metadata of its inputs; it is traced back into a GraphModule (torch.fx.symbolic_trace), and its
+example values are propagated on fake inputs where it is compiled.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.fx
+
+from backend.cache import compat
+from backend.cache.compat import Uncacheable
+from backend.cache.modules import _fx_globals
+
+SAVED_STATIC = "cgtrees_saved_static"  # bw_module.meta: names of inputs that are static (aot.partition)
+
+
+def record(bw: torch.fx.GraphModule) -> dict[str, Any]:
+    """What the entry keeps of AOTAutograd's backward graph ``bw`` (Uncacheable if it cannot)."""
+    if any(n.op in ("get_attr", "call_module") for n in bw.graph.nodes):
+        raise Uncacheable("the backward graph reads module attributes")
+    code = bw.graph.python_code(root_module="self")
+    allowed = _fx_globals()
+    for name, value in code.globals.items():
+        known = allowed.get(name, _MISSING)
+        if not (known is value or _same_float(known, value)):
+            raise Uncacheable(f"the backward graph's code needs the global {name!r}")
+    placeholders = list(bw.graph.find_nodes(op="placeholder"))
+    static = set(bw.meta.get(SAVED_STATIC, ()))
+    return {"code": code.src, "inputs": [_spec(n) for n in placeholders],
+            "static": [i for i, n in enumerate(placeholders) if n.name in static]}
+
+
+def graph_module(rec: dict[str, Any]) -> torch.fx.GraphModule:
+    """The backward graph traced back from its code (no example values: ``example_inputs``)."""
+    namespace = dict(_fx_globals())
+    exec(compile(rec["code"], "<cgtrees cached backward graph>", "exec"), namespace)  # noqa: S102 - our entry
+    root = type("CachedBackwardGraph", (torch.nn.Module,), {"forward": namespace["forward"]})()
+    gm = torch.fx.symbolic_trace(root)
+    if len(list(gm.graph.find_nodes(op="placeholder"))) != len(rec["inputs"]):
+        raise Uncacheable("the backward graph's code does not match its inputs")
+    return gm
+
+
+def example_inputs(gm: torch.fx.GraphModule, rec: dict[str, Any]) -> list[torch.Tensor]:
+    """Fake inputs for ``gm``, with every node's example value (``meta["val"]``) propagated from
+    them, as AOTAutograd hands a backward graph to its compiler."""
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = compat.fake_mode()
+    inputs = compat.fake_tensors(rec["inputs"], mode)
+    FakeTensorProp(gm, mode).propagate(*inputs)
+    return inputs
+
+
+def _spec(node: torch.fx.Node) -> dict[str, Any]:
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or any(not isinstance(s, int) for s in (*value.shape, *value.stride())):
+        raise Uncacheable(f"backward graph input {node.name} is not a static-shape tensor")
+    return {"size": list(value.shape), "stride": list(value.stride()),
+            "dtype": str(value.dtype).removeprefix("torch."), "device": str(value.device)}
+
+
+def _same_float(a: Any, b: Any) -> bool:
+    return isinstance(a, float) and isinstance(b, float) and (a == b or math.isnan(a) and math.isnan(b))
+
+
+_MISSING = object()
