@@ -31,6 +31,8 @@ FIGURES = (
     Figure("peak reserved (MB)", "peak_reserved_mb", "cold", 1.0, "{:.0f}"),
     Figure("rel. error vs eager, outputs", "rel_err_out", "cold", 1.0, "{:.1e}", ratio=False),
     Figure("rel. error vs eager, gradients", "rel_err_grad", "cold", 1.0, "{:.1e}", ratio=False),
+    Figure("rel. error vs eager, outputs, warm", "rel_err_out", "warm", 1.0, "{:.1e}", ratio=False),
+    Figure("rel. error vs eager, gradients, warm", "rel_err_grad", "warm", 1.0, "{:.1e}", ratio=False),
     Figure("graph breaks", "graph_breaks", "cold", 1.0, "{:.0f}", ratio=False),
     Figure("Dynamo graphs", "unique_graphs", "cold", 1.0, "{:.0f}", ratio=False),
     Figure("graph_fallbacks", "graph_fallbacks", "cold", 1.0, "{:.0f}", ratio=False),
@@ -42,6 +44,7 @@ FIGURES = (
     Figure("cache bypasses, cold (cache_bypass)", "cache_bypass", "cold", 1.0, "{:.0f}", ratio=False),
     Figure("cache bypasses, warm (cache_bypass)", "cache_bypass", "warm", 1.0, "{:.0f}", ratio=False),
     *report.CA_FIGURES,
+    *report.START_FIGURES,
 )
 
 ABOUT = """\
@@ -54,7 +57,11 @@ Backends side by side: eager, Inductor (default mode), Inductor `reduce-overhead
 a fresh process, as above: cold with empty cache directories, warm in later processes reusing them.
 Training rows may add the compiled-autograd backends of issue 20 (`cgtrees-ca`, `inductor-ca`,
 `reduce-overhead-ca`: the backward captured by compiled autograd and compiled by the same backend and
-mode); the summary then checks cgtrees-ca's per call against inductor-ca's and cgtrees's.
+mode); the summary then checks cgtrees-ca's per call against inductor-ca's and cgtrees's. Warm-start
+rows may add the backends of issue 19 (`cgtrees-pc`, `inductor-pc`: Dynamo's caching precompile, so a
+warm process installs the saved guards and bytecode instead of tracing); the summary then checks, for
+cgtrees and cgtrees-pc, first 3 outputs warm at most 0.5x the best Inductor warm start (inductor or
+inductor-pc) and at most 0.15x our best cold start, and that a cgtrees-pc warm process compiled no graph.
 
 Figures: per call is the median over windows of CUDA-event-timed calls; first 3 outputs include
 compilation; peak memory as above. Relative error vs eager is, per tensor, the largest absolute
@@ -77,6 +84,8 @@ python benchmarks/run.py --suite real --models gpt2 --modes train --cold-warm --
 python benchmarks/run.py --suite real --models gpt2 --modes train --cold-warm --warm-runs 1 --budget 540 \\
     --backends eager,cgtrees,cgtrees-ca,inductor,inductor-ca,reduce-overhead,reduce-overhead-ca \\
     --out OUT/real-gpt2-train-ca.json     # compiled autograd (issue 20); merged with the file listed last:
+python benchmarks/run.py --suite real --models gpt2 --modes train --cold-warm --budget 540 \\
+    --backends inductor,inductor-pc,cgtrees,cgtrees-pc --out OUT/real-gpt2-train-pc.json   # warm starts (issue 19)
 python benchmarks/run.py --suite real --markdown docs/benchmarks.md --analysis benchmarks/results/real/analysis.md \\
     --from-json benchmarks/results/real,benchmarks/results/real/real-gpt2-train-ca.json
 python benchmarks/run.py --suite real --from-json benchmarks/results/real --markdown docs/benchmarks.md
@@ -158,6 +167,8 @@ def screen(rows: list[dict]) -> str:
         found = report.ca_checks(rows, workload, mode, PER_CALL)
         if found:
             lines.append(f"{'':31}issue 20, per call: " + "; ".join(c.text for c in found))
+        lines += [f"{'':31}issue 19: {c.text}" for c in report.warm_checks(rows, workload, mode)]
+    lines += [f"  note {n}" for n in report.precompile_notes(rows)]
     fails = report.failures(rows)
     lines.append(f"rows: {len(rows)}, failed: {len(fails)}")
     lines += [f"  FAILED {f[:300]}" for f in fails]

@@ -25,6 +25,18 @@ compiled autograd and compiled by the same backend (``worker.py`` says how), col
         --backends eager,cgtrees,cgtrees-ca,inductor,inductor-ca,reduce-overhead,reduce-overhead-ca,cudagraphs \\
         --out ca.json
 
+Warm starts without Dynamo's trace (issue 19): the backends ``cgtrees-pc`` and ``inductor-pc`` (named in
+``--backends``) run with Dynamo's caching precompile (``backend_names.py``: ``CGTREES_PRECOMPILE_CACHE=1``
+in a cgtrees-pc worker's environment, ``worker_environ``; ``worker.py`` turns it on for inductor-pc),
+each with cache directories of its own; the report checks issue 19's warm-start targets for cgtrees and
+cgtrees-pc against the best Inductor warm start and our best cold start. One workload (or real model
+and mode) per 10-minute call, cold and three warm processes each:
+
+    python benchmarks/run.py --models gpt_block --modes infer,train --no-floor --cold-warm --budget 540 \\
+        --backends inductor,inductor-pc,cgtrees,cgtrees-pc --out gpt_block-pc.json
+    python benchmarks/run.py --suite real --models gpt2 --modes train --cold-warm --budget 540 \\
+        --backends inductor,inductor-pc,cgtrees,cgtrees-pc --out-dir OUT
+
 ``--markdown`` rewrites the whole file but keeps, verbatim, every block between ``<!-- name:begin -->``
 and ``<!-- name:end -->`` that it had: the real-model section and hand-written ones (the precompile
 section of docs/warm_start.md).
@@ -70,7 +82,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default=None, help="default: the whole suite ('' with --kernels: kernels only)")
     p.add_argument("--modes", default="infer,train")
     p.add_argument("--backends", default=None, help=f"default: {ALL_BACKENDS} (real: {real_report.BACKENDS}); "
-                   f"also {', '.join(backend_names.CA_BACKENDS)} (compiled autograd, train rows only)")
+                   f"also {', '.join(backend_names.CA_BACKENDS)} (compiled autograd, train rows only) and "
+                   f"{', '.join(backend_names.PC_BACKENDS)} (Dynamo's caching precompile)")
     p.add_argument("--cold-warm", action="store_true", help="also warm runs for cached backends")
     p.add_argument("--warm-runs", type=int, default=3,
                    help="warm processes per row; the row of the median first 3 outputs is kept")
@@ -177,7 +190,7 @@ def run_worker(spec: dict, env: dict, timeout: float) -> dict:
         cmd += [f"--{flag.replace('_', '-')}" for flag in ("profile", "profile_start", "smoke") if spec.get(flag)]
         start = time.perf_counter()
         with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen(cmd, env=worker_environ(env, spec["backend"]), stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
             rc = wait_for_result(proc, result, timeout)
             stop_group(proc)
@@ -186,6 +199,14 @@ def run_worker(spec: dict, env: dict, timeout: float) -> dict:
             return {**json.loads(result.read_text()), "wall_s": wall}
         why = f"timed out after {timeout:.0f}s" if rc is None else f"exited {rc} without a result"
         return {**spec, "ok": False, "error": f"worker {why}: {log.read_text()[-1500:]}", "wall_s": wall}
+
+
+def worker_environ(env: dict, backend: str) -> dict:
+    """A worker's environment: this process's without its own Dynamo-cache settings (a plain row
+    stays plain), the row's ``env`` (cache directories, byte code), and what the backend needs
+    (``backend_names.worker_env``: ``CGTREES_PRECOMPILE_CACHE=1`` for cgtrees-pc)."""
+    inherited = {k: v for k, v in os.environ.items() if k not in backend_names.PRECOMPILE_VARS}
+    return {**inherited, **env, **backend_names.worker_env(backend)}
 
 
 def wait_for_result(proc: subprocess.Popen, result: Path, timeout: float) -> int | None:

@@ -14,6 +14,16 @@ with ``torch._dynamo.config.compiled_autograd``: the config flag only takes effe
 compiled step function, and the row would measure a different step from the other train rows. The
 context manager keeps the step as it is: the compiled model, the loss outside it, the backward,
 eager SGD.
+
+A backend named ``<backend>-pc`` (issue 19; ``backend_names.py``) is ``<backend>`` with Dynamo's
+caching precompile on: a warm process installs the saved guards and bytecode instead of tracing.
+``cgtrees-pc`` needs ``CGTREES_PRECOMPILE_CACHE=1`` in the environment (the runner sets it; cgtrees
+saves Dynamo's cache at each graph's first call, inside the timed calls); ``inductor-pc`` sets
+``torch._dynamo.config.caching_precompile`` here, before torch.compile, and saves Dynamo's cache
+after the first outputs (untimed; ``dynamo_cache_save`` in the row says whether it could). Either
+row records whether the warm process used the cache: Dynamo's ``dynamo_cache_hit``, ``_miss`` and
+``_error``, and for cgtrees the graphs it compiled and the saved functions it loaded. A path that
+fails or falls back is in the row, never a crash of the run.
 """
 
 from __future__ import annotations
@@ -33,10 +43,12 @@ import torch
 
 import measure
 import workloads
-from backend_names import CA_BACKENDS, base, is_ca
+from backend_names import CA_BACKENDS, PC_BACKENDS, base, is_ca, is_pc, worker_env
 
-GRAPH_BACKENDS = {"reduce-overhead", "cudagraphs", "cgtrees", "raw_graph", "reduce-overhead-ca", "cgtrees-ca"}
-BACKENDS = ("eager", "inductor", "reduce-overhead", "cudagraphs", "cgtrees", "raw_graph", *CA_BACKENDS)
+GRAPH_BACKENDS = {"reduce-overhead", "cudagraphs", "cgtrees", "raw_graph", "reduce-overhead-ca", "cgtrees-ca",
+                  "cgtrees-pc"}
+BACKENDS = ("eager", "inductor", "reduce-overhead", "cudagraphs", "cgtrees", "raw_graph", *CA_BACKENDS,
+            *PC_BACKENDS)
 COMPILE_ARGS = {"inductor": {}, "reduce-overhead": {"mode": "reduce-overhead"},
                 "cudagraphs": {"backend": "cudagraphs"}, "cgtrees": {"backend": "cgtrees"}}
 
@@ -47,7 +59,35 @@ def compile_model(model: torch.nn.Module, backend: str) -> Callable:
         return model
     if backend not in BACKENDS or base(backend) not in COMPILE_ARGS:
         raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    use_dynamo_cache(backend)
     return torch.compile(model, **COMPILE_ARGS[base(backend)])
+
+
+def use_dynamo_cache(backend: str) -> None:
+    """A ``-pc`` backend: Dynamo's caching precompile in force before torch.compile (Dynamo decides
+    on its cache when torch.compile is called). cgtrees turns it on itself as torch.compile looks
+    it up, given ``CGTREES_PRECOMPILE_CACHE=1`` (``backend_names.worker_env``): without it the row
+    fails rather than measure a plain warm start under the -pc name."""
+    if not is_pc(backend):
+        return
+    missing = {k: v for k, v in worker_env(backend).items() if os.environ.get(k) != v}
+    if missing:
+        raise RuntimeError(f"{backend} needs {missing} in the worker's environment (run.py sets it)")
+    if base(backend) != "cgtrees":
+        torch._dynamo.config.caching_precompile = True
+
+
+def save_dynamo_cache(backend: str) -> str | None:
+    """``inductor-pc``: write Dynamo's cache (guards, bytecode, Inductor's bundled artifacts), as a
+    user of Inductor's caching precompile does with ``torch.compiler.save_cache_artifacts()``.
+    "ok", or what failed; None for other backends (cgtrees saves at each graph's first call)."""
+    if not is_pc(backend) or base(backend) == "cgtrees":
+        return None
+    try:
+        torch.compiler.save_cache_artifacts()
+    except Exception as exc:  # the row says so: a warm row then shows the miss
+        return f"failed: {type(exc).__name__}: {exc}"[:500]
+    return "ok"
 
 
 def backward_call(backend: str) -> Callable[[torch.Tensor], None]:
@@ -212,7 +252,8 @@ def _counters(backend: str) -> dict:
     found = {"cgtrees": ours, "graph_breaks": sum(breaks.values()),
              "graph_break_reasons": [str(reason)[:300] for reason in list(breaks)[:5]],
              "unique_graphs": counters.get("stats", {}).get("unique_graphs", 0),
-             "compiled_autograd": dict(counters.get("compiled_autograd", {}))}
+             "compiled_autograd": dict(counters.get("compiled_autograd", {})),
+             "dynamo_cache": dict(counters.get("dynamo_cache", {}))}
     for group, keys in INDUCTOR_COUNTERS.items():
         found[group] = {k: counters.get(group, {}).get(k, 0) for k in keys}
     return found
@@ -226,6 +267,22 @@ def ca_figures(found: dict, backend: str) -> dict:
         ours = found["cgtrees"]
         figures.update(compiled_autograd_graphs=ours.get("compiled_autograd_graphs", 0),
                        backward_replays=ours["backward_replays"])
+    return figures
+
+
+def start_figures(found: dict, backend: str) -> dict:
+    """What a start reused (issue 19): for cgtrees rows, the graphs it compiled and the saved
+    functions it loaded; for ``-pc`` rows, Dynamo's cache hits, misses and errors and whether its
+    caching precompile was on (cgtrees turns it on: this says it did)."""
+    figures = {}
+    if base(backend) == "cgtrees":
+        ours = found["cgtrees"]
+        figures.update(graphs_compiled=ours.get("graphs_compiled", 0),
+                       precompile_loaded=ours.get("precompile_loaded", 0))
+    if is_pc(backend):
+        cache = found.get("dynamo_cache") or {}
+        figures.update({k: cache.get(k, 0) for k in ("dynamo_cache_hit", "dynamo_cache_miss", "dynamo_cache_error")},
+                       caching_precompile=bool(getattr(torch._dynamo.config, "caching_precompile", False)))
     return figures
 
 
@@ -279,6 +336,9 @@ def run_row(spec: dict) -> dict:
         else:
             marks = measure.first_outputs(step, device)
         row.update(first_s=marks[0], first3_s=marks[-1])
+        if is_pc(spec["backend"]):
+            phases.next("save Dynamo's cache")
+            row["dynamo_cache_save"] = save_dynamo_cache(spec["backend"])
         phases.next("steady state")
         row.update(measure.steady_state(step, device, plan))
         if spec.get("profile"):
@@ -295,6 +355,7 @@ def run_row(spec: dict) -> dict:
     row["counters"] = _counters(spec["backend"])
     if is_ca(spec["backend"]):
         row.update(ca_figures(row["counters"], spec["backend"]))
+    row.update(start_figures(row["counters"], spec["backend"]))
     row["compile_phases"] = measure.compile_phases()
     phases.next("done")
     row["phase_s"] = phases.seconds
