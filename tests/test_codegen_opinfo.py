@@ -46,6 +46,8 @@ OPS = {
     # pooling (lower_pool.py)
     "nn.functional.max_pool2d", "nn.functional.avg_pool2d", "nn.functional.max_pool1d", "nn.functional.avg_pool1d",
     "max_pool2d_with_indices_backward",
+    # library calls (lower_addmm.py: the product's own output keeps addmm)
+    "addmm", "addmm.decomposed", "baddbmm",
 }
 # Ops whose sample graph must be generated whole: no aten call is left in the module's ``call``.
 GENERATED = {

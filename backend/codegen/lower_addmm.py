@@ -1,4 +1,5 @@
-"""``addmm(bias, a, b)`` as ``mm(a, b)`` plus a bias added in the kernel of the product's consumer.
+"""``addmm(bias, a, b)`` as ``mm(a, b)`` plus a bias added in the kernel of the product's consumer
+(and ``baddbmm`` as ``bmm`` the same way).
 
 Eager (and our aten fallback) runs addmm as one cuBLAS call that adds the bias in the GEMM's
 epilogue. Where the product feeds pointwise ops we generate anyway (GELU, a residual add, the next
@@ -108,14 +109,18 @@ def _size(node: torch.fx.Node) -> tuple:
     return meta_size(node.meta["val"])
 
 
-@lowering(aten.addmm.default, can_lower=why_kept)
+PRODUCTS = {aten.addmm.default: aten.mm.default, aten.baddbmm.default: aten.bmm.default}
+
+
+@lowering(*PRODUCTS, can_lower=why_kept)
 def _addmm(ctx: LowerCtx, bias: Any, a: Any, b: Any, *, beta: Any = 1, alpha: Any = 1) -> TensorValue:
     node = ctx.node
-    meta = ctx.out_meta()
-    product_meta = aten.mm.default(node.args[1].meta["val"], node.args[2].meta["val"])
-    product = ctx.library_call(aten.mm.default, tuple(node.args[1:3]), product_meta, "_mm")
+    target = PRODUCTS[node.target]
+    product_meta = target(node.args[1].meta["val"], node.args[2].meta["val"])
+    product = ctx.library_call(target, tuple(node.args[1:3]), product_meta, f"_{target.__name__.split('.')[0]}")
     if beta == 0 and alpha == 1:
         return product  # the product's own buffer: nothing to add
+    meta = ctx.out_meta()
     size, dtype = meta_size(meta), meta.dtype
     body = product.body
     if alpha != 1:
