@@ -83,6 +83,18 @@ def test_mlp_runs_mm_and_adds_the_bias_in_the_gelu_kernel():
     assert_scaled_close(out, f(x, *params), f(x.double(), *[p.double() for p in params]))
 
 
+def test_dynamic_shapes_run_mm_too():
+    """Symbolic token counts: the split view after the GEMM is ``[s0*s1, N] -> [s0, s1, N]``, and its
+    ``sym_size`` users read no values."""
+    model = mlp(torch.float32, residual=True)
+    params = [p.detach() for p in model.parameters()]
+    f = lambda x, w1, b1, w2, b2: F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2) + x
+    m = compile_fn(f, torch.randn(3, 7, 48), *params, dynamic=True)
+    assert aten_calls(m) == ["aten.mm.default", "aten.mm.default"], m.source
+    for x in (torch.randn(3, 7, 48), torch.randn(2, 11, 48)):
+        assert_scaled_close(run(m, x, *params)[0], f(x, *params), f(x.double(), *[p.double() for p in params]))
+
+
 def test_training_forward_stores_the_sum_where_gelu_reads_it_and_gradients_match():
     models = [mlp(torch.float32, True), mlp(torch.float32, True), mlp(torch.float32, True, exact=True)]
     comp = Compiler()

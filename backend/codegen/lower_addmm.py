@@ -54,6 +54,7 @@ _REMAPS = frozenset({aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.
                      aten.permute.default, aten.transpose.int, aten.t.default, aten.expand.default,
                      aten.select.int, aten.slice.Tensor})
 _RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+_SIZES = frozenset({aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default})  # read no values
 
 
 def why_kept(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
@@ -82,7 +83,7 @@ def _why_not_fused(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
         if len(readers) > 1 or any(u.op == "output" for u in readers):
             sizes.add(_size(value))  # written to memory where it is computed
         for user in readers:
-            if user.op == "output":
+            if user.op == "output" or user.target in _SIZES:
                 continue
             if user.target in _REMAPS or (user.target in _RESHAPES and
                                           split_remap(_size(value), _size(user)) is not None):
