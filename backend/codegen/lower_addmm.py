@@ -64,7 +64,8 @@ def why_kept(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
     bias, a, b = node.args[:3]
     dtypes = {x.meta["val"].dtype for x in (node, bias, a, b) if isinstance(x, torch.fx.Node)}
     if len(dtypes) != 1 or not dtypes <= set(UNFUSED_DTYPES):
-        return f"dtypes {sorted(map(str, dtypes))}: a half-precision addmm adds its bias before the product rounds"
+        return f"dtypes {sorted(map(str, dtypes))}: only float32 and float64 are unfused (in half precision, " \
+               "addmm adds the bias before the product rounds)"
     beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
     if not all(isinstance(s, (int, float)) for s in (beta, alpha)) or alpha == 0:
         return f"beta={beta!r}, alpha={alpha!r}"
