@@ -175,15 +175,61 @@ def test_gpt2_matches_eager(cgtrees_counters):
 
 
 def test_warm_process_hits_both_cache_levels_for_compiled_autograd(tmp_path):
-    """A cold process compiles the compiled-autograd backward graphs (keyed at level 1 like any
-    graph: compiled autograd's ops by name, the AOT backward prologue by its trace); a warm process
-    loads them from level 1, whose entries read their kernel modules from level 2, without tracing
-    them through AOTAutograd, with eager's gradients over steps with SGD, accumulation and hooks.
-    (The forward misses level 1 in both: its backward is compiled autograd's, so AOTAutograd never
-    compiles the backward that level 1 keeps with a forward.)"""
+    """A cold process compiles the forward and the compiled-autograd backward graphs (keyed at
+    level 1 like any graph: compiled autograd's ops by name, the AOT backward prologue by its
+    trace); a warm process loads the forward and every backward graph from level 1, whose entries
+    read their kernel modules from level 2, without tracing them through AOTAutograd, with eager's
+    gradients over steps with SGD, accumulation and hooks. The forward's entry keeps AOTAutograd's
+    backward graph and metadata, so compiled autograd inlines the same backward graph as in the
+    cold process (the only graph AOTAutograd traces is the step's ``loss.detach()``, bypassed
+    with its reason: its output aliases its input)."""
     from ca_warm_helpers import check_cold_and_warm, cold_and_warm
 
-    check_cold_and_warm(*cold_and_warm(tmp_path, "cpu"))
+    cold, warm = cold_and_warm(tmp_path, "cpu")
+    check_cold_and_warm(cold, warm)
+    assert set(warm["bypassed"]) == {"g2"} and "alias" in warm["bypassed"]["g2"], warm
+
+
+def test_forward_entry_written_under_compiled_autograd_serves_a_plain_backward(tmp_path):
+    """The forward's entry written under compiled autograd holds no compiled backward (compiled
+    autograd inlined it): a warm process that runs the same forward with a plain ``backward()``
+    hits it, traces nothing through AOTAutograd, compiles the backward from the entry's graph at
+    the first backward, and gets eager's gradients over steps with SGD, accumulation and hooks."""
+    from ca_warm_helpers import check_both_match_eager, cold_and_warm
+
+    cold, warm = cold_and_warm(tmp_path, "cpu", enable=("config", "plain"))
+    check_both_match_eager(cold, warm)
+    assert warm["aot_hits"] == ["g0"] and warm["calls"]["aot"] == 0 and not warm["backward"], warm
+    assert warm["counters"]["cache_miss_module"] == 1, warm  # the backward, compiled lazily (never before)
+
+
+def test_context_manager_warm_start_with_other_batch_sizes(tmp_path):
+    """``compiled_autograd._enable(torch.compile(backend="cgtrees"))`` traces the backward with
+    symbolic sizes (its default ``dynamic=True``): those graphs bypass level 1 with that reason
+    (level 2 still serves them), the forward hits it, and a warm process trained on other batch
+    sizes than the cold one gets eager's gradients."""
+    from ca_warm_helpers import check_both_match_eager, cold_and_warm
+
+    from backend.aot.compiled_autograd import SYMBOLIC_SIZES
+
+    cold, warm = cold_and_warm(tmp_path, "cpu", enable=("context", "context"), sizes=("6,6,6,6", "6,9,9,4"))
+    check_both_match_eager(cold, warm)
+    assert warm["aot_hits"] == ["g0"] and len(warm["backward"]) >= 2, warm
+    assert all(warm["bypassed"][g] == SYMBOLIC_SIZES for g in warm["backward"]), warm
+
+
+def test_context_manager_with_static_sizes_hits_level_one(tmp_path):
+    """With ``_enable(..., dynamic=False)`` the backward is traced with static sizes: the warm
+    process loads the forward and the backward from level 1 while the batch size is the cold one's;
+    a new batch size is traced again (Dynamo's guards) and gives eager's gradients."""
+    from ca_warm_helpers import check_both_match_eager, cold_and_warm
+
+    cold, warm = cold_and_warm(tmp_path, "cpu", enable=("context-static", "context-static"),
+                               sizes=("6,6,6,6", "6,6,9,9"))
+    check_both_match_eager(cold, warm)
+    hit_backward = [g for g in warm["backward"] if g in warm["aot_hits"]]
+    assert "g0" in warm["aot_hits"] and hit_backward, warm
+    assert set(warm["aot_hits"]) | set(warm["bypassed"]) >= set(warm["backward"]), warm
 
 
 def _op(name: str, fn: Callable[..., Any], custom: bool) -> Any:

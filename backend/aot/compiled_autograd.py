@@ -50,6 +50,7 @@ import torch.utils._pytree as pytree
 
 from backend import counters
 from backend.aot import compat, driver
+from backend.cache.aot import NO_LEVEL_1
 from backend.config import Config
 
 log = logging.getLogger("backend.aot")
@@ -64,7 +65,10 @@ def compile_backward_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], 
                            graph_id: int) -> Callable[..., Any]:
     name = f"g{graph_id}"
     flat = flatten(gm, example_inputs)  # the list input -> one input per element
-    name_ops(flat.gm)  # compiled autograd's calls named for the cache key, or why level 1 cannot key it
+    if _has_symbolic_sizes(flat):  # level 1 keeps static shapes only: say why it is bypassed
+        flat.gm.meta[NO_LEVEL_1] = SYMBOLIC_SIZES
+    else:
+        name_ops(flat.gm)  # compiled autograd's calls named for the cache key, or why level 1 cannot key it
     log.info("cgtrees: %s is a compiled-autograd backward (%d list inputs flattened)", name, flat.num_listed)
     # backward(create_graph=True) runs with grad mode on: differentiable, compiled as any graph
     compiled = driver.compile_dynamo_graph(flat.gm, flat.inputs, config, graph_id,
@@ -73,12 +77,25 @@ def compile_backward_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], 
     return flat.caller(compiled)
 
 
+SYMBOLIC_SIZES = ("compiled autograd traced this backward with symbolic sizes (the default of "
+                  "compiled_autograd._enable, dynamic=True, or sizes that changed), and level 1 keeps static "
+                  "shapes only: a hit skips AOTAutograd and codegen, and with them the guards on those sizes that "
+                  "they would add to Dynamo's; _enable(compiler, dynamic=False) traces static sizes, which hit")
+
+
+def _has_symbolic_sizes(flat: FlatGraph) -> bool:
+    """Whether an input, or an input's example value, is or has a symbolic size."""
+    symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
+    values = [*flat.inputs, *(n.meta.get("example_value") for n in flat.gm.graph.find_nodes(op="placeholder"))]
+    return any(isinstance(x, symbolic) or isinstance(x, torch.Tensor)
+               and any(isinstance(s, symbolic) for s in (*x.shape, *x.stride())) for x in values)
+
+
 # ---------------------------------------------------------------- naming ops for the cache key
 def name_ops(gm: torch.fx.GraphModule) -> None:
     """Give each call of compiled autograd's own the text the cache key shows for it
     (``node.meta[TARGET_TEXT]``), or leave in ``gm.meta[NO_LEVEL_1]`` why the first cache level
     must not key the graph."""
-    from backend.cache.aot import NO_LEVEL_1
     from backend.cache.compat import Uncacheable
     from backend.cache.key import TARGET_TEXT
 
