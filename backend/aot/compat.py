@@ -127,3 +127,12 @@ def trace(fn: Callable[..., Any], args: list[Any]) -> torch.fx.GraphModule:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     return make_fx(fn)(*args)
+
+
+def ddp_optimizer_piece() -> int | None:
+    """The index of the DDPOptimizer piece being compiled now, or None. Under DDP, Dynamo splits a
+    graph at the bucket boundaries and hands each piece to the backend while a ``TracingContext``
+    carries ``ddp_optimizer_ctx`` (torch 2.11 and 2.13); ``curr_bucket`` counts the pieces done."""
+    context = torch._guards.TracingContext.try_get()
+    ddp = getattr(context, "ddp_optimizer_ctx", None) if context is not None else None
+    return None if ddp is None else int(ddp.curr_bucket) + 1

@@ -53,6 +53,7 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
     cached = cache.load_aot(gm, example_inputs, config, name, pair, _wrap, backward)  # level 1: a hit skips AOT
     if cached is not None:
         return cached
+    from backend import distributed
     from backend.aot.decompositions import decomposition_table  # a warm start never needs these
     from backend.aot.partition import partition
 
@@ -61,6 +62,7 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
     else:
         fw_compiler = _aten_compiler("forward", name, pair, config)
         bw_compiler = _aten_compiler("backward", name, pair, config)
+    ddp_piece = distributed.before_aot(name)  # counted for DDPOptimizer, which splits graphs under DDP
     compiled = compat.aot_module_simplified(
         gm, example_inputs,
         fw_compiler=fw_compiler,
@@ -72,7 +74,7 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
         keep_inference_input_mutations=True,
     )
     cache.aot.finish(pair)  # level 1: a training graph's entry, its backward compiled or not
-    return pair.lean or compiled
+    return compiled if ddp_piece else pair.lean or compiled  # a piece's first call is fake (distributed.py)
 
 
 def _aten_compiler(aot_kind: str, name: str, pair: FunctionPair, config: Config,
