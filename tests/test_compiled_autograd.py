@@ -307,7 +307,8 @@ def test_graph_of_torch_backward_ops_is_cached_at_level_one(cgtrees_counters, mo
 
 def test_forward_from_level_one_then_compiled_autograd(cgtrees_counters):
     """A forward whose level-1 entry was written by a plain backward, then trained with compiled
-    autograd: compiled autograd traces our cached wrapper's backward; gradients stay eager's."""
+    autograd: compiled autograd inlines the backward graph the entry keeps, as it would
+    AOTAutograd's; gradients stay eager's."""
     inputs = [torch.randn(6, 13) for _ in range(3)]
     model = _mlp()
     ref = copy.deepcopy(model)

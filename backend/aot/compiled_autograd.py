@@ -33,8 +33,18 @@ numbered in the order a process first meets it, so a key on it could match anoth
 different graph: such a graph bypasses the first level with that reason (logged); the second level
 (kernel modules, keyed by the aten graph) still hits. So does a graph with symbolic sizes, as the
 context manager makes them by default (``dynamic=True``; ``torch._dynamo.config.compiled_autograd``
-follows ``torch.compile``'s ``dynamic``): level 1 rebuilds static shapes only. A level-1 hit
-rebuilds the same runtime treatment: the part runs as a backward, behind the same flattening call.
+follows ``torch.compile``'s ``dynamic``), with the reason ``SYMBOLIC_SIZES``: level 1 rebuilds
+static shapes only, because a hit skips AOTAutograd and codegen, and so the guards on the sizes they
+add to Dynamo's while compiling a symbolic graph; replaying those across processes would take
+ShapeEnv's private guard expressions, and specializing each size to its hint would turn one
+dynamic graph into one compile per batch size. ``_enable(compiler, dynamic=False)`` traces static
+sizes, which hit. A level-1 hit rebuilds the same runtime treatment: the part runs as a backward,
+behind the same flattening call.
+
+**The forward's level-1 entry** (``cache.aot``, ``cache.backward_graph``) keeps AOTAutograd's
+backward graph and metadata, and the rebuilt forward's autograd.Function carries what compiled
+autograd reads off AOTAutograd's (``cache.compat.aot_backward_attributes``): a warm process inlines
+the same backward graph, so its capture matches the cold one's and hits level 1 too.
 """
 
 from __future__ import annotations

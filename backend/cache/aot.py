@@ -14,9 +14,13 @@ inference graph to AOTAutograd and to our wrapper, and a backward to the runtime
 ``runtime_kind``). A graph whose ``meta[NO_LEVEL_1]`` holds a reason bypasses this level.
 
 On a miss, a ``Recorder`` rides on the pair: the driver hands it every aten graph it compiles, and
-it writes the entry once the last one (the inference graph, or the lazily compiled backward) is
-in. A graph found uncacheable leaves a bypass marker, so later processes count a bypass with the
-reason instead of a miss and go straight to AOTAutograd.
+it writes the entry once the inference graph is in, or, for a training graph, once AOTAutograd has
+returned: then with AOTAutograd's backward graph and metadata (``backward_graph``), which compiled
+autograd reads off the forward's Function instead of a compiled backward. A backward compiled later
+(lazily, at a plain ``backward()``) replaces that entry by one that holds it; a hit on an entry
+without one compiles it from the kept graph at the first ``backward()`` (``LazyBackward``). A graph
+found uncacheable leaves a bypass marker, so later processes count a bypass with the reason instead
+of a miss and go straight to AOTAutograd.
 
 Precompile (``backend.precompile``) saves the same entry in a file of its own: it puts a ``Kept``
 in the Dynamo graph's ``meta[KEEP]``, and ``load`` and the recorder leave there the entry (a hit's
