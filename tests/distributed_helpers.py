@@ -5,8 +5,9 @@ tests/gpu/test_distributed_gpu.py (NCCL, one GPU a rank).
 twice on the same data: once in eager (DDP, or FSDP2 for the fsdp cases), once with cgtrees in the
 case's pattern. After each backward it measures every parameter's gradient against eager's, and
 after the last step every parameter; it returns, per rank and case, a ``Report``: the largest
-absolute difference and the largest absolute reference value per (step, parameter), and the
-cgtrees counters of the compiled run. Errors are measured in the ranks and only numbers come back.
+absolute difference and the largest absolute reference value per (step, parameter), the cgtrees
+counters of the compiled run and ``backend.runtime.describe()`` after it (its CUDA graph trees).
+Errors are measured in the ranks and only numbers and text come back.
 
 Cases (``CASES``), each a pattern of the issue:
 - ``ddp_of_compiled``: ``DDP(torch.compile(mlp))``, the issue's 4-layer 64-wide MLP, default buckets.
@@ -46,6 +47,7 @@ class Report:
     params: dict[str, tuple[float, float]]  # after the last step
     counters: dict[str, int]
     eval_diff: tuple[float, float] | None = None  # no_grad forward after training, where a case runs one
+    describe: str = ""  # backend.runtime.describe() after the compiled run (its trees on CUDA)
 
 
 class UserMLP(nn.Module):
@@ -150,6 +152,8 @@ def _params(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _train(case: Case, compiled: bool, batches: list[list[torch.Tensor]], device: str) -> dict[str, Any]:
+    from backend import runtime
+
     model = mlp(case.width, case.kind, device)
     owner, step_fn = _wrap(case, model, compiled, device)
     opt = torch.optim.SGD(owner.parameters(), lr=LR)
@@ -168,7 +172,9 @@ def _train(case: Case, compiled: bool, batches: list[list[torch.Tensor]], device
     out: dict[str, Any] = {"grads": grads, "params": _params(owner)}
     if case.eval_forward:
         with torch.no_grad():
-            out["eval"] = step_fn(batches[0][0]).detach().clone()
+            for _ in range(3):  # on CUDA: warmup, record, replay
+                out["eval"] = step_fn(batches[0][0]).detach().clone()
+    out["describe"] = runtime.describe()
     return out
 
 
@@ -178,7 +184,7 @@ def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> tuple[float, float]
     return (a.float() - b.float()).abs().max().item(), b.abs().max().item()
 
 
-def run_case(name: str, rank: int, device: str) -> Report:
+def run_case(name: str, rank: int, device: str, steps: int) -> Report:
     from torch._dynamo.utils import counters
 
     case = CASES[name]
@@ -186,16 +192,17 @@ def run_case(name: str, rank: int, device: str) -> Report:
     counters["cgtrees"].clear()
     gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data: DDP must average
     micro = 2 if case.no_sync else 1
-    batches = [[torch.randn(16, case.width, generator=gen).to(device) for _ in range(micro)] for _ in range(STEPS)]
+    batches = [[torch.randn(16, case.width, generator=gen).to(device) for _ in range(micro)] for _ in range(steps)]
     eager = _train(case, False, batches, device)
     cg = _train(case, True, batches, device)
     grads = {(s, n): _diff(cg["grads"][s][n], g) for s, step in enumerate(eager["grads"]) for n, g in step.items()}
     params = {n: _diff(cg["params"][n], p) for n, p in eager["params"].items()}
     eval_diff = _diff(cg["eval"], eager["eval"]) if case.eval_forward else None
-    return Report(grads, params, dict(counters["cgtrees"]), eval_diff)
+    return Report(grads, params, dict(counters["cgtrees"]), eval_diff, cg["describe"])
 
 
-def _worker(rank: int, port: int, cases: list[str], device: str, env: dict[str, str], out_dir: str) -> None:
+def _worker(rank: int, port: int, cases: list[str], device: str, env: dict[str, str], out_dir: str,
+            steps: int) -> None:
     os.environ.update(env)  # before anything compiles (CGTREES_INTERPRET decides how kernels load)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two ranks on a 2-core machine
@@ -203,7 +210,7 @@ def _worker(rank: int, port: int, cases: list[str], device: str, env: dict[str, 
         torch.cuda.set_device(rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=WORLD)
     try:
-        reports = {name: run_case(name, rank, device) for name in cases}
+        reports = {name: run_case(name, rank, device, steps) for name in cases}
         torch.save({n: dataclasses.asdict(r) for n, r in reports.items()}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -216,11 +223,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_cases(cases: list[str], device: str, env: dict[str, str], timeout_s: float) -> list[dict[str, Report]]:
+def run_cases(cases: list[str], device: str, env: dict[str, str], timeout_s: float,
+              steps: int = STEPS) -> list[dict[str, Report]]:
     """Both ranks' reports, per case. A rank that fails raises here with its traceback; a run past
     ``timeout_s`` is killed and raises TimeoutError."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(free_port(), cases, device, env, out_dir), nprocs=WORLD,
+        ctx = mp.start_processes(_worker, args=(free_port(), cases, device, env, out_dir, steps), nprocs=WORLD,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:
@@ -242,7 +250,7 @@ def assert_close_reports(report: Report, rel_tol: float, what: str) -> None:
         assert diff <= rel_tol * scale, f"{what}: step {step} gradient of {name}: max |diff| {diff:.3g}, " \
                                         f"max |eager| {scale:.3g}"
     for name, (diff, scale) in sorted(report.params.items()):
-        assert diff <= rel_tol * scale, f"{what}: {name} after {STEPS} steps: max |diff| {diff:.3g}, " \
+        assert diff <= rel_tol * scale, f"{what}: {name} after the last step: max |diff| {diff:.3g}, " \
                                         f"max |eager| {scale:.3g}"
     if report.eval_diff is not None:
         diff, scale = report.eval_diff

@@ -49,6 +49,21 @@ def test_eager_results(aten_reports, case):
         assert_close_reports(reports[case], ATEN_TOL, f"{case}, rank {rank}")
 
 
+_LEVEL1_GET_ATTR = pytest.mark.xfail(strict=True, reason=(
+    "cache level 1: a resume function's graph that hits the entry of an identical earlier graph in "
+    "the same process gets a backward with an unlifted get_attr constant (where's 0 scalar), which "
+    "codegen cannot write: that backward runs through aten, one graph_fallbacks each; not DDP's"))
+
+
+@pytest.mark.parametrize("case", [c if c != "fsdp2_layers" else pytest.param(c, marks=_LEVEL1_GET_ATTR)
+                                  for c in ATEN_CASES])
+def test_no_fallback(aten_reports, case):
+    """Every graph of every case is compiled by us (aten mode: the aten graph itself, written
+    as a kernel module); none falls back to running the Dynamo graph."""
+    for reports in aten_reports:
+        assert not reports[case].counters.get("graph_fallbacks"), reports[case].counters
+
+
 @pytest.mark.parametrize("case", ["ddp_of_compiled", "bucket_view", "no_sync", "compiled_ddp", "fsdp2_root"])
 def test_one_graph(aten_reports, case):
     """A model within DDP's first bucket is one graph of ours, whichever way DDP and compile nest
@@ -57,7 +72,7 @@ def test_one_graph(aten_reports, case):
     for reports in aten_reports:
         c = reports[case].counters
         assert c.get("graphs_compiled") == 1, c
-        assert not c.get("graph_fallbacks") and not c.get("ddp_pieces"), c
+        assert not c.get("ddp_pieces"), c
 
 
 @pytest.mark.parametrize("case", ["compiled_ddp_buckets", "ddp_of_compiled_buckets"])
@@ -70,7 +85,6 @@ def test_ddp_optimizer_pieces(aten_reports, case):
     for reports in aten_reports:
         c = reports[case].counters
         assert c.get("ddp_pieces") == graphs and c.get("graphs_compiled") == graphs, c
-        assert not c.get("graph_fallbacks"), c
 
 
 def test_fsdp2_per_layer_graphs(aten_reports):
