@@ -8,6 +8,17 @@ the pieces' backward graphs the autograd engine fires DDP's hooks, so all-reduce
 earlier layers' gradients are still being computed; the hooks run outside our graphs, in eager.
 A model whose parameters fit in DDP's first bucket (1 MiB) is one piece: no split.
 
+What torch (2.11, 2.13) does around us, on CPU and CUDA alike:
+- ``torch.compile(DDP(m))``: Dynamo breaks the graph in DDP's forward (at
+  ``Logger.set_runtime_stats_and_log``, and at ``_inside_ddp_forward``, which is disabled for
+  Dynamo), so DDP's forward and reducer run eagerly; ``m``'s forward is then compiled as a frame
+  of its own, inside ``_inside_ddp_forward``: DDPOptimizer. A forward that is torch's own
+  (``nn.Sequential``) is no frame Dynamo starts at, so no backend gets a graph (``aot_eager``
+  neither): the model needs a forward of the user's.
+- FSDP2 (``fully_shard``): its hooks are not traced (``skip_fsdp_hooks``): the graph breaks at
+  each sharded module's call (inside a loop, the frame runs eagerly), its all-gathers and
+  reduce-scatters run eagerly between our graphs.
+
 Invariants:
 - DDPOptimizer decides whether a piece went through AOTAutograd by watching
   ``counters["aot_autograd"]["total"]`` (torch's ``aot_autograd`` backend wrapper bumps it; we call
