@@ -107,7 +107,9 @@ def test_training_matches_eager(dtype):
     for _ in range(3):  # warmup, record, replay
         for m in models:
             m.zero_grad(set_to_none=True)
-        xs = [x.to(dtype).requires_grad_(), x.to(dtype).requires_grad_(), x.to(dtype).double().requires_grad_()]
+        # three leaves of their own (in float32, ``x.to(dtype)`` is ``x`` itself)
+        xs = [x.to(dtype).clone().requires_grad_(), x.to(dtype).clone().requires_grad_(),
+              x.to(dtype).double().requires_grad_()]
         outs = [compiled(xs[0]), models[1](xs[1]), models[2](xs[2])]
         for out in outs:
             out.float().pow(2).mean().backward()
