@@ -376,7 +376,7 @@ def _warm_method(rows: list[dict]) -> str:
 def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
     env = next((r for r in rows if r.get("torch")), kernels or {})
     head = [
-        "# Benchmarks",
+        f"# {meta.get('title') or 'Benchmarks'}",
         "",
         "Latest results of the benchmark suite (issue 6), written by `benchmarks/run.py --markdown`.",
         "",

@@ -104,6 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out-dir", help="write the JSON to a file named after the suite, models and modes in this folder")
     p.add_argument("--markdown", help="write the report here (e.g. docs/benchmarks.md)")
     p.add_argument("--note", default="", help="a line for the markdown report (e.g. what is partial)")
+    p.add_argument("--title", default="", help="the markdown report's title (default: Benchmarks)")
     p.add_argument("--analysis", help="a markdown file: the report's reading of its misses, after the summary")
     p.add_argument("--from-json", help="comma-separated result files or folders (their *.json) to report on, "
                    "running nothing")
@@ -399,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         rows, kernels = measure_all(args, on_row)
     meta["total_s"] = time.perf_counter() - start
     meta["note"] = args.note or meta.get("note", "")
+    meta["title"] = args.title
     if args.analysis:
         meta["analysis"] = Path(args.analysis).read_text()
     save(rows, kernels)

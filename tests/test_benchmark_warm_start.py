@@ -153,8 +153,9 @@ def test_merged_report_keeps_the_precompile_block_and_checks_new_rows(tmp_path):
     new = tmp_path / "pc.json"
     new.write_text(json.dumps({"meta": {"date": "today", "command": "pc"}, "rows": _rows()}))
     old = os.path.join(ROOT, "benchmarks", "results", "check-warm-median-mlp_small-norm_act.json")
-    run.main(["--from-json", f"{old},{new}", "--markdown", str(doc)])
+    run.main(["--from-json", f"{old},{new}", "--markdown", str(doc), "--title", "Warm-start check (H100)"])
     text = doc.read_text()
+    assert text.startswith("# Warm-start check (H100)\n")
     assert text.count(block) == 1 and "### mlp_small / infer" in text and "### gpt_block / train" in text
     assert "cgtrees-pc warm <= 0.5x best inductor warm (inductor-pc): 0.33x ok" in text
     assert "cgtrees warm <= 0.15x our best cold (cgtrees)" in text.split("### mlp_small / infer")[1]
