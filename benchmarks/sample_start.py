@@ -4,11 +4,12 @@
         --mode train --phase warm [other worker.py arguments]
 
 Runs ``worker.py`` with those arguments (caches as the environment says: run it twice on the same
-cache directories for a warm start) and, while its first outputs are timed, reads the main thread's
-stack every ``--interval`` seconds from a second thread. Each sample counts the time since the last
-one for every function on the stack (inclusive) and for the innermost one (exclusive). Unlike
-cProfile it adds little time (a few percent) and sees through Dynamo's frame evaluation; a sample
-waits while the main thread holds the GIL in C, so long C calls land on their Python caller.
+cache directories for a warm start; ``--backend cgtrees-pc`` also needs ``CGTREES_PRECOMPILE_CACHE=1``)
+and, while its first outputs are timed, reads the main thread's stack every ``--interval`` seconds
+from a second thread. Each sample counts the time since the last one for every function on the stack
+(inclusive) and for the innermost one (exclusive). Unlike cProfile it adds little time (a few
+percent) and sees through Dynamo's frame evaluation; a sample waits while the main thread holds the
+GIL in C, so long C calls land on their Python caller.
 """
 
 from __future__ import annotations
