@@ -49,14 +49,7 @@ def test_eager_results(aten_reports, case):
         assert_close_reports(reports[case], ATEN_TOL, f"{case}, rank {rank}")
 
 
-_LEVEL1_GET_ATTR = pytest.mark.xfail(strict=True, reason=(
-    "cache level 1: a resume function's graph that hits the entry of an identical earlier graph in "
-    "the same process gets a backward with an unlifted get_attr constant (where's 0 scalar), which "
-    "codegen cannot write: that backward runs through aten, one graph_fallbacks each; not DDP's"))
-
-
-@pytest.mark.parametrize("case", [c if c != "fsdp2_layers" else pytest.param(c, marks=_LEVEL1_GET_ATTR)
-                                  for c in ATEN_CASES])
+@pytest.mark.parametrize("case", ATEN_CASES)
 def test_no_fallback(aten_reports, case):
     """Every graph of every case is compiled by us (aten mode: the aten graph itself, written
     as a kernel module); none falls back to running the Dynamo graph."""
@@ -105,5 +98,7 @@ def test_generated_kernels(tmp_path):
     for rank, reports in enumerate(run_cases(INTERPRET_CASES, "cpu", env, timeout_s=150)):
         for case in INTERPRET_CASES:
             c = reports[case].counters
-            assert c.get("kernels_generated", 0) > 0 and not c.get("graph_fallbacks"), (case, c)
+            # the ranks share one cache: the second to get a graph loads the other's kernel module
+            assert c.get("kernels_generated", 0) + c.get("cache_hit_module", 0) > 0, (case, c)
+            assert not c.get("graph_fallbacks"), (case, c)
             assert_close_reports(reports[case], INTERPRET_TOL, f"{case} interpreted, rank {rank}")

@@ -101,3 +101,37 @@ def test_max_pool_graph_is_cached(cgtrees_counters):
 
     _check(fn, torch.randn(1, 2, 6, 6), counters=cgtrees_counters)
     assert cgtrees_counters["cache_miss_aot"] == 1
+
+
+def test_level_1_hit_before_the_first_backward_lifts_the_backward_constants(cgtrees_counters, tmp_path,
+                                                                            monkeypatch):
+    """Three identical graphs between graph breaks: the second and third hit the first's level-1
+    entry before any backward ran, so their backward compiles lazily from the entry's graph
+    (``cache.aot.LazyBackward``), whose tensor constant must become an input as on a miss (it went
+    through aten: "get_attr nodes are not written into kernel modules")."""
+    monkeypatch.setenv("CGTREES_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(3)]
+    ref = [torch.nn.Linear(8, 8) for _ in range(3)]
+    for a, b in zip(layers, ref):
+        b.load_state_dict(a.state_dict())
+
+    @torch._dynamo.disable
+    def layer(i, x):
+        return layers[i](x)
+
+    def f(x):
+        return torch.relu(layer(2, torch.relu(layer(1, torch.relu(layer(0, x))))))
+
+    compiled = torch.compile(f, backend="cgtrees")
+    weights = torch.arange(8.0)
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+        (compiled(ours) * weights).sum().backward()
+        (torch.relu(ref[2](torch.relu(ref[1](torch.relu(ref[0](theirs)))))) * weights).sum().backward()
+        torch.testing.assert_close(ours.grad, theirs.grad)
+        for a, b in zip(layers, ref):
+            torch.testing.assert_close(a.weight.grad, b.weight.grad)
+    assert cgtrees_counters["cache_hit_aot"] >= 2, dict(cgtrees_counters)
+    assert cgtrees_counters["graph_fallbacks"] == 0, dict(cgtrees_counters)
