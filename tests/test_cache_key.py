@@ -283,3 +283,21 @@ def test_debug_dir_keeps_the_modules_of_a_level_one_hit(tmp_path, monkeypatch, c
     cold = train_step()
     assert len(cold) == 2 and cgtrees_counters["cache_miss_aot"] == 1  # forward and backward
     assert train_step() == cold and cgtrees_counters["cache_hit_aot"] == 1
+
+
+def test_key_names_a_target_by_the_module_that_publishes_it(monkeypatch):
+    """torch 2.11 gives ``torch._C._log_api_usage_once`` the ``__module__`` of its pybind11 function
+    record (``torch._C.pybind11_detail_function_record_v1_...``, the C++ ABI spelled out in it): the
+    key names it by the module above that publishes it, as torch 2.13 does."""
+    from backend.cache.key import stable_name
+
+    def probe():
+        pass
+
+    probe.__module__ = "torch._C.pybind11_detail_function_record_v1_system_libstdcpp_gxx_abi_1xxx"
+    probe.__qualname__ = "_cgtrees_probe"
+    monkeypatch.setattr(torch._C, "_cgtrees_probe", probe, raising=False)
+    assert stable_name(probe) == "torch._C._cgtrees_probe"
+    unpublished = lambda: None  # noqa: E731 - a target nothing publishes keeps its own module
+    unpublished.__module__, unpublished.__qualname__ = "torch._C.nowhere", "_cgtrees_absent"
+    assert stable_name(unpublished) == "torch._C.nowhere._cgtrees_absent"

@@ -156,6 +156,7 @@ def stable_name(target: Any) -> str:
     module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
     if module is None or name is None:
         raise Uncacheable(f"call target {target!r} has no stable name")
+    module = _publishing_module(target, module, name)
     owner = getattr(target, "__self__", None)
     if owner is not None and not isinstance(owner, (types.ModuleType, type)) and not _published(target, module, name):
         raise Uncacheable(f"call target {target!r} is bound to an object: its name does not say what it does")
@@ -166,6 +167,20 @@ def stable_name(target: Any) -> str:
             raise Uncacheable(f"call target {target!r} has no stable name")
         name = public
     return f"{module}.{name}"
+
+
+def _publishing_module(target: Any, module: str, name: str) -> str:
+    """``module``, or where it is not a module, the innermost module above it that publishes
+    ``target`` under ``name``: torch 2.11's ``torch._C._log_api_usage_once`` says its module is
+    ``torch._C.pybind11_detail_function_record_...`` (its pybind11 record's, with the ABI in it)."""
+    if module in sys.modules:
+        return module
+    parts = module.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:end])
+        if getattr(sys.modules.get(prefix), name, None) is target:
+            return prefix
+    return module
 
 
 def _published(target: Any, module: str, name: str) -> bool:
