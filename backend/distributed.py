@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import logging
 
-from torch._dynamo.utils import counters as dynamo_counters
-
 from backend import counters
 from backend.aot import compat
 
@@ -48,7 +46,7 @@ log = logging.getLogger("backend.distributed")
 def before_aot(name: str) -> bool:
     """Called just before we hand a Dynamo graph to AOTAutograd. Returns whether the graph is a
     DDPOptimizer piece (then it keeps AOTAutograd's runtime wrappers)."""
-    dynamo_counters["aot_autograd"]["total"] += 1  # DDPOptimizer's sign that AOTAutograd ran
+    compat.count_aot_autograd_compile()  # DDPOptimizer's sign that AOTAutograd ran
     piece = compat.ddp_optimizer_piece()
     if piece is None:
         return False

@@ -129,6 +129,14 @@ def trace(fn: Callable[..., Any], args: list[Any]) -> torch.fx.GraphModule:
     return make_fx(fn)(*args)
 
 
+def count_aot_autograd_compile() -> None:
+    """Bump ``counters["aot_autograd"]["total"]``, as torch's ``aot_autograd`` backend wrapper does
+    (we call ``aot_module_simplified`` ourselves): DDPOptimizer reads it (``backend.distributed``)."""
+    from torch._dynamo.utils import counters
+
+    counters["aot_autograd"]["total"] += 1
+
+
 def ddp_optimizer_piece() -> int | None:
     """The index of the DDPOptimizer piece being compiled now, or None. Under DDP, Dynamo splits a
     graph at the bucket boundaries and hands each piece to the backend while a ``TracingContext``
