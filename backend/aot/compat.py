@@ -94,19 +94,10 @@ def in_compiled_autograd() -> bool:
     return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
 
 
-def is_builtin_backward_op(target: Any) -> bool:
-    """A call, in a compiled-autograd graph, of one of torch's own backward formulas (an ``Op`` of
-    ``torch._dynamo.compiled_autograd.ops`` that is not a user's custom Function): it runs aten ops
-    only, so the device of a 0-dim tensor it reads does not change what it computes."""
-    from torch._dynamo import compiled_autograd
-
-    op_type = getattr(compiled_autograd, "Op", None)
-    return op_type is not None and isinstance(target, op_type) and not getattr(target, "is_custom_function", True)
-
-
 def compiled_autograd_op(target: Any) -> tuple[str, bool] | None:
     """``(name, is a custom Function's)`` for one of compiled autograd's ``ops`` (the name of a
-    custom Function's, ``CppNode<Name><n>``, is numbered per process); None for any other target."""
+    custom Function's, ``CppNode<Name><n>``, is numbered per process); None for any other target.
+    Any other op is one of torch's own backward formulas: it runs aten ops only."""
     from torch._dynamo import compiled_autograd
 
     op_type = getattr(compiled_autograd, "Op", None)

@@ -286,8 +286,14 @@ def _place_scalars(listed: list[Any], elements: list[torch.fx.Node],
 
 
 def _reads_on_any_device(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and (isinstance(node.target, torch._ops.OpOverload)
-                                           or compat.is_builtin_backward_op(node.target))
+    """An aten op, or one of torch's own backward formulas (not a custom Function's): the device
+    of a 0-dim tensor it reads does not change what it computes."""
+    if node.op != "call_function":
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return True
+    op = compat.compiled_autograd_op(node.target)
+    return op is not None and not op[1]
 
 
 def _reads_element(node: torch.fx.Node, holder: torch.fx.Node) -> bool:
