@@ -13,6 +13,7 @@ import pytest
 import torch
 from codegen_helpers import INTERPRET, trace
 from conv_models import BasicBlock, ConvBNReLU, ConvNeXtBlock, MobileBlock
+from layout_helpers import same, train_against_eager
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from backend.aot import compat, layout
@@ -34,43 +35,12 @@ interpreted = pytest.mark.skipif(not INTERPRET,
                                  reason="CUDA machine: interpreted kernels only with CGTREES_INTERPRET=1")
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, truth: torch.Tensor | None = None) -> None:
-    """float32 against eager's float32: atol scaled to the largest value (batch norm's decomposition
-    sums in another order), and where a float64 ``truth`` is given, at least 3x eager's own error
-    against it (a batch-norm weight's gradient is a sum of terms 10^4 times larger than itself,
-    where eager's float32 is off by 7e-6 too)."""
-    atol = 1e-5 * max(1.0, expected.abs().max().item())
-    if truth is not None:
-        atol = max(atol, 3 * (expected.double() - truth).abs().max().item())
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=1e-4, msg=lambda m: f"{what}: {m}")
-
-
-def _same(actual: torch.Tensor, expected: torch.Tensor, what: str, truth: torch.Tensor | None = None) -> None:
-    _close(actual, expected, what, truth)
-    assert actual.stride() == expected.stride(), f"{what}: strides {actual.stride()}, eager's {expected.stride()}"
-
-
 # ------------------------------------------------------------------------- end to end, training
 @interpreted
 @pytest.mark.parametrize("name", list(MODELS))
 def test_training_channels_last_matches_eager(name, cgtrees_counters):
-    model, x = MODELS[name]()
-    eager, exact = copy.deepcopy(model), copy.deepcopy(model).double()
-    compiled = torch.compile(model, backend="cgtrees", options=OPTIONS)
-    for step in range(2):  # the second step reads the running statistics the first one wrote
-        x_ours, x_eager, x_exact = (x.clone().requires_grad_(), x.clone().requires_grad_(),
-                                    x.double().requires_grad_())
-        out, expected, truth = compiled(x_ours), eager(x_eager), exact(x_exact)
-        cotangent = torch.randn_like(expected)
-        for y, dy in ((out, cotangent), (expected, cotangent), (truth, cotangent.double())):
-            y.backward(dy)
-        _same(out, expected, f"step {step}: output", truth)
-        _same(x_ours.grad, x_eager.grad, f"step {step}: grad of the input", x_exact.grad)
-        for (pname, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
-            _same(p.grad, q.grad, f"step {step}: grad of {pname}", r.grad)
-            p.grad, q.grad, r.grad = None, None, None
-        for (bname, b), c in zip(model.named_buffers(), eager.buffers()):
-            _close(b, c, f"step {step}: buffer {bname}")
+    # the second step reads the running statistics the first one wrote
+    train_against_eager(*MODELS[name](), OPTIONS, steps=2, buffers_against_float64=False)
     assert cgtrees_counters["layout_channels_last"] == 1  # the joint graph was rewritten
     assert cgtrees_counters["graph_fallbacks"] == 0  # forward and backward generated, not run by aten
 
@@ -82,7 +52,7 @@ def test_inference_channels_last_matches_eager(cgtrees_counters):
     compiled = torch.compile(model, backend="cgtrees", options=OPTIONS)
     with torch.no_grad():
         out, expected = compiled(x), model(x)
-    _same(out, expected, "output")
+    same(out, expected, "output")
     assert cgtrees_counters["layout_channels_last"] == 1
     assert cgtrees_counters["graph_fallbacks"] == 0
 
@@ -179,7 +149,7 @@ def test_rewritten_graph_computes_eager_values(tail):
     x, w = torch.randn(2, 8, 16, 16), torch.randn(8, 8, 3, 3)
     gm = trace(lambda x, w: tail(_conv(x, w)), x, w)
     assert layout.optimize(gm, "force", inference=True)
-    _same(gm(x, w), tail(_conv(x, w)), "output")
+    same(gm(x, w), tail(_conv(x, w)), "output")
 
 
 def test_an_output_view_with_strides_no_copy_has_keeps_the_graph():
@@ -263,7 +233,7 @@ def test_pointwise_kernel_walks_channels_last_memory_in_order():
     module = compile_fn(fn, x, y)
     kernels = module.source[module.source.find("@triton.jit"):module.source.find("def call(")]
     assert "//" not in kernels and "%" not in kernels, kernels
-    _same(run(module, x, y)[0], fn(x, y), "output")
+    same(run(module, x, y)[0], fn(x, y), "output")
 
 
 @pytest.mark.parametrize("strides, reduced_innermost", [

@@ -17,6 +17,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from conv_models import BasicBlock, ConvBNReLU, ConvNeXtBlock, MobileBlock  # noqa: E402
+from layout_helpers import train_against_eager  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -64,37 +65,6 @@ def no_tf32():
     matmul.allow_tf32 = old
 
 
-def _close(actual, expected, what, truth):
-    """As tests/test_layout.py: atol scaled to the values, at least 3x eager's own float32 error."""
-    atol = max(1e-5 * max(1.0, expected.abs().max().item()), 3 * (expected.double() - truth).abs().max().item())
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=1e-4, msg=lambda m: f"{what}: {m}")
-
-
-def _same(actual, expected, what, truth):
-    _close(actual, expected, what, truth)
-    assert actual.stride() == expected.stride(), f"{what}: strides {actual.stride()}, eager's {expected.stride()}"
-
-
-def _train_against_eager(model: nn.Module, x: torch.Tensor, options: dict, steps: int = 3) -> None:
-    model, x = model.to(DEV), x.to(DEV)
-    eager, exact = copy.deepcopy(model), copy.deepcopy(model).double()
-    compiled = torch.compile(model, backend="cgtrees", options=options)
-    for step in range(steps):  # warmup, record, replay
-        x_ours, x_eager, x_exact = (x.clone().requires_grad_(), x.clone().requires_grad_(),
-                                    x.double().requires_grad_())
-        out, expected, truth = compiled(x_ours), eager(x_eager), exact(x_exact)
-        cotangent = torch.randn_like(expected)
-        for y, dy in ((out, cotangent), (expected, cotangent), (truth, cotangent.double())):
-            y.backward(dy)
-        _same(out, expected, f"step {step}: output", truth)
-        _same(x_ours.grad, x_eager.grad, f"step {step}: grad of the input", x_exact.grad)
-        for (name, p), q, r in zip(model.named_parameters(), eager.parameters(), exact.parameters()):
-            _same(p.grad, q.grad, f"step {step}: grad of {name}", r.grad)
-            p.grad, q.grad, r.grad = None, None, None
-        for (name, b), c, d in zip(model.named_buffers(), eager.buffers(), exact.buffers()):
-            _close(b, c, f"step {step}: buffer {name}", d)
-
-
 # mobilenet_block: one element of bn0.weight's gradient (a sum that cancels to ~3e-3 from terms of
 # 1e2) is 1.31e-4 from cuDNN's where 1.25e-4 is allowed. Measured on the H100 against float64, in
 # this block's batch-norm weight gradients the compiled kernels have 3-6x cuDNN's error, Inductor's
@@ -112,7 +82,8 @@ def test_training_channels_last_matches_eager(name, no_tf32):
 
     # forced, and still NCHW: a CUDA training graph is never rewritten (layout.TRAINING_ON_CUDA; forced,
     # conv_bn_relu's input gradients were wrong here before)
-    _train_against_eager(*MODELS[name](), {"layout_opt": "force"})
+    model, x = MODELS[name]()
+    train_against_eager(model.to(DEV), x.to(DEV), {"layout_opt": "force"}, steps=3, buffers_against_float64=True)
     assert counters["cgtrees"]["layout_channels_last"] == 0
     assert counters["cgtrees"]["graph_fallbacks"] == 0
 
@@ -121,7 +92,8 @@ def test_decision_leaves_training_nchw(no_tf32):
     """Under the default ``auto``, a training graph stays NCHW (layout.TRAINING_STAYS_NCHW)."""
     from torch._dynamo.utils import counters
 
-    _train_against_eager(WideNet(), torch.randn(8, 3, 32, 32), {})
+    train_against_eager(WideNet().to(DEV), torch.randn(8, 3, 32, 32, device=DEV), {}, steps=3,
+                        buffers_against_float64=True)
     assert counters["cgtrees"]["layout_channels_last"] == 0
     assert counters["cgtrees"]["graph_fallbacks"] == 0
 
