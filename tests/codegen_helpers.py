@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Callable
 
 import torch
@@ -16,6 +17,34 @@ from backend.context import GraphContext
 # Interpreted (CPU) and compiled (CUDA) kernels never mix in one process: on a CUDA machine the CPU
 # codegen tests are skipped unless CGTREES_INTERPRET=1 asks for them, and tests/gpu runs instead.
 INTERPRET = not torch.cuda.is_available() or os.environ.get("CGTREES_INTERPRET") == "1"
+
+# Tolerances of half-precision results computed in another order than eager's.
+HALF_TOL = {torch.float16: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
+
+
+def _call_body(module: Any) -> str:
+    return module.source.split("\ndef call(")[1].split("\ndef call_aten(")[0]
+
+
+def aten_calls(module: Any) -> list[str]:
+    """Every aten op a generated module's ``call`` names (its library calls and fallbacks)."""
+    return re.findall(r"\baten\.[\w.]+", _call_body(module))
+
+
+def aten_call_targets(module: Any) -> list[str]:
+    """The aten ops the generated ``call`` runs, in order (the targets of its assignments)."""
+    return re.findall(r"= (aten\.[\w.]+)\(", _call_body(module))
+
+
+def sum_tolerance(expected: torch.Tensor, terms: int) -> dict:
+    """Sums taken in another order than eager's (atomic adds, window sums): rounding that grows
+    with the summed magnitudes."""
+    if not expected.is_floating_point():
+        return dict(atol=0, rtol=0)
+    if expected.dtype in HALF_TOL:
+        return HALF_TOL[expected.dtype]
+    eps = torch.finfo(expected.dtype).eps
+    return dict(rtol=4 * eps, atol=4 * eps * terms * max(expected.abs().max().item(), 1.0))
 
 
 def config(**kw: Any) -> Config:

@@ -17,16 +17,13 @@ import re
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from codegen_helpers import INTERPRET, compile_fn, kernel_count, run
+from codegen_helpers import INTERPRET, aten_calls, compile_fn, kernel_count, run
 from torch.testing._internal.common_methods_invocations import op_db
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: interpreted kernels only with CGTREES_INTERPRET=1")
 aten = torch.ops.aten
 
 
-def aten_calls(module) -> list[str]:
-    body = module.source.split("\ndef call(")[1].split("\ndef call_aten(")[0]
-    return re.findall(r"\baten\.[\w.]+", body)
 
 
 def compile_whole(fn, *inputs, kernels: int | None = None, dynamic: bool = False):

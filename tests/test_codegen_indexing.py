@@ -9,21 +9,15 @@ call. The OpInfo sweeps cover every op forward and backward; these are the cases
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import torch.nn.functional as F
-from codegen_helpers import INTERPRET, compile_fn, kernel_count, run
+from codegen_helpers import HALF_TOL, INTERPRET, aten_calls, compile_fn, kernel_count, run
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: interpreted kernels only with CGTREES_INTERPRET=1")
 
-HALF_TOL = {torch.float16: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
 
 
-def aten_calls(module) -> list[str]:
-    body = module.source.split("\ndef call(")[1].split("\ndef call_aten(")[0]
-    return re.findall(r"\baten\.[\w.]+", body)
 
 
 def generated(fn, *inputs, kernels: int | None = None):

@@ -4,12 +4,10 @@ dtype's tolerance. An op that codegen hands to aten is still run (and must still
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import torch.utils._pytree as pytree
-from codegen_helpers import INTERPRET, compile_fn, run
+from codegen_helpers import INTERPRET, aten_calls, compile_fn, run
 from torch.testing._internal.common_methods_invocations import op_db
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: the sweep runs compiled in tests/gpu")
@@ -119,9 +117,3 @@ def check_sample(op, dtype: torch.dtype, device: str) -> None:
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     actual = list(actual) if isinstance(actual, (tuple, list)) else [actual]
     torch.testing.assert_close(actual, list(expected), equal_nan=True, **_tolerance(dtype))
-
-
-def aten_calls(module) -> list[str]:
-    """The aten ops a generated module's ``call`` still runs (its fallbacks)."""
-    body = module.source.split("\ndef call(")[1].split("\ndef call_aten(")[0]
-    return re.findall(r"\baten\.[\w.]+", body)

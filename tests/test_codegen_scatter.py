@@ -9,12 +9,10 @@ inputs, every dtype's accumulation, indices out of range.
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import torch.nn.functional as F
-from codegen_helpers import INTERPRET, Compiler, compile_fn, run
+from codegen_helpers import HALF_TOL, INTERPRET, Compiler, aten_calls, compile_fn, run, sum_tolerance
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from backend import codegen
@@ -23,22 +21,10 @@ from backend.context import GraphContext
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: interpreted kernels only with CGTREES_INTERPRET=1")
 
 aten = torch.ops.aten
-HALF_TOL = {torch.float16: dict(atol=1e-3, rtol=1e-3), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}
 
 
-def aten_calls(module) -> list[str]:
-    body = module.source.split("\ndef call(")[1].split("\ndef call_aten(")[0]
-    return re.findall(r"\baten\.[\w.]+", body)
 
 
-def sum_tolerance(expected: torch.Tensor, terms: int) -> dict:
-    """Atomic adds sum in another order than eager: rounding that grows with the summed magnitudes."""
-    if not expected.is_floating_point():
-        return dict(atol=0, rtol=0)
-    if expected.dtype in HALF_TOL:
-        return HALF_TOL[expected.dtype]
-    eps = torch.finfo(expected.dtype).eps
-    return dict(rtol=4 * eps, atol=4 * eps * terms * max(expected.abs().max().item(), 1.0))
 
 
 def generated(fn, *inputs, terms: int = 1, atomic: bool | None = None):
