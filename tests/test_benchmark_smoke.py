@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_helpers import bench
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOADS = ("mlp_small", "norm_act", "gpt_block", "convnet", "decode")
 
@@ -106,18 +108,10 @@ def test_sampled_first_calls_name_where_the_time_went(tmp_path):
     assert 0 < ours < step  # our compiler, inside the first call
 
 
-def _bench(name):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.pop(0)
-
-
 def test_compiled_autograd_row_compiles_the_backward_and_matches_eager():
     """A ``cgtrees-ca`` train row (issue 20): the backward captured by compiled autograd reaches cgtrees
     as a compiled-autograd graph, none falls back, and the first step's loss and gradients equal eager's."""
-    run, _ = _bench("run"), _bench("worker")  # run_smoke imports the worker by its bare name
+    run, _ = bench("run"), bench("worker")  # run_smoke imports the worker by its bare name
     spec = {"workload": "mlp_small", "backend": "cgtrees-ca", "mode": "train", "device": "cpu", "phase": "cold",
             "smoke": True}
     (row,) = run.run_smoke([spec], lambda rows: None)  # counters cleared first: these are the row's own
@@ -132,7 +126,7 @@ def test_compiled_autograd_row_compiles_the_backward_and_matches_eager():
 
 
 def test_plan_gives_compiled_autograd_backends_train_rows_cold_and_warm():
-    run = _bench("run")
+    run = bench("run")
     args = run.parse_args(["--models", "mlp_small", "--backends", "eager,cgtrees,cgtrees-ca,inductor-ca",
                            "--cold-warm", "--no-floor"])
     specs = [(s["mode"], s["backend"], s["phase"]) for s in run.plan(args, "cuda")]
@@ -150,7 +144,7 @@ def _own_row(backend, step_s, phase="cold", **extra):
 
 
 def test_report_checks_issue_20_targets_and_shows_the_ca_rows():
-    report = _bench("report")
+    report = bench("report")
     rows = [_own_row("eager", 9e-3), _own_row("inductor", 5e-3), _own_row("cgtrees", 5.2e-3),
             _own_row("inductor-ca", 5.0e-3, ca_captures=1),
             _own_row("cgtrees-ca", 5.1e-3, ca_captures=1, compiled_autograd_graphs=1, backward_replays=40)]
@@ -176,7 +170,7 @@ def test_report_checks_issue_20_targets_and_shows_the_ca_rows():
 def test_markdown_rewrite_keeps_hand_written_blocks_verbatim(tmp_path):
     """docs/warm_start.md holds a hand-written precompile section between markers: rewriting the file
     with ``--markdown`` (here from result files, old and new, merged) keeps it byte for byte."""
-    run = _bench("run")
+    run = bench("run")
     old_file = os.path.join(ROOT, "benchmarks", "results", "4-gpt_block-train.json")
     new_file = tmp_path / "ca.json"
     new_file.write_text(json.dumps({"meta": {"date": "today", "command": "ca"},
@@ -197,7 +191,7 @@ def test_markdown_rewrite_keeps_hand_written_blocks_verbatim(tmp_path):
 
 def test_the_repository_warm_start_doc_keeps_its_precompile_block(tmp_path):
     """The real docs/warm_start.md rebuilt from its own result files keeps its precompile section."""
-    run = _bench("run")
+    run = bench("run")
     doc = tmp_path / "warm_start.md"
     original = open(os.path.join(ROOT, "docs", "warm_start.md")).read()
     start, end = original.index("<!-- precompile:begin -->"), original.index("<!-- precompile:end -->")

@@ -7,25 +7,17 @@ trace and our compile while matching eager."""
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_helpers import bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _bench(name):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.pop(0)
-
-
 def test_pc_workers_get_dynamo_cache_settings_and_caches_of_their_own(monkeypatch):
-    run = _bench("run")
+    run = bench("run")
     monkeypatch.setenv("CGTREES_PRECOMPILE_CACHE", "1")  # a shell's own: never reaches a plain row
     monkeypatch.setenv("TORCH_CACHING_PRECOMPILE", "1")
     caches = {"CGTREES_CACHE_DIR": "/r/c"}
@@ -49,7 +41,7 @@ def test_pc_workers_get_dynamo_cache_settings_and_caches_of_their_own(monkeypatc
 
 
 def test_worker_turns_dynamo_cache_on_before_torch_compile_for_pc_only(monkeypatch):
-    worker = _bench("worker")
+    worker = bench("worker")
     model = torch.nn.Linear(2, 2)
     with torch._dynamo.config.patch(caching_precompile=False):
         worker.compile_model(model, "inductor")
@@ -87,7 +79,7 @@ def _rows():
 
 
 def test_report_checks_both_warm_start_targets_for_each_of_our_backends():
-    report = _bench("report")
+    report = bench("report")
     rows = _rows()
     found = {c.text for c in report.checks(rows)}
     assert "cgtrees warm <= 0.5x best inductor warm (inductor-pc): 0.78x MISS by 1.56x" in found
@@ -121,7 +113,7 @@ def test_report_checks_both_warm_start_targets_for_each_of_our_backends():
     assert "note gpt_block/train/cgtrees-pc (warm): Dynamo's cache was not used (hit 0, miss 0, error 1" in summary
 
     # One of three warm processes compiled (its cache missed): the median one did not, the check still fails.
-    runs = _bench("run")
+    runs = bench("run")
     warm = [_row("cgtrees-pc", "warm", t, graphs_compiled=c, precompile_loaded=2 - c)
             for t, c in ((0.3, 0), (0.9, 2), (0.4, 0))]
     kept = runs.median_row(warm)
@@ -139,7 +131,7 @@ def test_report_checks_both_warm_start_targets_for_each_of_our_backends():
 
 
 def test_real_suite_summary_checks_the_warm_start_targets():
-    real_report = _bench("real_report")
+    real_report = bench("real_report")
     rows = [{**r, "workload": "gpt2"} for r in _rows()]
     screen = real_report.screen(rows)
     assert "issue 19: cgtrees-pc warm <= 0.5x best inductor warm (inductor-pc): 0.33x ok" in screen
@@ -154,7 +146,7 @@ def test_real_suite_summary_checks_the_warm_start_targets():
 def test_merged_report_keeps_the_precompile_block_and_checks_new_rows(tmp_path):
     """docs/warm_start.md rebuilt from an older result file (no -pc rows) and a newer one with them:
     the hand-written precompile section stays verbatim and the -pc targets are checked."""
-    run = _bench("run")
+    run = bench("run")
     original = open(os.path.join(ROOT, "docs", "warm_start.md")).read()
     start, end = original.index("<!-- precompile:begin -->"), original.index("<!-- precompile:end -->")
     block = original[start:end + len("<!-- precompile:end -->")]
@@ -175,7 +167,7 @@ def test_cgtrees_pc_cold_then_warm_process_skips_the_trace_and_matches_eager(tmp
     """Two fresh worker processes on shared cache directories, as ``--cold-warm`` runs them (about
     10 s on CPU): the warm one installs Dynamo's cache, compiles no graph, traces nothing, and its
     loss, output and gradients match eager's."""
-    run = _bench("run")
+    run = bench("run")
     monkeypatch.setenv("CGTREES_INTERPRET", "1")
     spec = {"workload": "mlp_small", "backend": "cgtrees-pc", "mode": "train", "device": "cpu", "smoke": True}
     env = run.cache_env(tmp_path, spec)

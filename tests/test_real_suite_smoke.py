@@ -12,17 +12,10 @@ import subprocess
 import sys
 
 import pytest
+from bench_helpers import bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF = ("gpt2", "llama", "bert")
-
-
-def _bench(name):
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    try:
-        return __import__(name)
-    finally:
-        sys.path.pop(0)
 
 
 def test_smoke_run_measures_every_hf_row(tmp_path):
@@ -66,7 +59,7 @@ def test_vision_models_say_what_they_need_and_the_suite_imports_without_it():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
 
-    worker = _bench("worker")
+    worker = bench("worker")
     for name, needs in (("vit_tiny", "timm/torchvision"), ("resnet18", "torchvision")):
         missing = [p for p in needs.split("/") if not _imports(p)]
         if not missing:
@@ -86,7 +79,7 @@ def _imports(package):
 
 
 def test_real_plan_runs_four_backends_cold_and_warm_into_one_file(tmp_path):
-    run = _bench("run")
+    run = bench("run")
     args = run.parse_args(["--suite", "real", "--models", "gpt2", "--modes", "train", "--cold-warm",
                            "--out-dir", str(tmp_path)])
     specs = run.plan(args, "cuda")
@@ -100,7 +93,7 @@ def test_real_plan_runs_four_backends_cold_and_warm_into_one_file(tmp_path):
 
 
 def test_a_spent_budget_starts_no_row_and_says_so():
-    run = _bench("run")
+    run = bench("run")
     args = run.parse_args(["--suite", "real", "--models", "bert", "--modes", "infer", "--cold-warm",
                            "--budget", "0", "--device", "cuda"])
     rows, _ = run.measure_all(args, lambda rows: None)  # no worker starts, so no GPU is needed
@@ -121,7 +114,7 @@ def _row(model, mode, backend, phase, step_s, first3_s, **counters):
 
 
 def test_report_section_has_the_columns_and_replaces_only_itself(tmp_path):
-    real_report, run = _bench("real_report"), _bench("run")
+    real_report, run = bench("real_report"), bench("run")
     rows = [_row("gpt2", "train", "eager", "cold", 4e-3, 1.0),
             _row("gpt2", "train", "inductor", "cold", 2e-3, 40.0), _row("gpt2", "train", "inductor", "warm", 2e-3, 8.0),
             _row("gpt2", "train", "reduce-overhead", "cold", 2e-3, 50.0),
@@ -156,7 +149,7 @@ def test_report_section_has_the_columns_and_replaces_only_itself(tmp_path):
 
 
 def test_compiled_autograd_rows_are_lines_of_their_own_and_issue_20_is_checked(tmp_path):
-    real_report, run = _bench("real_report"), _bench("run")
+    real_report, run = bench("real_report"), bench("run")
     specs = run.plan(run.parse_args(["--suite", "real", "--models", "gpt2", "--modes", "infer,train",
                                      "--backends", "cgtrees,cgtrees-ca,inductor-ca", "--cold-warm"]), "cuda")
     assert [(s["mode"], s["backend"], s["phase"]) for s in specs] == [
