@@ -16,8 +16,8 @@ from conv_models import BasicBlock, ConvBNReLU, ConvNeXtBlock, MobileBlock
 from layout_helpers import same, train_against_eager
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from backend.aot import compat, layout
-from backend.aot.decompositions import decomposition_table
+from backend.aot import layout
+from backend.aot.measure import run_partitioned
 from backend.aot.partition import partition
 from backend.config import Config
 
@@ -77,14 +77,7 @@ def _rewritten_joint(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.fx.
         seen["graph"] = joint.graph
         return fw, bw
 
-    def nop(gm, _):
-        return compat.make_boxed_func(gm.forward)
-
-    def backend(gm, example_inputs):
-        return compat.aot_module_simplified(gm, example_inputs, fw_compiler=nop, bw_compiler=nop,
-                                            partition_fn=spy, decompositions=decomposition_table())
-
-    torch.compile(model, backend=backend, fullgraph=True)(x.requires_grad_()).sum().backward()
+    run_partitioned(model, (x.requires_grad_(),), spy)
     return seen["graph"], seen["before"]
 
 

@@ -24,8 +24,6 @@ def saved_activation_bytes(fw: torch.fx.GraphModule, num_fwd_outputs: int,
 
 def measure(model: torch.nn.Module, inputs: tuple[Any, ...], partition_fn: Callable) -> int:
     """Trace ``model`` through AOTAutograd with ``partition_fn`` and return its saved bytes."""
-    from backend.aot.decompositions import decomposition_table
-
     seen: list[int] = []
 
     def spy(joint, joint_inputs, *, num_fwd_outputs, static_lifetime_input_indices=None, **kw):
@@ -34,15 +32,22 @@ def measure(model: torch.nn.Module, inputs: tuple[Any, ...], partition_fn: Calla
         seen.append(saved_activation_bytes(fw, num_fwd_outputs, static_lifetime_input_indices or []))
         return fw, bw
 
+    torch._dynamo.reset()
+    run_partitioned(model, inputs, spy)
+    torch._dynamo.reset()
+    return sum(seen)
+
+
+def run_partitioned(model: torch.nn.Module, inputs: tuple[Any, ...], partition_fn: Callable) -> None:
+    """One forward and backward of ``model`` through AOTAutograd, partitioned by ``partition_fn``
+    (AOTAutograd's protocol), its graphs run as traced: what a partitioner does, without codegen."""
+    from backend.aot.decompositions import decomposition_table
+
     def nop(gm, _):
         return compat.make_boxed_func(gm.forward)
 
     def backend(gm, example_inputs):
         return compat.aot_module_simplified(gm, example_inputs, fw_compiler=nop, bw_compiler=nop,
-                                            partition_fn=spy, decompositions=decomposition_table())
+                                            partition_fn=partition_fn, decompositions=decomposition_table())
 
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
-    compiled(*inputs).sum().backward()
-    torch._dynamo.reset()
-    return sum(seen)
+    torch.compile(model, backend=backend, fullgraph=True)(*inputs).sum().backward()
