@@ -22,6 +22,7 @@ import torch.fx
 
 from backend import cache, codegen, counters, runtime
 from backend.aot import compat, constants, layout
+from backend.cache.backward_graph import SAVED_STATIC
 from backend.config import Config
 from backend.context import GraphContext
 from backend.logs import log, log_once
@@ -61,7 +62,7 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
         fw_compiler = bw_compiler = _not_training
     else:
         fw_compiler = _aten_compiler("forward", name, pair, config)
-        bw_compiler = _aten_compiler("backward", name, pair, config)
+        bw_compiler = backward_compiler(name, pair, config)
     ddp_piece = distributed.before_aot(name)  # counted for DDPOptimizer, which splits graphs under DDP
     compiled = compat.aot_module_simplified(
         gm, example_inputs,
@@ -75,6 +76,11 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
     )
     cache.aot.finish(pair)  # level 1: a training graph's entry, its backward compiled or not
     return compiled if ddp_piece else pair.lean or compiled  # a piece's first call is fake (distributed.py)
+
+
+def backward_compiler(name: str, pair: FunctionPair, config: Config) -> Callable[..., Any]:
+    """The compiler of a Dynamo graph's backward (also for one a level-1 entry kept uncompiled)."""
+    return _aten_compiler("backward", name, pair, config)
 
 
 def _aten_compiler(aot_kind: str, name: str, pair: FunctionPair, config: Config,
@@ -166,7 +172,7 @@ def _explain(ctx: GraphContext, stage: str, exc: Exception) -> None:
 def _static_inputs(kind: str, gm: torch.fx.GraphModule) -> tuple[int, ...]:
     if kind != "backward":
         return compat.forward_static_input_indices()
-    saved_static = set(gm.meta.get("cgtrees_saved_static", ()))
+    saved_static = set(gm.meta.get(SAVED_STATIC, ()))
     return tuple(i for i, n in enumerate(gm.graph.find_nodes(op="placeholder")) if n.name in saved_static)
 
 

@@ -20,6 +20,7 @@ import torch.fx
 
 from backend.aot import compat, layout
 from backend.aot.cost import is_recomputable, saved_bytes
+from backend.cache.backward_graph import SAVED_STATIC
 
 _SOURCE, _SINK = "__source__", "__sink__"
 
@@ -43,7 +44,7 @@ def partition(joint_module: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_
     saved_syms = [n for n in saved if compat.is_sym_node(n)]
     fw, bw = compat.extract_fwd_bwd_modules(joint_module, saved_values, saved_syms,
                                             num_fwd_outputs=num_fwd_outputs, static_nodes=static or None)
-    bw.meta["cgtrees_saved_static"] = tuple(n.name for n in saved_values if n in static)
+    bw.meta[SAVED_STATIC] = tuple(n.name for n in saved_values if n in static)
     return fw, bw
 
 

@@ -220,16 +220,12 @@ class LazyBackward:
         return self.call(args)
 
     def _compile(self) -> Callable[[list[Any]], Any]:
-        from backend.aot import constants, driver  # the driver imports this module: its steps, at first use
+        from backend.aot import driver  # the driver imports this module: its steps, at first use
 
         gm = backward_graph.graph_module(self.graph)
         inputs = backward_graph.example_inputs(gm, self.graph)
-        consts = constants.lift(gm)  # tensor constants -> trailing inputs, as the driver's compiler does
-        ctx = GraphContext(config=self.config, kind="backward", name=f"{self.name}_backward",
-                           static_input_indices=tuple(self.graph["static"]) + consts.indices(len(inputs)),
-                           mutated_input_indices=driver.mutated_inputs(gm), pair=self.pair, constants=consts)
-        with torch.no_grad():
-            return driver.compile_aten_graph(gm, [*inputs, *consts.tensors], ctx)
+        with torch.no_grad():  # the compiler AOTAutograd would have called (constants lifted, ...)
+            return driver.backward_compiler(self.name, self.pair, self.config)(gm, inputs)
 
 
 def _load_part(part: dict[str, Any], kind: str, config: Config, pair: Any, wrap: Wrap,

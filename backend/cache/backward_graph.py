@@ -48,13 +48,16 @@ def record(bw: torch.fx.GraphModule) -> dict[str, Any]:
 
 
 def graph_module(rec: dict[str, Any]) -> torch.fx.GraphModule:
-    """The backward graph traced back from its code (no example values: ``example_inputs``)."""
+    """The backward graph traced back from its code (no example values: ``example_inputs``), its
+    static inputs marked as our partition marks them."""
     namespace = dict(_fx_globals())
     exec(compile(rec["code"], "<cgtrees cached backward graph>", "exec"), namespace)  # noqa: S102 - our entry
     root = type("CachedBackwardGraph", (torch.nn.Module,), {"forward": namespace["forward"]})()
     gm = torch.fx.symbolic_trace(root)
-    if len(list(gm.graph.find_nodes(op="placeholder"))) != len(rec["inputs"]):
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(rec["inputs"]):
         raise Uncacheable("the backward graph's code does not match its inputs")
+    gm.meta[SAVED_STATIC] = tuple(placeholders[i].name for i in rec["static"])  # as our partition left it
     return gm
 
 
