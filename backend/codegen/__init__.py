@@ -170,13 +170,11 @@ def load(source: str, ctx: GraphContext, path: str | None = None, precompile_ker
         exec_deferred(module, source, path, binaries)  # kernels with binaries are not decorated
     else:
         spec.loader.exec_module(module)
-    ready = False  # every kernel compiled before the first call: no compile can fail in it
+    ready = False  # every kernel launches from a binary: no compile can fail in the first call
     if not ctx.config.interpret:
-        kernels = source.count("\n@triton.jit\n")
         if precompile_kernels:
-            ready = precompile(module, ctx.name) == kernels
-        installed = _launch_from_binaries(module, binaries, ctx.name)
-        ready = ready or installed == kernels
+            precompile(module, ctx.name)
+        ready = _launch_from_binaries(module, binaries, ctx.name) == source.count("\n@triton.jit\n")
     return KernelModule(module, source, path, ctx.name, facts, dynamic, kernels_ready=ready)
 
 
