@@ -170,11 +170,13 @@ def load(source: str, ctx: GraphContext, path: str | None = None, precompile_ker
         exec_deferred(module, source, path, binaries)  # kernels with binaries are not decorated
     else:
         spec.loader.exec_module(module)
-    ready = False  # every kernel launches from a binary: no compile can fail in the first call
+    ready = False  # every kernel compiled before the first call: no compile can fail in it
     if not ctx.config.interpret:
+        kernels = source.count("\n@triton.jit\n")
         if precompile_kernels:
-            precompile(module, ctx.name)
-        ready = _launch_from_binaries(module, binaries, ctx.name) == source.count("\n@triton.jit\n")
+            ready = precompile(module, ctx.name) == kernels
+        installed = _launch_from_binaries(module, binaries, ctx.name)
+        ready = ready or installed == kernels
     return KernelModule(module, source, path, ctx.name, facts, dynamic, kernels_ready=ready)
 
 
