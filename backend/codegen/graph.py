@@ -17,6 +17,7 @@ import torch.fx
 
 from backend import counters
 from backend.codegen import (  # noqa: F401  (register lowerings)
+    extern_strides,
     ir,
     lower_addmm,
     lower_indexing,
@@ -392,9 +393,11 @@ class GraphLowerer:
         # a data-dependent scalar (``.item()``) is bound to its own symbol, which later sizes use
         name = self._claim(str(val.node.expr) if unbacked else base)
         view = any(r.alias_info is not None for r in target._schema.returns)
-        self.steps.append(ir.Extern(name, _target_name(target), args, kwargs, (node.name,), view))
+        layout = meta_layout(val) if isinstance(val, torch.Tensor) else None
+        check = not extern_strides.trusted(target)  # aten may return other strides than traced
+        self.steps.append(ir.Extern(name, _target_name(target), args, kwargs, (node.name,), view, layout, check))
         if isinstance(val, torch.Tensor):
-            self.layouts[name] = meta_layout(val)
+            self.layouts[name] = layout
             self.meta_offsets[name] = sym(val.storage_offset())
             return load_buffer(name, self.layouts[name], val.dtype)
         if isinstance(val, (tuple, list)):

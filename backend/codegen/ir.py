@@ -291,6 +291,8 @@ class Extern:
     kwargs: tuple[tuple[str, Any], ...]
     origins: tuple[str, ...] = ()
     returns_view: bool = False  # the result may share memory with an argument (never reuse those)
+    layout: Layout | None = None  # the traced layout of a tensor result (None: a tuple, a scalar)
+    check_strides: bool = False  # aten may return its tensors with other strides than traced (extern_strides)
 
 
 @dataclass(frozen=True)

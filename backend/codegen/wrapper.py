@@ -14,7 +14,7 @@ import sympy
 import torch
 import torch.fx
 
-from backend.codegen import ir, printer
+from backend.codegen import extern_strides, ir, printer
 from backend.codegen.kernel import HELPERS, KernelCode, write_kernel
 from backend.codegen.scheduler import Item, Kernel, reads
 
@@ -60,18 +60,21 @@ def module_source(header: list[str], program: ir.Program, items: list[Item], gm:
             codes.append((item, write_kernel(item, kernel_name(item, described, len(codes)), interpret)))
     libdevice = any(c.libdevice for _, c in codes)
     helpers = sorted(set().union(*(c.helpers for _, c in codes)) if codes else set())
-    out = [*header, "import math", "import operator", "", "import torch", "import triton",
-           "import triton.language as tl"]
+    checks = _stride_checks(program, items)
+    out = [*header, *(["import logging"] if checks else []), "import math", "import operator", "", "import torch",
+           "import triton", "import triton.language as tl"]
     if libdevice:
         out.append("from triton.language.extra import libdevice")
     out += ["", "aten = torch.ops.aten", f"DEVICE = torch.device({program.device!r})", ""]
+    if checks:
+        out += ["", extern_strides.HELPER]
     for h in helpers:
         out += ["", HELPERS[h]]
     for kernel, code in codes:
         out += ["", *_origin_comment(kernel, described), code.source]
     if not interpret:
         out += ["", *_precompile_list([c for _, c in codes])]
-    out += ["", *_call(program, items, dict((id(k), c) for k, c in codes)), "", *aten_call(gm), "",
+    out += ["", *_call(program, items, dict((id(k), c) for k, c in codes), checks), "", *aten_call(gm), "",
             "def run(*args):", '    """Call the graph with positional arguments (for experiments)."""',
             "    return call(list(args))", ""]
     return "\n".join(out), len(codes)
@@ -103,7 +106,31 @@ def _origin_comment(kernel: Kernel, described: dict[str, str]) -> list[str]:
     return [f"# {kind}; from:"] + [f"#   {described.get(o, o)}" for o in origins]
 
 
-def _call(program: ir.Program, items: list[Item], codes: dict[int, KernelCode]) -> list[str]:
+def _stride_checks(program: ir.Program, items: list[Item]) -> dict[str, ir.Layout]:
+    """The buffers that ``call`` gives their traced strides as aten returns them (extern_strides):
+    every tensor an aten call that is not trusted returns, itself or as an item of a tuple. Where a
+    traced stride names a size that ``call`` cannot read (no such case is known), the value goes
+    unchecked."""
+    bound = {s for s, _ in program.symbols} | {item.name for item in items if isinstance(item, ir.Extern)}
+    untrusted = {item.name for item in items if isinstance(item, ir.Extern) and item.check_strides}
+    checks = {}
+    for item in items:
+        if isinstance(item, ir.Extern):
+            source = item.name
+        elif isinstance(item, ir.Alias) and item.item is not None:
+            source = item.base  # an item of the tuple an aten call returned
+        else:
+            continue
+        if source not in untrusted or item.layout is None:
+            continue
+        names = {s.name for st in item.layout.stride for s in sympy.sympify(st).free_symbols}
+        if names <= bound:
+            checks[item.name] = item.layout
+    return checks
+
+
+def _call(program: ir.Program, items: list[Item], codes: dict[int, KernelCode],
+          checks: dict[str, ir.Layout]) -> list[str]:
     lines = ["def call(args):"]
     names = [inp.name for inp in program.inputs]
     if names:
@@ -126,6 +153,8 @@ def _call(program: ir.Program, items: list[Item], codes: dict[int, KernelCode]) 
             lay = item.layout
             lines.append(f"    {item.name} = torch.as_strided({item.base}, {_tuple(lay.size)}, {_tuple(lay.stride)}, "
                          f"{item.base}.storage_offset() + {printer.expr(lay.offset)})")
+        if not isinstance(item, Kernel) and item.name in checks:
+            lines.append(extern_strides.check_line(item.name, _tuple(checks[item.name].stride)))
         dead = sorted(n for n, at in last.items() if at == i and n not in outputs and n not in reuse.values())
         if dead:
             lines.append(f"    del {', '.join(dead)}")
