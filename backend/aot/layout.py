@@ -37,7 +37,8 @@ and the backward agree on strides), and over inference graphs. The steps:
    output) leaves the graph as it was: the pass is all or nothing.
 
 ``mode``: "auto" (the decision above), "off", or "force" (every graph with 4-d convolutions, any
-device and size: how the CPU tests exercise the rewrite).
+device and size, training or not: how the CPU tests exercise the rewrite, and the GPU tests CUDA
+training graphs, which the decision keeps NCHW).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _why_not(graph: torch.fx.Graph, mode: Mode, inference: bool) -> str | None:
         return "dynamic shapes"
     on_cuda = any(t.device.type == "cuda" for x, w in metas for t in (x, w))
     if mode is Mode.FORCE:
-        return TRAINING_ON_CUDA if on_cuda and not inference else None
+        return None
     if not on_cuda:
         return "not on CUDA"
     backward = graph.find_nodes(op="call_function", target=aten.convolution_backward.default)
@@ -134,16 +135,16 @@ def _why_not(graph: torch.fx.Graph, mode: Mode, inference: bool) -> str | None:
     return TRAINING_ON_CUDA
 
 
-# No CUDA training graph is rewritten, forced or not (the CPU tests force it on CPU tensors). Measured
-# on the H100 (2026-11-24): forced, a channels-last conv-BN-ReLU gave wrong input gradients (a third
-# of them off by up to 0.5): the generated module trusts the traced strides of what aten returns,
-# and cuDNN's convolution backward can return others. And where right, it was slower (real suite,
-# per step, NHWC against NCHW: resnet18 8.63 against 6.17 ms, mobilenet_v3_small 10.10 against
-# 6.16): our NHWC max-pool and batch-norm kernels cost more than cuDNN's conversions. Inference
-# graphs gain (mobilenet 0.66 against 0.78 ms) and keep the decision above.
-TRAINING_ON_CUDA = ("a CUDA training graph: aten's convolution backward may return other strides than traced, "
-                    "which the generated module would read wrongly, and our NHWC pooling and batch-norm "
-                    "kernels are slower than cuDNN's layout conversions")
+# The decision leaves CUDA training graphs NCHW; "force" rewrites them too (tests/gpu/
+# test_layout_training_strides.py). Measured on the H100 (2026-11-24), channels-last training was
+# slower (real suite, per step, NHWC against NCHW: resnet18 8.63 against 6.17 ms, mobilenet_v3_small
+# 10.10 against 6.16): our NHWC max-pool and batch-norm kernels cost more than cuDNN's conversions.
+# Inference graphs gain (mobilenet 0.66 against 0.78 ms) and keep the decision above. (Forced, a
+# conv-BN-ReLU then also gave wrong input gradients: the generated module trusted the traced strides
+# of what aten returns, and cuDNN's convolution backward returned others. It now checks them:
+# backend/codegen/extern_strides.py.)
+TRAINING_ON_CUDA = ("a CUDA training graph: our NHWC pooling and batch-norm kernels are slower than cuDNN's "
+                    "layout conversions")
 
 
 
