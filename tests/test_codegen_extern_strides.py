@@ -142,3 +142,14 @@ def test_convolution_results_are_checked():
     call = m.source.split("\ndef call(")[1].split("\ndef call_aten(")[0]
     assert "    convolution = with_traced_strides(convolution, (144, 36, 6, 1), 'convolution')" in call
     torch.testing.assert_close(run(m, x, w)[0], torch.relu(torch.nn.functional.conv2d(x, w)))
+
+
+def test_symbolic_strides_are_checked_with_the_sizes_of_the_call():
+    """With dynamic shapes the traced strides are expressions of the sizes ``call`` reads."""
+    f = lambda x, w: torch.relu(torch.nn.functional.conv2d(x, w))
+    w = torch.randn(4, 5, 3, 3)
+    m = compile_fn(f, torch.randn(2, 5, 8, 8), w, dynamic=True)
+    assert "convolution = with_traced_strides(convolution, (" in m.source
+    for shape in [(2, 5, 8, 8), (3, 5, 11, 11)]:
+        x = torch.randn(shape)
+        torch.testing.assert_close(run(m, x, w)[0], f(x, w))
