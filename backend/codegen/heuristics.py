@@ -16,12 +16,29 @@ for minutes.)
 
 Split reductions: a reduction with few output rows and long rows (a BatchNorm statistic over
 (N, H, W), a bias gradient summing 8192 rows) would run on a handful of programs and leave most of
-the GPU idle. Such a reduction runs in two: the first stage reduces ``parts`` chunks of its
-outermost splittable reduced dimension (one partial result per chunk), the second reduces the
-partials. ``split_reduction`` chooses the fewest parts (a divisor of that dimension) that give at
-least ``SPLIT_PROGRAMS`` programs, keeping chunks of at least ``SPLIT_MIN_CHUNK`` elements. Small
-reductions (under ``SPLIT_MIN_NUMEL`` elements in all) stay one kernel: a second launch would cost
-more than it saves.
+the GPU idle. Such a reduction runs in two: the first stage reduces ``parts`` chunks of a reduced
+dimension (one partial result per chunk), the second reduces the partials (``Split``). Whether the
+reduced elements are the innermost in memory (a row) or not (a column) is read off the input's
+strides by the lowering, not off its logical dimensions: a channels-last BatchNorm reduces N, H
+and W, the last logical dims, but in memory its reduced elements are rows of C channels apart.
+
+- Rows: ``split_reduction`` chooses the fewest parts (a divisor of the outermost splittable
+  reduced dimension) that give at least ``SPLIT_PROGRAMS`` programs, keeping chunks of at least
+  ``SPLIT_MIN_CHUNK`` elements. Small reductions (under ``SPLIT_MIN_NUMEL`` elements in all) stay
+  one kernel: a second launch would cost more than it saves.
+- Columns: a program reads ``COLUMN_XBLOCK`` adjacent outputs (32 float32: one 128-byte line per
+  reduced row) and loops over its rows, one load round trip (~1 us) per ``COLUMN_RBLOCK`` rows, so
+  a column reduction over many rows is split as soon as its programs are fewer than
+  ``COLUMN_SPLIT_PROGRAMS`` and its rows at least ``COLUMN_SPLIT_MIN_RNUMEL``. Its parts may
+  exceed one dimension: stage 1 keeps the outer reduced dims whole and splits the next one
+  (N=32 kept, H=112 cut in 16: 512 parts), as few parts as reach ``COLUMN_SPLIT_PROGRAMS``
+  programs, with at least ``COLUMN_MIN_CHUNK`` rows each and at most ``COLUMN_MAX_PARTS`` parts
+  (the second stage stays one persistent block per ``COLUMN_MIN_XBLOCK`` outputs). The partials
+  are laid out parts-outermost, so the second stage is a column reduction with adjacent outputs too.
+- A column block with few programs (fewer than ``COLUMN_NARROW_PROGRAMS`` at ``COLUMN_XBLOCK``
+  rows, the second stage of a split) may narrow to ``COLUMN_MIN_XBLOCK`` outputs (32 bytes, one
+  memory sector) so that its reduced rows fit one persistent block: one load round trip, not one
+  per ``COLUMN_RBLOCK`` rows.
 
 Scans (cumsum) hold a whole row in one block of ``RBLOCK = next_pow2(row)`` columns, rows of at
 most ``SCAN_LIMIT`` elements (longer ones are scanned in chunks, then their totals: ``lower_scan``),
@@ -39,8 +56,15 @@ import sympy
 
 PERSISTENT_LIMIT = 8192
 LOOP_RBLOCK = 1024
-COLUMN_XBLOCK = 32
-COLUMN_RBLOCK = 64
+COLUMN_XBLOCK = 32  # adjacent outputs per column block: 32 float32, a 128-byte line per reduced row
+COLUMN_RBLOCK = 64  # reduced rows per loop step of a [COLUMN_XBLOCK, COLUMN_RBLOCK] column block
+COLUMN_MIN_XBLOCK = 8  # 32 bytes of float32: one memory sector per reduced row
+COLUMN_NARROW_PROGRAMS = 128  # below this many programs a column block may narrow to COLUMN_MIN_XBLOCK
+COLUMN_SPLIT_PROGRAMS = 1024  # stage-1 programs a split column reduction aims at (132 SMs, several each)
+COLUMN_SPLIT_MIN_RNUMEL = 1024  # shorter columns loop at most 16 times: one kernel
+COLUMN_SPLIT_MIN_NUMEL = 1 << 16
+COLUMN_MIN_CHUNK = 64  # reduced rows per stage-1 program at least (one [32, 64] block)
+COLUMN_MAX_PARTS = PERSISTENT_LIMIT // COLUMN_MIN_XBLOCK  # the partials of an output fit one block
 SPLIT_MIN_RNUMEL = 8192
 SPLIT_MIN_NUMEL = 1 << 18  # below this the one-kernel reduction is a few microseconds anyway
 SPLIT_PROGRAMS = 1024
@@ -54,6 +78,20 @@ class Config:
     rblock: int  # 1 for pointwise kernels
     num_warps: int
     persistent: bool = True
+
+
+@dataclass(frozen=True)
+class Split:
+    """Reduce in two stages. Stage 1 cuts reduced dim ``dim`` into ``parts`` chunks and keeps the
+    reduced dims ``keep`` (those before ``dim``) whole: one partial per part and kept index.
+    Stage 2 reduces the partials. ``outer``: the partials are laid out parts, then ``keep``,
+    outermost (a column reduction's: each part's outputs stay adjacent); otherwise ``parts``
+    takes ``dim``'s place."""
+
+    dim: int
+    parts: int
+    keep: tuple[int, ...] = ()
+    outer: bool = False
 
 
 def next_pow2(n: int) -> int:
@@ -73,25 +111,45 @@ def pointwise(numel: sympy.Expr, interpret: bool) -> Config:
     return Config(block, 1, 4 if block >= 512 else max(1, block // 128))
 
 
+def _warps(elements: int) -> int:
+    return 4 if elements <= 2048 else 8 if elements <= 8192 else 16
+
+
 def reduction(xnumel: sympy.Expr, rnumel: sympy.Expr, inner: bool, interpret: bool) -> Config:
     r, x = _concrete(rnumel), _concrete(xnumel)
     budget = 16384 if interpret else 4096
-    column_xblock = COLUMN_XBLOCK if not interpret else 1
-    if r is not None and r <= PERSISTENT_LIMIT and (inner or column_xblock * next_pow2(r) <= PERSISTENT_LIMIT):
+    if not inner:
+        return _column(x, r, budget, interpret)
+    if r is not None and r <= PERSISTENT_LIMIT:
         rblock = max(2, next_pow2(r))
         xblock = max(1, budget // rblock)
-        if not inner:
-            xblock = max(xblock, column_xblock)
         if x is not None:
             xblock = max(1, min(xblock, next_pow2(x)))
-        elements = xblock * rblock
-        warps = 4 if elements <= 2048 else 8 if elements <= 8192 else 16
-        return Config(xblock, rblock, warps, True)
-    if inner:
-        return Config(1, LOOP_RBLOCK * (4 if interpret else 1), 8, False)
+        return Config(xblock, rblock, _warps(xblock * rblock), True)
+    return Config(1, LOOP_RBLOCK * (4 if interpret else 1), 8, False)
+
+
+def _column(x: int | None, r: int | None, budget: int, interpret: bool) -> Config:
+    """A column reduction: blocks of adjacent outputs (the fastest lane index walks them)."""
+    least = 1 if interpret else column_min_xblock(x)
+    if r is not None and r <= PERSISTENT_LIMIT and least * next_pow2(r) <= PERSISTENT_LIMIT:
+        rblock = max(2, next_pow2(r))
+        xblock = max(least, budget // rblock)
+        if x is not None:
+            xblock = max(1, min(xblock, next_pow2(x)))
+        return Config(xblock, rblock, _warps(xblock * rblock), True)
     if interpret:
         return Config(64, 64, 8, False)
-    return Config(COLUMN_XBLOCK, COLUMN_RBLOCK, 8, False)
+    xblock = COLUMN_XBLOCK if x is None else min(COLUMN_XBLOCK, next_pow2(x))
+    return Config(xblock, COLUMN_XBLOCK * COLUMN_RBLOCK // xblock, 8, False)
+
+
+def column_min_xblock(x: int | None) -> int:
+    """The fewest adjacent outputs a compiled column block holds: ``COLUMN_XBLOCK``, or one sector's
+    worth when that many would leave the GPU mostly idle anyway (a split's second stage)."""
+    if x is not None and -(-x // COLUMN_XBLOCK) < COLUMN_NARROW_PROGRAMS:
+        return min(COLUMN_MIN_XBLOCK, next_pow2(x))
+    return COLUMN_XBLOCK
 
 
 def scan(xnumel: sympy.Expr, rnumel: sympy.Expr, interpret: bool) -> Config:
@@ -102,25 +160,28 @@ def scan(xnumel: sympy.Expr, rnumel: sympy.Expr, interpret: bool) -> Config:
     xblock = max(1, (16384 if interpret else 4096) // rblock)
     if x is not None:
         xblock = max(1, min(xblock, next_pow2(x)))
-    elements = xblock * rblock
-    return Config(xblock, rblock, 4 if elements <= 2048 else 8 if elements <= 8192 else 16, True)
+    return Config(xblock, rblock, _warps(xblock * rblock), True)
 
 
-def split_reduction(size: tuple[sympy.Expr, ...], dims: tuple[int, ...]) -> tuple[int, int] | None:
-    """``(dim, parts)``: reduce ``dims`` of ``size`` in two stages, splitting ``dim`` into ``parts``;
-    None to reduce in one kernel (enough rows already, short rows, or symbolic sizes)."""
+def split_reduction(size: tuple[sympy.Expr, ...], dims: tuple[int, ...], inner: bool) -> Split | None:
+    """How to reduce ``dims`` of ``size`` in two stages; None for one kernel (enough programs
+    already, short rows, or symbolic sizes). ``inner``: the reduced elements are adjacent in
+    memory (a row reduction), else the outputs are (a column reduction)."""
     sizes = [_concrete(n) for n in size]
     if not dims or any(n is None for n in sizes):
         return None
     rnumel = math.prod(sizes[d] for d in dims)
     xnumel = math.prod(n for d, n in enumerate(sizes) if d not in dims)
-    inner = len(sizes) - 1 in dims  # the reduced elements of a row are adjacent (not a column sum)
-    rows_per_program = 1 if inner else COLUMN_XBLOCK
-    if rnumel < SPLIT_MIN_RNUMEL or rnumel * xnumel < SPLIT_MIN_NUMEL:
+    if inner:
+        return _split_rows(sizes, dims, rnumel, xnumel)
+    return _split_columns(sizes, dims, rnumel, xnumel)
+
+
+def _split_rows(sizes: list[int], dims: tuple[int, ...], rnumel: int, xnumel: int) -> Split | None:
+    """The fewest parts of one dimension that give ``SPLIT_PROGRAMS`` rows."""
+    if rnumel < SPLIT_MIN_RNUMEL or rnumel * xnumel < SPLIT_MIN_NUMEL or xnumel >= SPLIT_PROGRAMS:
         return None
-    if xnumel // rows_per_program >= SPLIT_PROGRAMS:
-        return None
-    wanted = -(-SPLIT_PROGRAMS * rows_per_program // max(xnumel, 1))
+    wanted = -(-SPLIT_PROGRAMS // max(xnumel, 1))
     for d in dims:
         best = None
         for parts in range(2, sizes[d] + 1):
@@ -132,5 +193,28 @@ def split_reduction(size: tuple[sympy.Expr, ...], dims: tuple[int, ...]) -> tupl
             if parts >= wanted:
                 break
         if best is not None:
-            return d, best
+            return Split(d, best)
     return None
+
+
+def _split_columns(sizes: list[int], dims: tuple[int, ...], rnumel: int, xnumel: int) -> Split | None:
+    """The fewest parts that give ``COLUMN_SPLIT_PROGRAMS`` programs of ``COLUMN_XBLOCK`` outputs:
+    a divisor of the first reduced dim, else that dim kept whole times a divisor of the next, ..."""
+    if rnumel < COLUMN_SPLIT_MIN_RNUMEL or rnumel * xnumel < COLUMN_SPLIT_MIN_NUMEL:
+        return None
+    if -(-xnumel // COLUMN_XBLOCK) >= COLUMN_SPLIT_PROGRAMS:
+        return None
+    wanted = -(-COLUMN_SPLIT_PROGRAMS * COLUMN_XBLOCK // max(xnumel, 1))
+    best, whole = None, 1  # ``whole``: the parts that the dims kept whole make
+    for k, d in enumerate(dims):
+        for cut in range(2, sizes[d] + 1):
+            if sizes[d] % cut:
+                continue
+            parts = whole * cut
+            if parts > COLUMN_MAX_PARTS or rnumel // parts < COLUMN_MIN_CHUNK:
+                return best  # parts only grow from here
+            best = Split(d, cut, dims[:k], outer=True)
+            if parts >= wanted:
+                return best
+        whole *= sizes[d]
+    return best

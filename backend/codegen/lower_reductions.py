@@ -5,7 +5,8 @@ reduced; float inputs accumulate in float32 (half types) or their own type. ``me
 followed by a pointwise division; ``var``/``var_mean`` are two passes (the mean, then the sum of
 squared deviations), which the scheduler puts in one kernel. A long reduction with few output rows
 is split in two stages (``heuristics.split_reduction``): partial results over chunks, then the
-reduction of the partials.
+reduction of the partials; whether it is a row or a column reduction is read off the input's
+strides (a channels-last BatchNorm's statistics are columns).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sympy
 import torch
 
 from backend.codegen import heuristics, ir
+from backend.codegen import kernel_facts as facts
 from backend.codegen.ir import Op
 from backend.codegen.lowering import (
     CannotLower,
@@ -53,35 +55,52 @@ def _reduce(ctx: LowerCtx, x: TensorValue, dims: tuple[int, ...], kind: ir.Reduc
             return TensorValue((), out, ir.Const(0, out))
         return TensorValue((), out, cast(x.body, out))
     body = cast(x.body, acc)
-    split = heuristics.split_reduction(x.size, dims) if kind in SPLITTABLE else None
+    split = heuristics.split_reduction(x.size, dims, _reduces_rows(x, dims)) if kind in SPLITTABLE else None
     if split is None:
         return ctx.add_reduction(name, layout, out, x.size, dims, kind, body)
-    return _split_reduce(ctx, TensorValue(x.size, acc, body), dims, kind, layout, name, out, *split)
+    return _split_reduce(ctx, TensorValue(x.size, acc, body), dims, kind, layout, name, out, split)
+
+
+def _reduces_rows(x: TensorValue, dims: tuple[int, ...]) -> bool:
+    """Whether the reduced elements are adjacent in memory, read off the strides of the input's
+    loads (a channels-last tensor reduced over N, H, W is a column reduction: C is adjacent)."""
+    space = [(ir.index_symbol(d), n, d in dims) for d, n in enumerate(x.size) if n != 1]
+    return facts.reduces_innermost({"x": x.body}, space)
 
 
 def _split_reduce(ctx: LowerCtx, x: TensorValue, dims: tuple[int, ...], kind: ir.Reduce, layout: ir.Layout,
-                  name: str, out: torch.dtype, dim: int, parts: int) -> TensorValue:
-    """Stage 1 splits ``dim`` into (parts, chunk) and reduces every reduced dim but ``parts``: one
-    partial per part. Stage 2 reduces the partials over ``parts`` into ``layout``."""
-    n = len(x.size)
-    chunk = x.size[dim] // parts
-    subs = {ir.index_symbol(i): ir.index_symbol(i + 1) for i in range(dim + 1, n)}
-    subs[ir.index_symbol(dim)] = ir.index_symbol(dim) * chunk + ir.index_symbol(dim + 1)
-    ranges = (*x.size[:dim], sympy.Integer(parts), chunk, *x.size[dim + 1:])
-    reduced = tuple(sorted({d + 1 if d > dim else d for d in dims if d != dim} | {dim + 1}))
-    kept = tuple(size for i, size in enumerate(ranges) if i not in reduced)
+                  name: str, out: torch.dtype, split: heuristics.Split) -> TensorValue:
+    """Stage 1 cuts ``split.dim`` into (parts, chunk) and reduces every reduced dim but ``parts``
+    and ``split.keep``: one partial per part and kept index. Stage 2 reduces the partials over
+    them into ``layout``."""
+    n, dim = len(x.size), split.dim
+    chunk = x.size[dim] // split.parts
+    # Stage 1's dimensions, each (kind, original dim): "parts" and "chunk" cut ``dim``.
+    if split.outer:
+        space = [("parts", dim), *(("whole", d) for d in split.keep)]
+        space += [("chunk", d) if d == dim else ("whole", d) for d in range(n) if d not in split.keep]
+    else:
+        space = [e for d in range(n) for e in ([("parts", d), ("chunk", d)] if d == dim else [("whole", d)])]
+    pos = {e: i for i, e in enumerate(space)}
+    subs = {ir.index_symbol(d): ir.index_symbol(pos["whole", d]) for d in range(n) if d != dim}
+    subs[ir.index_symbol(dim)] = ir.index_symbol(pos["parts", dim]) * chunk + ir.index_symbol(pos["chunk", dim])
+    size = {"parts": sympy.Integer(split.parts), "chunk": chunk}
+    ranges = tuple(size.get(k, x.size[d]) for k, d in space)
+    reduced = tuple(i for i, (k, d) in enumerate(space)
+                    if k == "chunk" or (k == "whole" and d in dims and d not in split.keep))
+    kept_space = [e for i, e in enumerate(space) if i not in reduced]
+    kept = tuple(ranges[pos[e]] for e in kept_space)
     partial = ctx.add_reduction(name + "_part", ir.Layout(kept, ir.contiguous_strides(kept)), x.dtype, ranges,
                                 reduced, kind, ir.map_indices(x.body, subs))
-    # The partials' dims are the original ones with ``dim`` (now of size ``parts``) the only reduced one.
+    again = (dim, *split.keep)  # the original dims that stage 2 reduces
     if len(layout.size) != n:
-        return ctx.add_reduction(name, layout, out, kept, (sum(1 for d in range(dim) if d not in dims),), kind,
-                                 partial.body)
+        return ctx.add_reduction(name, layout, out, kept, tuple(i for i, (_, d) in enumerate(kept_space) if d in again),
+                                 kind, partial.body)
     # keepdim: stage 2 keeps every dim (the others reduced in stage 1 as size 1) so ``layout`` fits it.
-    ranges = tuple(sympy.Integer(parts) if d == dim else sympy.Integer(1) if d in dims else x.size[d]
+    ranges = tuple(size["parts"] if d == dim else x.size[d] if d in again or d not in dims else sympy.Integer(1)
                    for d in range(n))
-    at = [d for d in range(n) if d not in dims or d == dim]
-    body = ir.map_indices(partial.body, {ir.index_symbol(j): ir.index_symbol(d) for j, d in enumerate(at)})
-    return ctx.add_reduction(name, layout, out, ranges, (dim,), kind, body)
+    body = ir.map_indices(partial.body, {ir.index_symbol(j): ir.index_symbol(d) for j, (_, d) in enumerate(kept_space)})
+    return ctx.add_reduction(name, layout, out, ranges, tuple(sorted(again)), kind, body)
 
 
 def _keepdim_layout(x: TensorValue, dims: tuple[int, ...]) -> ir.Layout:
