@@ -1,10 +1,12 @@
-"""Pooling as window reductions (backend/codegen/lower_pool.py) through Triton's interpreter,
-against eager: max_pool2d_with_indices, avg_pool2d and their backwards, for kernel sizes, strides,
-paddings, dilations and ceil mode, every dtype eager pools, non-contiguous inputs. Max pool's
-indices must equal eager's exactly: the first max in window order, the last NaN where a window
-holds one. The modules must hold the pooling kernels, never an aten call for them; the one case
-generated code cannot match (a window with no element inside the input) runs through aten.
-A small conv net trains through AOTAutograd with our table: outputs and gradients against eager.
+"""Pooling (backend/codegen/lower_pool.py) through Triton's interpreter, against eager:
+max_pool2d_with_indices, avg_pool2d and their backwards, for kernel sizes, strides, paddings,
+dilations and ceil mode, every dtype eager pools, non-contiguous inputs. These windows are small:
+each op is an unrolled pointwise kernel (tests/test_codegen_pool_layout.py covers the reduction
+form of larger ones). Max pool's indices must equal eager's exactly: the first max in window
+order, the last NaN where a window holds one. The modules must hold the pooling kernels, never an
+aten call for them; the one case generated code cannot match (a window with no element inside the
+input) runs through aten. A small conv net trains through AOTAutograd with our table: outputs and
+gradients against eager.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def test_max_pool_values_and_indices(config):
     """Every window geometry, irregular sizes, values with many ties (indices: the first max)."""
     x = torch.randint(-4, 5, (2, 3, 13, 11)).float()
     module = generated(max_pool(config), x)
-    assert re.search(r"def red_max_pool2d_\d+\(", module.source), module.source
+    assert re.search(r"def pw_fused_max_pool2d_with_indices_\d+\(", module.source), module.source
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int8,
@@ -123,7 +125,7 @@ def test_max_pool_backward(config):
     grad = torch.randn(indices.shape)
     fn = lambda g, x, i: aten.max_pool2d_with_indices_backward(g, x, k, s, p, d, ceil, i)  # noqa: E731
     module = generated(fn, grad, x, indices, terms=9)
-    assert re.search(r"def red_max_pool2d_backward_\d+\(", module.source), module.source
+    assert re.search(r"def pw_fused_max_pool2d_with_indices_backward_\d+\(", module.source), module.source
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
@@ -157,7 +159,7 @@ def avg_pool(config):
 def test_avg_pool(config):
     x = torch.randn(2, 3, 13, 11)
     module = generated(avg_pool(config), x, terms=6)
-    assert re.search(r"def red_avg_pool2d_\d+\(", module.source), module.source
+    assert re.search(r"def pw_fused_avg_pool2d_\d+\(", module.source), module.source
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64, torch.int64])
@@ -175,7 +177,7 @@ def test_avg_pool_backward(config):
     grad = torch.randn(avg_pool(config)(x).shape)
     fn = lambda g, x: aten.avg_pool2d_backward(g, x, k, s, p, ceil, include, divisor)  # noqa: E731
     module = generated(fn, grad, x, terms=6)
-    assert re.search(r"def red_avg_pool2d_backward_\d+\(", module.source), module.source
+    assert re.search(r"def pw_fused_avg_pool2d_backward_\d+\(", module.source), module.source
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -221,5 +223,5 @@ def test_conv_net_trains_with_generated_pooling():
     sources = "\n".join(m.source for m in compiler.modules)
     calls = {c for m in compiler.modules for c in aten_calls(m)}
     assert not {c for c in calls if "pool" in c}, calls
-    for kernel in ("red_max_pool2d", "red_avg_pool2d", "red_max_pool2d_backward", "red_avg_pool2d_backward"):
-        assert re.search(rf"def {kernel}_\d+\(", sources), kernel
+    for op in ("max_pool2d_with_indices", "avg_pool2d", "max_pool2d_with_indices_backward", "avg_pool2d_backward"):
+        assert re.search(rf"^#   \w+ = aten\.{op}\.default\(", sources, re.M), op  # a kernel's origins

@@ -1,26 +1,36 @@
-"""Lowerings of 2-D pooling as window reductions: ``max_pool2d_with_indices``, ``avg_pool2d``
-and their backwards.
+"""Lowerings of 2-D pooling: ``max_pool2d_with_indices``, ``avg_pool2d`` and their backwards,
+as pointwise kernels over the output with the window unrolled (small windows) or as window
+reductions (larger ones).
 
-The forward ops reduce each output element's window: the index space is ``(*lead, OH, OW, KH,
-KW)`` with the window ``(KH, KW)`` reduced; window element ``(kh, kw)`` of output ``(oh, ow)``
-reads the input at ``(oh * stride - pad + kh * dilation, ...)``, only where that is inside the
-input (padding reads nothing). A small lazy input fuses in (``relu -> max_pool`` is one kernel).
+Window element ``(kh, kw)`` of output ``(oh, ow)`` reads the input at ``(oh * stride - pad + kh *
+dilation, ...)``, only where that is inside the input (padding reads nothing). A small lazy input
+fuses in (``relu -> max_pool`` is one kernel).
 
-- ``max_pool2d_with_indices``: the values are a (NaN-propagating) max; the indices are a second
-  reduction in the same kernel, the minimum flat position ``ih * W + iw`` among the window's
-  elements equal to that max. Positions grow in window order, so that is the first max, as eager
-  picks (it replaces its running max only on a strictly greater value); where the max is NaN,
-  eager keeps the *last* NaN, so there the minimum is taken over negated positions of the NaNs.
+- **Unrolled** (at most ``UNROLL_LIMIT`` window elements, or covering windows for a backward): a
+  pointwise computation over the output, one term per window element. A pointwise kernel walks its
+  output in memory order (``kernel._follow_layout``), so on a channels-last tensor neighbouring
+  threads read neighbouring channels: the loads coalesce. (A reduction's rows follow the logical
+  NCHW order, which on channels-last reads addresses ``stride * C`` apart: 14x slower on an H100.)
+  Each element's bounds checks are kept only where that element can fall outside the input.
+- **Reduction** over the index space ``(*lead, OH, OW, KH, KW)`` with the window reduced.
+
+- ``max_pool2d_with_indices``: the values are a (NaN-propagating) max. The indices follow eager's
+  rule (it replaces its running max only on a strictly greater value, or on a NaN): the first
+  element equal to the max, or where the max is NaN, the last NaN. Unrolled, that is a chain of
+  selects over the window elements compared with the max (read back from its buffer, computed in
+  the same kernel); as a reduction, the minimum flat position ``ih * W + iw`` among the hits (over
+  negated positions for NaNs).
 - ``avg_pool2d``: a sum divided by eager's divisor (``divisor_override``, or the window's size
   clipped to the padded input when ``count_include_pad``, else the count of elements inside the
   input); int64 divides truncating, as eager does.
 
 The backward ops gather rather than scatter (as eager's CUDA kernel does): grad-input element
 ``(h, w)`` sums over the windows that can hold it, ``oh = (h + pad) // stride - a`` for ``a`` in
-``[0, ceil(((k - 1) * dilation + 1) / stride))`` (likewise ``ow``), a reduction over ``(a, b)``.
-Max pool's backward takes a window's gradient where its index names ``(h, w)``; average pool's
-takes ``grad / divisor`` where the window covers ``(h, w)``. No atomics, no zero fill, a
-deterministic sum (in float32 for half types), and consumers (a ReLU's backward) fuse into it.
+``[0, ceil(((k - 1) * dilation + 1) / stride))`` (likewise ``ow``): unrolled over ``(a, b)``, or a
+reduction over them. Max pool's backward takes a window's gradient where its index names ``(h,
+w)``; average pool's takes ``grad / divisor`` where the window covers ``(h, w)``. No atomics, no
+zero fill, a deterministic sum (in float32 for half types), and consumers (a ReLU's backward) fuse
+into it.
 
 Run through aten, with the reason: a window that holds no element of the input (dilation larger
 than one with left padding: eager then reports an index outside the input), an empty input,
@@ -55,6 +65,9 @@ aten = torch.ops.aten
 # A lazy input of at most this many expression nodes is computed inside the pooling kernel (once
 # per window that reads it) rather than written to memory first.
 FUSE_INPUT_LIMIT = 32
+# Windows of at most this many elements (backwards: this many covering windows) are unrolled into
+# a pointwise kernel; larger ones are reductions (Inductor draws its line at the same place).
+UNROLL_LIMIT = 25
 BIG = torch.iinfo(torch.int64).max
 
 
@@ -76,6 +89,25 @@ class Window:
     def covering(self) -> int:
         """How many windows can hold one input position."""
         return -(-((self.kernel - 1) * self.dilation + 1) // self.stride)
+
+    def outside(self, k: int | sympy.Expr) -> tuple[bool, bool]:
+        """Whether window element ``k`` (a number, or a symbol standing for any of them) can fall
+        before the input's start, and past its end (padding, or ceil mode's partial last window)."""
+        first, last = (k, k) if isinstance(k, int) else (0, self.kernel - 1)
+        ahead = sympy.sympify((self.out - 1) * self.stride - self.pad + last * self.dilation - self.size + 1)
+        return first * self.dilation < self.pad, not (ahead.is_number and ahead <= 0)
+
+    def beyond(self, a: int | sympy.Expr) -> tuple[bool, bool]:
+        """Backward: whether covering window ``a`` of an input position (``o = (i + pad) // stride
+        - a``; a symbol: any of them) can be before the first window, and past the last one."""
+        last = FloorDiv(self.size - 1 + self.pad, self.stride) - (a if isinstance(a, int) else 0)
+        ahead = sympy.sympify(last - self.out + 1)
+        return not (isinstance(a, int) and a == 0), not (ahead.is_number and ahead <= 0)
+
+    def covers(self, a: int | sympy.Expr) -> bool:
+        """Backward, no dilation: whether covering window ``a`` of an input position holds it
+        for every position (its start is ``(i + pad) % stride + a * stride`` before it)."""
+        return isinstance(a, int) and (a + 1) * self.stride <= self.kernel
 
     def empty_window(self) -> bool | None:
         """Whether some window holds no input position (None: cannot tell, the size is symbolic).
@@ -178,17 +210,11 @@ def _all(conds: list[ir.Expr]) -> ir.Expr | None:
     return out
 
 
-def _inside(pos: sympy.Expr, low: bool, high: Any) -> list[ir.Expr]:
-    """``0 <= pos`` (where ``low``) and ``pos < high`` (where ``high`` is not None)."""
+def _inside(pos: sympy.Expr, checks: tuple[bool, bool], end: sympy.Expr) -> list[ir.Expr]:
+    """``0 <= pos`` and ``pos < end``, each where ``checks`` says it can fail."""
+    low, high = checks
     conds = [_cmp("ge", _index(pos), _int(0))] if low else []
-    return conds + ([_cmp("lt", _index(pos), _int(high))] if high is not None else [])
-
-
-def _reaches_past_end(window: Window) -> bool:
-    """Whether the last window may reach past the input's end (padding, or ceil mode)."""
-    last = (window.out - 1) * window.stride - window.pad + (window.kernel - 1) * window.dilation
-    ahead = sympy.sympify(last - window.size + 1)
-    return not (ahead.is_number and ahead <= 0)
+    return conds + ([_cmp("lt", _index(pos), _int(end))] if high else [])
 
 
 def _input_value(ctx: LowerCtx, x: TensorValue) -> TensorValue:
@@ -196,20 +222,37 @@ def _input_value(ctx: LowerCtx, x: TensorValue) -> TensorValue:
     return x if ir.size_of(x.body) <= FUSE_INPUT_LIMIT else ctx.realize_input(x)
 
 
-def _window_element(x: TensorValue, pool: Pool, dtype: torch.dtype) -> tuple[ir.Expr, ir.Expr | None, sympy.Expr]:
-    """Over ``(*lead, OH, OW, KH, KW)``: the input element at window position ``(kh, kw)``
-    (read only inside the input), the condition that it is inside (None: always), and its flat
-    position ``ih * W + iw`` in its plane."""
+@dataclass(frozen=True)
+class Element:
+    """Window element ``(kh, kw)`` of output ``(*lead, oh, ow)``: its ``value`` (read only inside
+    the input), the condition that it is inside (None: always), its flat position ``ih * W + iw``."""
+
+    value: ir.Expr
+    inside: ir.Expr | None
+    flat: sympy.Expr
+
+
+def _element(x: TensorValue, pool: Pool, kh: int | sympy.Expr, kw: int | sympy.Expr, dtype: torch.dtype) -> Element:
+    """Over ``(*lead, OH, OW)`` (and the window's dimensions where ``kh``, ``kw`` are symbols):
+    one window element of ``x`` as ``dtype``."""
     n = pool.lead
-    s = ir.index_symbols(n + 4)
-    ih, iw = pool.h.at(s[n], s[n + 2]), pool.w.at(s[n + 1], s[n + 3])
-    conds = _inside(ih, pool.h.pad > 0, pool.h.size if _reaches_past_end(pool.h) else None)
-    conds += _inside(iw, pool.w.pad > 0, pool.w.size if _reaches_past_end(pool.w) else None)
+    s = ir.index_symbols(n + 2)
+    ih, iw = pool.h.at(s[n], kh), pool.w.at(s[n + 1], kw)
+    conds = _inside(ih, pool.h.outside(kh), pool.h.size) + _inside(iw, pool.w.outside(kw), pool.w.size)
     value = cast(ir.map_indices(x.body, {s[n]: ih, s[n + 1]: iw}), dtype)
     inside = _all(conds)
     if inside is not None:
         value = ir.mask_loads(value, inside)
-    return value, inside, ih * pool.w.size + iw
+    return Element(value, inside, ih * pool.w.size + iw)
+
+
+def _elements(x: TensorValue, pool: Pool, dtype: torch.dtype) -> list[Element]:
+    """Every element of the window, in eager's order (``kh`` outer, ``kw`` inner)."""
+    return [_element(x, pool, kh, kw, dtype) for kh in range(pool.h.kernel) for kw in range(pool.w.kernel)]
+
+
+def _unrolled(pool: Pool) -> bool:
+    return pool.h.kernel * pool.w.kernel <= UNROLL_LIMIT
 
 
 def _lowest(dtype: torch.dtype) -> ir.Expr:
@@ -225,21 +268,66 @@ def _where(cond: ir.Expr | None, a: ir.Expr, b: ir.Expr, dtype: torch.dtype) -> 
 def _max_pool2d(ctx: LowerCtx, x: TensorValue, *args: Any, **kwargs: Any) -> tuple[TensorValue, TensorValue]:
     values_meta, indices_meta = ctx.out_meta(0), ctx.out_meta(1)
     pool = _pool(ctx.node, ctx.node.args[0].meta["val"], values_meta)
+    x = _input_value(ctx, x)
+    if _unrolled(pool):
+        return _max_pool2d_unrolled(ctx, x, pool, values_meta)
+    return _max_pool2d_reduction(ctx, x, pool, values_meta, indices_meta)
+
+
+def _max_pool2d_unrolled(ctx: LowerCtx, x: TensorValue, pool: Pool,
+                         meta: torch.Tensor) -> tuple[TensorValue, TensorValue]:
+    """The max of the window's elements, written to a buffer laid out as eager's; the indices stay
+    lazy (an inference graph never computes them), read where the values are written."""
+    acc = compute_dtype(meta.dtype)
+    elements = _elements(x, pool, acc)
+    best = None
+    for e in elements:
+        value = _where(e.inside, e.value, _lowest(acc), acc)
+        best = value if best is None else Op("fmax" if acc.is_floating_point else "imax", (best, value), acc)
+    size = meta_size(meta)
+    values = ctx.add_reduction(ctx.node.name, meta_layout(meta), meta.dtype, size, (), None, cast(best, meta.dtype))
+    return values, TensorValue(size, torch.int64, _eager_index(elements, cast(values.body, acc)))
+
+
+def _eager_index(elements: list[Element], best: ir.Expr) -> ir.Expr:
+    """Eager's index of the max ``best``: the first element equal to it, or where it is NaN (only
+    floats), the last NaN. Each chain's fallback is its last candidate, which must hit when none
+    of the others did (the max is one of the window's elements)."""
+    def hit(e: Element, test: ir.Expr) -> ir.Expr:
+        return test if e.inside is None else Op("and", (e.inside, test), torch.bool)
+
+    def chain(candidates: list[tuple[ir.Expr, Element]]) -> ir.Expr:  # the first hit wins
+        out: ir.Expr = _index(candidates[-1][1].flat)
+        for test, e in reversed(candidates[:-1]):
+            out = Op("where", (hit(e, test), _index(e.flat), out), torch.int64)
+        return out
+
+    first = chain([(_cmp("eq", e.value, best), e) for e in elements])
+    if not best.dtype.is_floating_point:
+        return first
+    last_nan = chain([(Op("isnan", (e.value,), torch.bool), e) for e in reversed(elements)])
+    return Op("where", (Op("isnan", (best,), torch.bool), last_nan, first), torch.int64)
+
+
+def _max_pool2d_reduction(ctx: LowerCtx, x: TensorValue, pool: Pool, values_meta: torch.Tensor,
+                          indices_meta: torch.Tensor) -> tuple[TensorValue, TensorValue]:
     acc = compute_dtype(values_meta.dtype)
-    element, inside, flat = _window_element(_input_value(ctx, x), pool, acc)
+    n = pool.lead
+    s = ir.index_symbols(n + 4)
+    e = _element(x, pool, s[n + 2], s[n + 3], acc)
     ranges = (*meta_size(values_meta), pool.h.kernel, pool.w.kernel)
-    reduced = (pool.lead + 2, pool.lead + 3)
+    reduced = (n + 2, n + 3)
     name = ctx.node.name
     best = ctx.add_reduction(name, meta_layout(values_meta), values_meta.dtype, ranges, reduced, ir.Reduce.MAX,
-                             _where(inside, element, _lowest(acc), acc))
+                             _where(e.inside, e.value, _lowest(acc), acc))
     best_acc = cast(best.body, acc)  # its row's max, over the kernel's kept dims (the same symbols)
-    hit = _cmp("eq", element, best_acc)
-    key: ir.Expr = _index(flat)
+    hit = _cmp("eq", e.value, best_acc)
+    key: ir.Expr = _index(e.flat)
     if acc.is_floating_point:  # a NaN max: the last NaN, the smallest of the negated positions
-        hit = Op("or", (hit, Op("isnan", (element,), torch.bool)), torch.bool)
-        key = _where(Op("isnan", (best_acc,), torch.bool), _index(-flat), key, torch.int64)
-    if inside is not None:
-        hit = Op("and", (inside, hit), torch.bool)
+        hit = Op("or", (hit, Op("isnan", (e.value,), torch.bool)), torch.bool)
+        key = _where(Op("isnan", (best_acc,), torch.bool), _index(-e.flat), key, torch.int64)
+    if e.inside is not None:
+        hit = Op("and", (e.inside, hit), torch.bool)
     first = ctx.add_reduction(name + "_indices", meta_layout(indices_meta), torch.int64, ranges, reduced,
                               ir.Reduce.MIN, Op("where", (hit, key, _int(BIG)), torch.int64))
     if acc.is_floating_point:
@@ -254,31 +342,64 @@ def _max_pool2d_backward(ctx: LowerCtx, grad: TensorValue, x: TensorValue, *args
     meta = ctx.out_meta()
     pool = _pool(ctx.node, ctx.node.args[1].meta["val"], ctx.node.args[0].meta["val"])
     n = pool.lead
-    s = ir.index_symbols(n + 4)
+    s = ir.index_symbols(n + 2)
 
-    def term(at: dict, inside: ir.Expr, acc: torch.dtype) -> ir.Expr:
-        index = ir.mask_loads(ir.map_indices(indices.body, at), inside)
+    def term(c: Candidate, acc: torch.dtype) -> ir.Expr:
+        index = _masked(ir.map_indices(indices.body, c.at), c.inside)
         here = _cmp("eq", cast(index, torch.int64), _index(s[n] * pool.w.size + s[n + 1]))
-        value = ir.mask_loads(cast(ir.map_indices(grad.body, at), acc), inside)
-        return Op("where", (Op("and", (inside, here), torch.bool), value, Const(0, acc)), acc)
+        value = _masked(cast(ir.map_indices(grad.body, c.at), acc), c.inside)
+        return _where(_and(c.inside, here), value, Const(0, acc), acc)
 
     return _gather(ctx, pool, meta, term)
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """Covering window ``(a, b)`` of input position ``(*lead, h, w)`` (numbers, or the symbols of
+    a reduction over them): ``at`` maps a window-indexed value's ``(oh, ow)`` symbols to it,
+    ``inside``: the window exists (None: always)."""
+
+    a: int | sympy.Expr
+    b: int | sympy.Expr
+    at: dict
+    inside: ir.Expr | None
+
+
 def _gather(ctx: LowerCtx, pool: Pool, meta: torch.Tensor, term: Any) -> TensorValue:
-    """The sum over the windows that can hold ``(h, w)``: ``term(at, inside, acc)`` gives one
-    window's contribution (``at`` maps a window-indexed value's ``(oh, ow)`` symbols to that
-    window, ``inside``: the window exists); the index space is ``(*lead, H, W, a, b)``."""
+    """The sum over the windows that can hold ``(h, w)``: ``term(candidate, acc)`` gives one
+    window's contribution. Unrolled: the covering windows in ascending ``(oh, ow)`` order, as
+    eager's CUDA kernel adds them; else a reduction over the index space ``(*lead, H, W, a, b)``."""
     n = pool.lead
-    s = ir.index_symbols(n + 4)
-    oh = FloorDiv(s[n] + pool.h.pad, pool.h.stride) - s[n + 2]
-    ow = FloorDiv(s[n + 1] + pool.w.pad, pool.w.stride) - s[n + 3]
-    inside = _all(_inside(oh, True, pool.h.out) + _inside(ow, True, pool.w.out))
     acc = compute_dtype(meta.dtype)
-    body = term({s[n]: oh, s[n + 1]: ow}, inside, acc)
-    ranges = (*meta_size(meta), pool.h.covering(), pool.w.covering())
-    return ctx.add_reduction(ctx.node.name, meta_layout(meta), meta.dtype, ranges, (n + 2, n + 3), ir.Reduce.SUM,
-                             body)
+    if pool.h.covering() * pool.w.covering() > UNROLL_LIMIT:
+        s = ir.index_symbols(n + 4)
+        body = term(_candidate(pool, s[n + 2], s[n + 3]), acc)
+        ranges = (*meta_size(meta), pool.h.covering(), pool.w.covering())
+        return ctx.add_reduction(ctx.node.name, meta_layout(meta), meta.dtype, ranges, (n + 2, n + 3),
+                                 ir.Reduce.SUM, body)
+    total = None
+    for a in reversed(range(pool.h.covering())):
+        for b in reversed(range(pool.w.covering())):
+            value = term(_candidate(pool, a, b), acc)
+            total = value if total is None else Op("add", (total, value), acc)
+    return TensorValue(meta_size(meta), meta.dtype, cast(total, meta.dtype))
+
+
+def _candidate(pool: Pool, a: int | sympy.Expr, b: int | sympy.Expr) -> Candidate:
+    n = pool.lead
+    s = ir.index_symbols(n + 2)
+    oh = FloorDiv(s[n] + pool.h.pad, pool.h.stride) - a
+    ow = FloorDiv(s[n + 1] + pool.w.pad, pool.w.stride) - b
+    inside = _all(_inside(oh, pool.h.beyond(a), pool.h.out) + _inside(ow, pool.w.beyond(b), pool.w.out))
+    return Candidate(a, b, {s[n]: oh, s[n + 1]: ow}, inside)
+
+
+def _masked(value: ir.Expr, inside: ir.Expr | None) -> ir.Expr:
+    return value if inside is None else ir.mask_loads(value, inside)
+
+
+def _and(a: ir.Expr | None, b: ir.Expr) -> ir.Expr:
+    return b if a is None else Op("and", (a, b), torch.bool)
 
 
 # ------------------------------------------------------------------------------------------ avg pool
@@ -310,14 +431,22 @@ def _avg_pool2d(ctx: LowerCtx, x: TensorValue, *args: Any, **kwargs: Any) -> Ten
     meta = ctx.out_meta()
     pool = _pool(ctx.node, ctx.node.args[0].meta["val"], meta)
     acc = compute_dtype(meta.dtype)
-    element, inside, _ = _window_element(_input_value(ctx, x), pool, acc)
-    ranges = (*meta_size(meta), pool.h.kernel, pool.w.kernel)
+    x = _input_value(ctx, x)
     n = pool.lead
-    layout = ir.Layout(meta_size(meta), ir.contiguous_strides(meta_size(meta)))
-    total = ctx.add_reduction(ctx.node.name + "_sum", layout, acc, ranges, (n + 2, n + 3), ir.Reduce.SUM,
-                              _where(inside, element, Const(0, acc), acc))
+    if _unrolled(pool):  # the window's sum in eager's order
+        total = None
+        for e in _elements(x, pool, acc):
+            value = _where(e.inside, e.value, Const(0, acc), acc)
+            total = value if total is None else Op("add", (total, value), acc)
+    else:
+        s = ir.index_symbols(n + 4)
+        e = _element(x, pool, s[n + 2], s[n + 3], acc)
+        ranges = (*meta_size(meta), pool.h.kernel, pool.w.kernel)
+        layout = ir.Layout(meta_size(meta), ir.contiguous_strides(meta_size(meta)))
+        total = ctx.add_reduction(ctx.node.name + "_sum", layout, acc, ranges, (n + 2, n + 3), ir.Reduce.SUM,
+                                  _where(e.inside, e.value, Const(0, acc), acc)).body
     s = ir.index_symbols(n + 2)
-    mean = _divide(total.body, _divisor(ctx.node, pool, s[n], s[n + 1]), acc)
+    mean = _divide(total, _divisor(ctx.node, pool, s[n], s[n + 1]), acc)
     return TensorValue(meta_size(meta), meta.dtype, cast(mean, meta.dtype))
 
 
@@ -327,15 +456,16 @@ def _avg_pool2d_backward(ctx: LowerCtx, grad: TensorValue, x: TensorValue, *args
     meta = ctx.out_meta()
     pool = _pool(ctx.node, ctx.node.args[1].meta["val"], ctx.node.args[0].meta["val"])
     n = pool.lead
-    s = ir.index_symbols(n + 4)
+    s = ir.index_symbols(n + 2)
 
-    def term(at: dict, inside: ir.Expr, acc: torch.dtype) -> ir.Expr:
-        oh, ow = at[s[n]], at[s[n + 1]]
-        covers = _all([_cmp("lt", _index(s[n]), _index(pool.h.at(oh, 0) + pool.h.kernel)),
-                       _cmp("lt", _index(s[n + 1]), _index(pool.w.at(ow, 0) + pool.w.kernel))])
-        where = Op("and", (inside, covers), torch.bool)
-        value = ir.mask_loads(cast(ir.map_indices(grad.body, at), acc), where)
+    def term(c: Candidate, acc: torch.dtype) -> ir.Expr:
+        oh, ow = c.at[s[n]], c.at[s[n + 1]]
+        covers = [_cmp("lt", _index(s[n]), _index(pool.h.at(oh, 0) + pool.h.kernel)),
+                  _cmp("lt", _index(s[n + 1]), _index(pool.w.at(ow, 0) + pool.w.kernel))]
+        kept = [test for test, window, k in zip(covers, (pool.h, pool.w), (c.a, c.b)) if not window.covers(k)]
+        where = _all(([c.inside] if c.inside is not None else []) + kept)
+        value = _masked(cast(ir.map_indices(grad.body, c.at), acc), where)
         share = _divide(value, _divisor(ctx.node, pool, oh, ow), acc)
-        return Op("where", (where, share, Const(0, acc)), acc)
+        return _where(where, share, Const(0, acc), acc)
 
     return _gather(ctx, pool, meta, term)
