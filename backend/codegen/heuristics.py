@@ -58,6 +58,7 @@ PERSISTENT_LIMIT = 8192
 LOOP_RBLOCK = 1024
 COLUMN_XBLOCK = 32  # adjacent outputs per column block: 32 float32, a 128-byte line per reduced row
 COLUMN_RBLOCK = 64  # reduced rows per loop step of a [COLUMN_XBLOCK, COLUMN_RBLOCK] column block
+COLUMN_WARPS = 8  # of a looped column block
 COLUMN_MIN_XBLOCK = 8  # 32 bytes of float32: one memory sector per reduced row
 COLUMN_NARROW_PROGRAMS = 128  # below this many programs a column block may narrow to COLUMN_MIN_XBLOCK
 COLUMN_SPLIT_PROGRAMS = 1024  # stage-1 programs a split column reduction aims at (132 SMs, several each)
@@ -141,7 +142,7 @@ def _column(x: int | None, r: int | None, budget: int, interpret: bool) -> Confi
     if interpret:
         return Config(64, 64, 8, False)
     xblock = COLUMN_XBLOCK if x is None else min(COLUMN_XBLOCK, next_pow2(x))
-    return Config(xblock, COLUMN_XBLOCK * COLUMN_RBLOCK // xblock, 8, False)
+    return Config(xblock, COLUMN_XBLOCK * COLUMN_RBLOCK // xblock, COLUMN_WARPS, False)
 
 
 def column_min_xblock(x: int | None) -> int:
