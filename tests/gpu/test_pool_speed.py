@@ -1,0 +1,117 @@
+"""Speed of our pooling kernels on channels-last activations (issue 18), against Inductor.
+
+resnet18's stem at batch 32: max_pool2d 3x3 stride 2 padding 1 of a 32x64x112x112 channels-last
+float32 tensor, fused after a batch-norm-style scale and shift and a ReLU; inference (forward) and
+training (forward and backward, the gradient of the input). Both backends replay CUDA graphs
+(ours by default, Inductor with ``mode="reduce-overhead"``), so the figures are the kernels'. Per
+call: the median over windows of CUDA-event timings. Bound: ours at most 1.5x Inductor's.
+
+Measured before the unrolled kernels (H100): our window-reduction kernel took 497 us per forward
+(Inductor's 49 us) and our max pool backward 945 us a step.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+BOUND = 1.5
+SHAPE = (32, 64, 112, 112)
+
+
+def stem_pool(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    return F.max_pool2d(torch.relu(x * scale + shift), 3, 2, 1)
+
+
+def inputs(requires_grad: bool) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(0)
+    x = torch.randn(SHAPE, device="cuda").to(memory_format=torch.channels_last).requires_grad_(requires_grad)
+    scale = torch.rand(1, SHAPE[1], 1, 1, device="cuda") + 0.5
+    shift = torch.randn(1, SHAPE[1], 1, 1, device="cuda")
+    return x, scale, shift
+
+
+def median_us(step, windows: int = 15, calls: int = 20) -> float:
+    """The median over ``windows`` of the mean time of ``calls`` calls, in microseconds."""
+    for _ in range(5):  # warm up, record the graphs
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(windows):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def forward_step(fn, args):
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad():
+            fn(*args)
+    return step
+
+
+def training_step(fn, args, grad):
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()
+        out = fn(*args)
+        torch.autograd.grad(out, args[0], grad)
+    return step
+
+
+def compiled(backend: str):
+    torch._dynamo.reset()
+    if backend == "inductor":
+        return torch.compile(stem_pool, backend="inductor", mode="reduce-overhead")
+    return torch.compile(stem_pool, backend="cgtrees")
+
+
+def check_values(fn, args, grad=None) -> None:
+    """Our values (and gradient) are eager's before any figure counts (float32's tolerance: the
+    scale and shift may compile to one fused multiply-add)."""
+    torch.compiler.cudagraph_mark_step_begin()
+    out, expected = fn(*args), stem_pool(*args)
+    torch.testing.assert_close(out, expected)
+    assert out.stride() == expected.stride(), (out.stride(), expected.stride())
+    if grad is not None:
+        (ours,), (theirs,) = torch.autograd.grad(out, args[0], grad), torch.autograd.grad(expected, args[0], grad)
+        torch.testing.assert_close(ours, theirs)
+        assert ours.stride() == theirs.stride(), (ours.stride(), theirs.stride())
+
+
+def test_channels_last_max_pool_forward_within_bound():
+    args = inputs(requires_grad=False)
+    times = {}
+    for backend in ("cgtrees", "inductor"):
+        fn = compiled(backend)
+        if backend == "cgtrees":
+            with torch.no_grad():
+                check_values(fn, args)
+        times[backend] = median_us(forward_step(fn, args))
+    print(f"\nmax_pool2d forward {SHAPE} channels-last: cgtrees {times['cgtrees']:.1f} us, "
+          f"inductor {times['inductor']:.1f} us ({times['cgtrees'] / times['inductor']:.2f}x)")
+    assert times["cgtrees"] <= BOUND * times["inductor"], times
+
+
+def test_channels_last_max_pool_training_within_bound():
+    args = inputs(requires_grad=True)
+    grad = torch.randn(stem_pool(*args).shape, device="cuda").to(memory_format=torch.channels_last)
+    times = {}
+    for backend in ("cgtrees", "inductor"):
+        fn = compiled(backend)
+        if backend == "cgtrees":
+            check_values(fn, args, grad)
+        times[backend] = median_us(training_step(fn, args, grad))
+    print(f"\nmax_pool2d forward+backward {SHAPE} channels-last: cgtrees {times['cgtrees']:.1f} us, "
+          f"inductor {times['inductor']:.1f} us ({times['cgtrees'] / times['inductor']:.2f}x)")
+    assert times["cgtrees"] <= BOUND * times["inductor"], times
