@@ -140,7 +140,7 @@ def relative_errors(got: Sequence[torch.Tensor | None], want: Sequence[torch.Ten
     return errors
 
 
-def profile_table(step: Step, device: torch.device, calls: int = 10, rows: int = 15) -> str:
+def profile_table(step: Step, device: torch.device, calls: int = 10, rows: int = 40) -> str:
     """Where the steady-state time goes: the top ops and kernels over ``calls`` calls."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -156,7 +156,8 @@ def profile_table(step: Step, device: torch.device, calls: int = 10, rows: int =
 
 
 def profiled(fn: Callable, *args: object, rows: int = 40) -> tuple[object, str]:
-    """``fn(*args)`` under cProfile: its result and the top functions by cumulative time."""
+    """``fn(*args)`` under cProfile: its result and the top functions by cumulative time, then by
+    their own time."""
     import cProfile
     import io
     import pstats
@@ -164,7 +165,9 @@ def profiled(fn: Callable, *args: object, rows: int = 40) -> tuple[object, str]:
     prof = cProfile.Profile()
     result = prof.runcall(fn, *args)
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(rows)
+    stats = pstats.Stats(prof, stream=text)
+    stats.sort_stats("cumulative").print_stats(rows)
+    stats.sort_stats("tottime").print_stats(rows // 2)
     return result, text.getvalue()
 
 

@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", default="", help="backends whose cold rows also get a profile, e.g. cgtrees")
     p.add_argument("--profile-start", default="",
                    help="backends whose cold rows run their first calls under cProfile (slows them)")
+    p.add_argument("--profile-warm-start", default="",
+                   help="backends whose warm rows run their first calls under cProfile (slows them: "
+                        "their warm figures are then not comparable)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per worker process")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds: no row starts after this long (those are listed as not run), "
@@ -139,7 +142,8 @@ def plan(args: argparse.Namespace, device: str) -> list[dict]:
                 specs.append({**base, "phase": "cold", "profile": backend in args.profile.split(","),
                               "profile_start": backend in args.profile_start.split(",")})
                 if args.cold_warm and backend_names.cached(backend) and not args.smoke:
-                    specs.append({**base, "phase": "warm"})
+                    specs.append({**base, "phase": "warm",
+                                  "profile_start": backend in args.profile_warm_start.split(",")})
     return specs
 
 
