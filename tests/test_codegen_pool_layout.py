@@ -96,6 +96,16 @@ def test_channels_last_max_pool_walks_channels_fastest():
     source = kernels(module)
     assert kernel_count(module) == 1 and "def pw_" in source, source
     assert_unit_stride(source, innermost_symbol(source, 6), ("x_1", "max_pool2d_with_indices", "getitem_1"))
+    assert source.count("tl.load(a_1_ptr") == source.count("tl.load(b_1_ptr") == 1, source  # per channel: once
+
+
+def test_fused_input_that_masks_its_own_loads():
+    """A padded input (its loads masked to its own range) fused into the window: read where both
+    its range and the window's bounds allow, the pad value elsewhere inside the window."""
+    x = torch.randn(2, 6, 9, 7).to(memory_format=CL)
+    fn = lambda x: F.max_pool2d(F.pad(x, (2, 0), value=-0.5), 3, 2, 1, return_indices=True)  # noqa: E731
+    module = generated(fn, x)
+    assert kernel_count(module) == 1, module.source
 
 
 def test_channels_last_avg_pool_walks_channels_fastest():

@@ -239,11 +239,24 @@ def _element(x: TensorValue, pool: Pool, kh: int | sympy.Expr, kw: int | sympy.E
     s = ir.index_symbols(n + 2)
     ih, iw = pool.h.at(s[n], kh), pool.w.at(s[n + 1], kw)
     conds = _inside(ih, pool.h.outside(kh), pool.h.size) + _inside(iw, pool.w.outside(kw), pool.w.size)
-    value = cast(ir.map_indices(x.body, {s[n]: ih, s[n + 1]: iw}), dtype)
     inside = _all(conds)
+    value = cast(ir.map_indices(x.body, {s[n]: ih, s[n + 1]: iw}), dtype)
     if inside is not None:
-        value = ir.mask_loads(value, inside)
+        value = _mask_positional_loads(value, (ih.free_symbols | iw.free_symbols), inside)
     return Element(value, inside, ih * pool.w.size + iw)
+
+
+def _mask_positional_loads(expr: ir.Expr, spatial: set[sympy.Symbol], cond: ir.Expr) -> ir.Expr:
+    """``expr`` with the loads that read at the window position (their index holds a symbol of
+    ``spatial``) done only where ``cond`` holds. A plain load that does not depend on the position (a
+    per-channel scale) reads the same element, inside the tensor, for every window element: it
+    stays unmasked, so the kernel loads it once rather than once per bounds condition."""
+    if isinstance(expr, ir.Load) and expr.mask is None and not expr.indirect \
+            and not (sympy.sympify(expr.index).free_symbols & spatial):
+        return expr
+    if isinstance(expr, (ir.Load, ir.Indirect)):
+        return ir.mask_loads(expr, cond)
+    return ir.map_children(expr, lambda e: _mask_positional_loads(e, spatial, cond))
 
 
 def _elements(x: TensorValue, pool: Pool, dtype: torch.dtype) -> list[Element]:
