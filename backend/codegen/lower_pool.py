@@ -298,6 +298,8 @@ def _max_pool2d_unrolled(ctx: LowerCtx, x: TensorValue, pool: Pool,
         value = _where(e.inside, e.value, _lowest(acc), acc)
         best = value if best is None else Op("fmax" if acc.is_floating_point else "imax", (best, value), acc)
     size = meta_size(meta)
+    # a step with nothing reduced is a pointwise one; add_reduction is the context's one way to
+    # write a value with a given layout (``realize`` lays a tuple-valued node's out contiguously)
     values = ctx.add_reduction(ctx.node.name, meta_layout(meta), meta.dtype, size, (), None, cast(best, meta.dtype))
     return values, TensorValue(size, torch.int64, _eager_index(elements, cast(values.body, acc)))
 
