@@ -59,7 +59,7 @@ def test_split_statistics_read_near_copy_bandwidth(capsys):
         fn(x, w, b).backward(grad)
     copy = torch.empty_like(x)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             fn(x, w, b).backward(grad)
             copy.copy_(x)
