@@ -9,7 +9,8 @@ one block of ``RBLOCK = next_pow2(row)`` columns; rows per program so that a blo
 elements); warps grow with the block (4 up to 2048 elements, 8 up to 8192, 16 beyond). Longer or
 symbolic rows loop over ``RBLOCK = 1024`` columns. When the reduced dimension is not the innermost
 in memory (a column reduction), programs take ``COLUMN_XBLOCK`` rows so that loads along the rows
-coalesce; such a block stays persistent only while it holds at most ``PERSISTENT_LIMIT`` elements,
+coalesce (the fastest lane index walks the adjacent outputs); such a block stays persistent only
+while it holds at most ``PERSISTENT_LIMIT`` elements (narrowed as below where programs are few),
 and otherwise loops over ``COLUMN_RBLOCK`` reduced elements at a time. (A [64, 8192] persistent
 block, as a column sum over 8192 rows once got, spills every register: Triton then compiled it
 for minutes.)
@@ -63,7 +64,7 @@ COLUMN_MIN_XBLOCK = 8  # 32 bytes of float32: one memory sector per reduced row
 COLUMN_NARROW_PROGRAMS = 128  # below this many programs a column block may narrow to COLUMN_MIN_XBLOCK
 COLUMN_SPLIT_PROGRAMS = 1024  # stage-1 programs a split column reduction aims at (132 SMs, several each)
 COLUMN_SPLIT_MIN_RNUMEL = 1024  # shorter columns loop at most 16 times: one kernel
-COLUMN_SPLIT_MIN_NUMEL = 1 << 16
+COLUMN_SPLIT_MIN_NUMEL = 1 << 16  # 256 KB of float32: below, a second launch costs more
 COLUMN_MIN_CHUNK = 64  # reduced rows per stage-1 program at least (one [32, 64] block)
 COLUMN_MAX_PARTS = PERSISTENT_LIMIT // COLUMN_MIN_XBLOCK  # the partials of an output fit one block
 SPLIT_MIN_RNUMEL = 8192
