@@ -8,6 +8,11 @@ pointwise and reduction parts and can fuse them:
 - dropout                 -> rand-based mask, mul (the random op itself runs through aten)
 - hardtanh / hardsigmoid / hardswish -> clamp, mul, add
 
+- convolution_backward's bias gradient -> a sum over every dimension but the channels (a fused,
+  layout-following reduction of ours), the weight and input gradients staying one aten call: asked
+  for the bias gradient too, aten computes it with its own reduction kernel, slow on channels-last
+  gradients (on the H100, 0.95 ms of convnext_atto's training step, 40 reductions)
+
 Matrix products (mm, addmm, bmm), convolution and attention stay as single aten ops: codegen
 calls the vendor library for them. Attention is taken out of torch's core table on purpose: its
 entry for ``_scaled_dot_product_flash_attention_for_cpu`` returns the attention weights where the
@@ -50,8 +55,23 @@ def is_attention(op: torch._ops.OpOverload) -> bool:
     return name.startswith("aten::_scaled_dot_product") or name.startswith("aten::scaled_dot_product")
 
 
+def convolution_backward_bias_apart(grad_output, input, weight, bias_sizes, stride, padding, dilation,
+                                    transposed, output_padding, groups, output_mask):
+    """``convolution_backward`` with its bias gradient (``output_mask[2]``) taken out as a sum of
+    ``grad_output`` over the batch and spatial dimensions; NotImplemented (the op as it is) when no
+    bias gradient is asked for."""
+    if not output_mask[2]:
+        return NotImplemented
+    grad_bias = aten.sum.dim_IntList(grad_output, [0, *range(2, grad_output.dim())])
+    grad_input, grad_weight, _ = aten.convolution_backward.default(
+        grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+        [output_mask[0], output_mask[1], False])
+    return grad_input, grad_weight, grad_bias
+
+
 @functools.lru_cache(maxsize=1)
 def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
     table = {op: fn for op, fn in core_aten_decompositions().items() if not is_attention(op)}
     table.update(get_decompositions(list(EXTRA_DECOMPOSED)))
+    table[aten.convolution_backward.default] = convolution_backward_bias_apart
     return table

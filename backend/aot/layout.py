@@ -132,21 +132,17 @@ def _why_not(graph: torch.fx.Graph, mode: Mode, inference: bool) -> str | None:
         return "a convolution that shrinks its channels"
     if all(_is_small(c) for c in convs):
         return f"every convolution has at most {SMALL_CHANNELS} channels"
-    return TRAINING_ON_CUDA
+    return None
 
 
-# The decision leaves CUDA training graphs NCHW; "force" rewrites them too (tests/gpu/
-# test_layout_training_strides.py). Measured on the H100 (2026-11-24), channels-last training was
-# slower (real suite, per step, NHWC against NCHW: resnet18 8.63 against 6.17 ms, mobilenet_v3_small
-# 10.10 against 6.16): our NHWC max-pool and batch-norm kernels cost more than cuDNN's conversions.
-# Inference graphs gain (mobilenet 0.66 against 0.78 ms) and keep the decision above. (Forced, a
-# conv-BN-ReLU then also gave wrong input gradients: the generated module trusted the traced strides
-# of what aten returns, and cuDNN's convolution backward returned others. It now checks them:
-# backend/codegen/extern_strides.py.)
-TRAINING_ON_CUDA = ("a CUDA training graph: our NHWC pooling and batch-norm kernels are slower than cuDNN's "
-                    "layout conversions")
-
-
+# Training graphs on CUDA take the decision above (Inductor's) since the generated module checks the
+# strides of what aten returns (backend/codegen/extern_strides.py: forced before that, cuDNN's
+# convolution backward returned other strides than traced and a conv-BN-ReLU's input gradients were
+# wrong), pooling is a pointwise kernel over the output's memory order (lower_pool.py) and
+# channels-last batch-norm statistics split into enough programs (heuristics.split_reduction).
+# Measured on the H100 (2026-11-24, real suite, per training step, channels-last against NCHW):
+# resnet18 4.92 against 6.17 ms (reduce-overhead 4.87), convnext_atto 12.47 against 14.10 (11.08),
+# mobilenet_v3_small 5.56 against 6.16 (3.93).
 
 
 def _inference_verdict(convs: list[torch.fx.Node]) -> str | None:
