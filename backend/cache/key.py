@@ -172,7 +172,9 @@ def stable_name(target: Any) -> str:
 def _publishing_module(target: Any, module: str, name: str) -> str:
     """``module``, or where it is not a module, the innermost module above it that publishes
     ``target`` under ``name``: torch 2.11's ``torch._C._log_api_usage_once`` says its module is
-    ``torch._C.pybind11_detail_function_record_...`` (its pybind11 record's, with the ABI in it)."""
+    ``torch._C.pybind11_detail_function_record_...`` (its pybind11 record's, with the ABI in it),
+    and that record is itself in ``sys.modules`` there: such a part never names the target."""
+    module = ".".join(part for part in module.split(".") if not part.startswith("pybind11_"))
     if module in sys.modules:
         return module
     parts = module.split(".")
