@@ -6,6 +6,14 @@ blocks ``[XBLOCK rows, RBLOCK columns]``; a persistent one holds its whole row i
 one walks the row in one loop per dependent reduction (softmax: max, then sum of exp; the output
 is written in a last loop).
 
+Which way a warp's lanes walk a 2-D block is Triton's choice, per load: its coalescing pass puts
+them along the dimension whose contiguity its axis analysis proves. A load contiguous along a kept
+dimension (ViT's first LayerNorm reads the convolution output with stride 1 along the tokens,
+``r0*196 + x0*37632 + x1 - 1``) proves nothing when that dimension is cut out of ``xindex`` by
+``% 197``; with nothing proved either way Triton 3.6 puts the lanes along dimension 0 (the rows),
+which is the coalesced way for such a load, and joins it to the row-contiguous values through
+shared memory (tests/test_codegen_reduction_layout.py reads this off the sm_90 TTGIR).
+
 Kernels of one step of their own: a scan holds its whole row in a block (``tl.cumsum`` along the
 columns); a scatter computes its values pointwise and writes each at the place its indices say
 (``tl.store``, or ``tl.atomic_add`` where writes accumulate), masked where an index is out of range.
