@@ -303,6 +303,10 @@ def test_key_names_a_target_by_the_module_that_publishes_it(monkeypatch):
     # and on the H100's torch 2.11 the record is in sys.modules too (the key then named it)
     monkeypatch.setitem(sys.modules, probe.__module__, types.ModuleType(probe.__module__))
     assert stable_name(probe) == "torch._C._cgtrees_probe"
+    # or the record's name leads the qualname
+    probe.__module__ = "torch._C"
+    probe.__qualname__ = "pybind11_detail_function_record_v1_system_libstdcpp_gxx_abi_1xxx._cgtrees_probe"
+    assert stable_name(probe) == "torch._C._cgtrees_probe"
     unpublished = lambda: None  # noqa: E731 - a target nothing publishes keeps its own module
     unpublished.__module__, unpublished.__qualname__ = "torch._C.nowhere", "_cgtrees_absent"
     assert stable_name(unpublished) == "torch._C.nowhere._cgtrees_absent"

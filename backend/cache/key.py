@@ -156,6 +156,7 @@ def stable_name(target: Any) -> str:
     module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
     if module is None or name is None:
         raise Uncacheable(f"call target {target!r} has no stable name")
+    name = _without_pybind11_records(name)
     module = _publishing_module(target, module, name)
     owner = getattr(target, "__self__", None)
     if owner is not None and not isinstance(owner, (types.ModuleType, type)) and not _published(target, module, name):
@@ -169,12 +170,18 @@ def stable_name(target: Any) -> str:
     return f"{module}.{name}"
 
 
+def _without_pybind11_records(dotted: str) -> str:
+    """``dotted`` less its ``pybind11_*`` parts: a pybind11 function record's name, with the C++ ABI
+    spelled out in it (``pybind11_detail_function_record_v1_system_libstdcpp_gxx_abi_...``), which
+    pybind11 3 puts in ``__module__`` or ``__qualname__`` of a function such as torch 2.11's
+    ``torch._C._log_api_usage_once``. It never names the target, and differs between builds."""
+    return ".".join(part for part in dotted.split(".") if not part.startswith("pybind11_"))
+
+
 def _publishing_module(target: Any, module: str, name: str) -> str:
     """``module``, or where it is not a module, the innermost module above it that publishes
-    ``target`` under ``name``: torch 2.11's ``torch._C._log_api_usage_once`` says its module is
-    ``torch._C.pybind11_detail_function_record_...`` (its pybind11 record's, with the ABI in it),
-    and that record is itself in ``sys.modules`` there: such a part never names the target."""
-    module = ".".join(part for part in module.split(".") if not part.startswith("pybind11_"))
+    ``target`` under ``name`` (a pybind11 record's name left out first)."""
+    module = _without_pybind11_records(module)
     if module in sys.modules:
         return module
     parts = module.split(".")
