@@ -1,0 +1,61 @@
+"""Host time of a steady training step, and where its Python goes (on the GPU machine).
+
+    python benchmarks/host_profile.py MODEL BACKEND [--steps 20] [--rows 22]
+
+Builds the workload as a benchmark worker does (own or real suite names), runs a few steps, then
+times ``--steps`` steps twice: without synchronizing (the host's time to enqueue a step, as long as
+the GPU queue does not fill) and with a synchronize at the end (the wall time per step). A step whose
+host time is above its device time is host-bound: the figure to cut is then ours in Python. Last, a
+cProfile of the same steps, by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from worker import Kept, make_step  # noqa: E402
+
+
+def per_step(step, steps: int, sync: bool) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if sync:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("model")
+    p.add_argument("backend")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--rows", type=int, default=22)
+    args = p.parse_args()
+    spec = {"workload": args.model, "backend": args.backend, "mode": "train", "device": "cuda", "smoke": False}
+    step = make_step(spec, torch.device("cuda"), Kept())
+    for _ in range(8):  # compile, record, warm up
+        step()
+    host = per_step(step, args.steps, sync=False)
+    wall = per_step(step, args.steps, sync=True)
+    print(f"{args.model} {args.backend}: step wall {wall * 1e3:.2f} ms, host enqueue ~{host * 1e3:.2f} ms")
+    prof = cProfile.Profile()
+    prof.runcall(per_step, step, args.steps, True)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(args.rows)
+    print(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()
