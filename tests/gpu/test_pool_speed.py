@@ -12,11 +12,16 @@ Measured before the unrolled kernels (H100): our window-reduction kernel took 49
 
 from __future__ import annotations
 
-import statistics
+import os
+import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+from speed_helpers import forward_step, median_us  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -38,31 +43,6 @@ def inputs(requires_grad: bool) -> tuple[torch.Tensor, ...]:
     scale = torch.randint(1, 5, (1, SHAPE[1], 1, 1), device="cuda") / 2
     shift = torch.randint(-32, 33, (1, SHAPE[1], 1, 1), device="cuda") / 16
     return x.requires_grad_(requires_grad), scale, shift
-
-
-def median_us(step, windows: int = 15, calls: int = 20) -> float:
-    """The median over ``windows`` of the mean time of ``calls`` calls, in microseconds."""
-    for _ in range(5):  # warm up, record the graphs
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(windows):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
-
-
-def forward_step(fn, args):
-    def step():
-        torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad():
-            fn(*args)
-    return step
 
 
 def training_step(fn, args, grad):

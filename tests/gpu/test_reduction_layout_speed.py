@@ -18,12 +18,17 @@ of 10 steps: the forward's and the backward's recomputation together), Inductor'
 
 from __future__ import annotations
 
-import statistics
+import os
+import sys
 from collections import defaultdict
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+from speed_helpers import forward_step, median_us  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -50,23 +55,6 @@ def grads_of_outputs() -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.randn(BATCH, TOKENS, D, device="cuda"), torch.randn(BATCH, TOKENS, D, device="cuda"))
 
 
-def median_us(step, windows: int = 15, calls: int = 20) -> float:
-    """The median over ``windows`` of the mean time of ``calls`` calls, in microseconds."""
-    for _ in range(5):  # warm up, record the graphs
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(windows):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
-
-
 def kernel_times(step, calls: int = 10) -> dict[str, float]:
     """Each kernel's device time per call (us), from the profiler, longest first."""
     from torch.profiler import ProfilerActivity, profile
@@ -82,14 +70,6 @@ def kernel_times(step, calls: int = 10) -> dict[str, float]:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             totals[event.name] += event.device_time / calls
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
-
-
-def forward_step(fn, args):
-    def step():
-        torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad():
-            fn(*args)
-    return step
 
 
 def training_step(fn, args, grads):
