@@ -332,7 +332,52 @@ def enable_caching_precompile() -> str | None:
             and hasattr(PrecompileContext, "save_to_dynamo_cache")):
         return f"torch {torch.__version__} has no caching precompile"
     torch._dynamo.config.caching_precompile = True
+    _mend_dynamo_cache_loading()
     return None
+
+
+def _mend_dynamo_cache_loading() -> None:
+    """Two ways torch's DynamoCache crashed the user's ``torch.compile`` call in a warm process
+    (torch 2.13), mended here, once:
+
+    - A guarded parameter that had a ``.grad`` when the entry was saved (a graph compiled after a
+      backward: an eval-mode graph, another shape) comes back with ``grad = _Missing(...)``: the
+      grad is left out of the guard state, then assigned on load, a TypeError. It is not guarded
+      on, so it is loaded as no grad.
+    - ``install`` recovers from a RuntimeError (it logs "Failed to load entry from dynamo cache"
+      and traces afresh) but from nothing else: any other error while installing a saved entry
+      becomes a RuntimeError, so that a bad entry costs a trace, never the program."""
+    import functools
+
+    from torch._dynamo import guards, package
+
+    pickler = getattr(guards, "GuardsStatePickler", None)
+    unpickle = getattr(pickler, "_unpickle_tensor", None)
+    if unpickle is not None and not getattr(unpickle, "_cgtrees", False):
+        missing = getattr(guards, "_Missing", ())
+
+        @functools.wraps(unpickle)
+        def unpickle_tensor(cls, *args: Any) -> torch.Tensor:
+            if args and isinstance(args[-1], missing):
+                args = (*args[:-1], None)
+            return unpickle.__func__(cls, *args)
+
+        unpickle_tensor._cgtrees = True
+        pickler._unpickle_tensor = classmethod(unpickle_tensor)
+    install = getattr(getattr(package, "CompilePackage", None), "install", None)
+    if install is not None and not getattr(install, "_cgtrees", False):
+        @functools.wraps(install)
+        def install_or_runtime_error(self: Any, backends: Any) -> None:
+            try:
+                install(self, backends)
+            except RuntimeError:
+                raise
+            except Exception as exc:
+                raise RuntimeError(f"cgtrees: a saved Dynamo cache entry could not be installed "
+                                   f"({type(exc).__name__}: {exc}); compiling afresh") from exc
+
+        install_or_runtime_error._cgtrees = True
+        package.CompilePackage.install = install_or_runtime_error
 
 
 def save_dynamo_cache() -> None:
