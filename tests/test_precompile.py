@@ -349,3 +349,28 @@ def test_loading_imports_no_aot_autograd(snapshot, tmp_path):
     saved, loaded = results
     assert saved["torch._functorch.aot_autograd"]  # the compile needs it
     assert loaded == {"torch._functorch.aot_autograd": False, "backend.aot.constants": True}, loaded
+
+
+def test_dynamo_cache_loading_mends_torch_errors(monkeypatch):
+    """``compat._mend_dynamo_cache_loading`` (on with the ``precompile_cache`` option): a grad that
+    Dynamo's guard state saved as ``_Missing`` loads as none instead of raising a TypeError, and any
+    other error installing a saved entry becomes the RuntimeError torch recovers from."""
+    from torch._dynamo import guards, package
+
+    from backend.cache import compat
+
+    def broken_install(self, backends):
+        raise TypeError("a torch bug")
+
+    monkeypatch.setattr(package.CompilePackage, "install", broken_install)
+    pickler = guards.GuardsStatePickler
+    monkeypatch.setattr(pickler, "_unpickle_tensor", pickler.__dict__["_unpickle_tensor"])
+    compat._mend_dynamo_cache_loading()
+    with pytest.raises(RuntimeError, match="could not be installed .TypeError: a torch bug.; compiling afresh"):
+        package.CompilePackage.install(None, {})
+    meta = torch.empty(2, 3, device="meta")
+    keys = torch._C._dispatch_keys(torch.empty(2, 3)).raw_repr()
+    loaded = pickler._unpickle_tensor(meta, torch.device("cpu"), torch.Tensor, keys, guards._Missing("grad"))
+    assert loaded.shape == (2, 3) and loaded.grad is None
+    compat._mend_dynamo_cache_loading()  # a second call wraps nothing twice
+    assert package.CompilePackage.install.__wrapped__ is broken_install
