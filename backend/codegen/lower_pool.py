@@ -203,11 +203,16 @@ def _cmp(name: str, a: ir.Expr, b: ir.Expr) -> ir.Expr:
     return Op(name, (a, b), torch.bool)
 
 
-def _all(conds: list[ir.Expr]) -> ir.Expr | None:
+def _fold(op: str, terms: list[ir.Expr], dtype: torch.dtype) -> ir.Expr | None:
+    """``((t0 op t1) op t2) ...`` in the order given (None for no terms)."""
     out = None
-    for c in conds:
-        out = c if out is None else Op("and", (out, c), torch.bool)
+    for t in terms:
+        out = t if out is None else Op(op, (out, t), dtype)
     return out
+
+
+def _all(conds: list[ir.Expr]) -> ir.Expr | None:
+    return _fold("and", conds, torch.bool)
 
 
 def _inside(pos: sympy.Expr, checks: tuple[bool, bool], end: sympy.Expr) -> list[ir.Expr]:
@@ -293,10 +298,8 @@ def _max_pool2d_unrolled(ctx: LowerCtx, x: TensorValue, pool: Pool,
     lazy (an inference graph never computes them), read where the values are written."""
     acc = compute_dtype(meta.dtype)
     elements = _elements(x, pool, acc)
-    best = None
-    for e in elements:
-        value = _where(e.inside, e.value, _lowest(acc), acc)
-        best = value if best is None else Op("fmax" if acc.is_floating_point else "imax", (best, value), acc)
+    best = _fold("fmax" if acc.is_floating_point else "imax",
+                 [_where(e.inside, e.value, _lowest(acc), acc) for e in elements], acc)
     size = meta_size(meta)
     # a step with nothing reduced is a pointwise one; add_reduction is the context's one way to
     # write a value with a given layout (``realize`` lays a tuple-valued node's out contiguously)
@@ -308,13 +311,10 @@ def _eager_index(elements: list[Element], best: ir.Expr) -> ir.Expr:
     """Eager's index of the max ``best``: the first element equal to it, or where it is NaN (only
     floats), the last NaN. Each chain's fallback is its last candidate, which must hit when none
     of the others did (the max is one of the window's elements)."""
-    def hit(e: Element, test: ir.Expr) -> ir.Expr:
-        return test if e.inside is None else Op("and", (e.inside, test), torch.bool)
-
     def chain(candidates: list[tuple[ir.Expr, Element]]) -> ir.Expr:  # the first hit wins
         out: ir.Expr = _index(candidates[-1][1].flat)
         for test, e in reversed(candidates[:-1]):
-            out = Op("where", (hit(e, test), _index(e.flat), out), torch.int64)
+            out = Op("where", (_and(e.inside, test), _index(e.flat), out), torch.int64)
         return out
 
     first = chain([(_cmp("eq", e.value, best), e) for e in elements])
@@ -392,11 +392,8 @@ def _gather(ctx: LowerCtx, pool: Pool, meta: torch.Tensor, term: Any) -> TensorV
         ranges = (*meta_size(meta), pool.h.covering(), pool.w.covering())
         return ctx.add_reduction(ctx.node.name, meta_layout(meta), meta.dtype, ranges, (n + 2, n + 3),
                                  ir.Reduce.SUM, body)
-    total = None
-    for a in reversed(range(pool.h.covering())):
-        for b in reversed(range(pool.w.covering())):
-            value = term(_candidate(pool, a, b), acc)
-            total = value if total is None else Op("add", (total, value), acc)
+    total = _fold("add", [term(_candidate(pool, a, b), acc)
+                          for a in reversed(range(pool.h.covering())) for b in reversed(range(pool.w.covering()))], acc)
     return TensorValue(meta_size(meta), meta.dtype, cast(total, meta.dtype))
 
 
@@ -449,10 +446,7 @@ def _avg_pool2d(ctx: LowerCtx, x: TensorValue, *args: Any, **kwargs: Any) -> Ten
     x = _input_value(ctx, x)
     n = pool.lead
     if _unrolled(pool):  # the window's sum in eager's order
-        total = None
-        for e in _elements(x, pool, acc):
-            value = _where(e.inside, e.value, Const(0, acc), acc)
-            total = value if total is None else Op("add", (total, value), acc)
+        total = _fold("add", [_where(e.inside, e.value, Const(0, acc), acc) for e in _elements(x, pool, acc)], acc)
     else:
         s = ir.index_symbols(n + 4)
         e = _element(x, pool, s[n + 2], s[n + 3], acc)
