@@ -32,3 +32,19 @@ def forward_step(fn: Callable, args: list | tuple) -> Callable[[], None]:
         with torch.no_grad():
             fn(*args)
     return step
+
+
+def training_step(fn: Callable, args: list | tuple, wrt: list | tuple, grads: list | tuple) -> Callable[[], None]:
+    """One call of ``fn`` and the gradients of ``wrt`` from the output's gradient(s) ``grads``."""
+    def step() -> None:
+        torch.compiler.cudagraph_mark_step_begin()
+        torch.autograd.grad(fn(*args), wrt, grads)
+    return step
+
+
+def compiled(fn: Callable, backend: str) -> Callable:
+    """``fn`` compiled afresh: ours (CUDA graphs by default), or Inductor's reduce-overhead."""
+    torch._dynamo.reset()
+    if backend == "inductor":
+        return torch.compile(fn, backend="inductor", mode="reduce-overhead")
+    return torch.compile(fn, backend="cgtrees")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
-from speed_helpers import forward_step, median_us  # noqa: E402
+from speed_helpers import compiled, forward_step, median_us, training_step  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -45,21 +45,6 @@ def inputs(requires_grad: bool) -> tuple[torch.Tensor, ...]:
     return x.requires_grad_(requires_grad), scale, shift
 
 
-def training_step(fn, args, grad):
-    def step():
-        torch.compiler.cudagraph_mark_step_begin()
-        out = fn(*args)
-        torch.autograd.grad(out, args[0], grad)
-    return step
-
-
-def compiled(backend: str):
-    torch._dynamo.reset()
-    if backend == "inductor":
-        return torch.compile(stem_pool, backend="inductor", mode="reduce-overhead")
-    return torch.compile(stem_pool, backend="cgtrees")
-
-
 def check_values(fn, args, grad=None) -> None:
     """Our values (and gradient) are eager's before any figure counts: exactly, the inputs make
     every value exact."""
@@ -77,7 +62,7 @@ def test_channels_last_max_pool_forward_within_bound():
     args = inputs(requires_grad=False)
     times = {}
     for backend in ("cgtrees", "inductor"):
-        fn = compiled(backend)
+        fn = compiled(stem_pool, backend)
         if backend == "cgtrees":
             with torch.no_grad():
                 check_values(fn, args)
@@ -93,10 +78,10 @@ def test_channels_last_max_pool_training_within_bound():
     grad = (torch.randint(-64, 65, stem_pool(*args).shape, device="cuda") / 16).to(memory_format=torch.channels_last)
     times = {}
     for backend in ("cgtrees", "inductor"):
-        fn = compiled(backend)
+        fn = compiled(stem_pool, backend)
         if backend == "cgtrees":
             check_values(fn, args, grad)
-        times[backend] = median_us(training_step(fn, args, grad))
+        times[backend] = median_us(training_step(fn, args, args[0], grad))
     print(f"\nmax_pool2d forward+backward {SHAPE} channels-last: cgtrees {times['cgtrees']:.1f} us, "
           f"inductor {times['inductor']:.1f} us ({times['cgtrees'] / times['inductor']:.2f}x)")
     assert times["cgtrees"] <= BOUND * times["inductor"], times

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
-from speed_helpers import forward_step, median_us  # noqa: E402
+from speed_helpers import compiled, forward_step, median_us, training_step  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -72,20 +72,6 @@ def kernel_times(step, calls: int = 10) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def training_step(fn, args, grads):
-    def step():
-        torch.compiler.cudagraph_mark_step_begin()
-        torch.autograd.grad(fn(*args), args, grads)
-    return step
-
-
-def compiled(backend: str):
-    torch._dynamo.reset()
-    if backend == "inductor":
-        return torch.compile(first_norm, backend="inductor", mode="reduce-overhead")
-    return torch.compile(first_norm, backend="cgtrees")
-
-
 def assert_near_float64(ours: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor, what: str) -> None:
     """Ours is as close to the float64 result as eager's float32 is (within 2x, plus a few ulps of
     the largest value: sums in another order)."""
@@ -122,7 +108,7 @@ def test_first_layernorm_forward_within_bound():
     args = inputs(requires_grad=False)
     times, kernels = {}, {}
     for backend in ("cgtrees", "inductor"):
-        fn = compiled(backend)
+        fn = compiled(first_norm, backend)
         with torch.no_grad():
             check_values(fn, args)
         times[backend] = median_us(forward_step(fn, args))
@@ -135,9 +121,9 @@ def test_first_layernorm_training_within_bound():
     args, grads = inputs(requires_grad=True), grads_of_outputs()
     times, kernels = {}, {}
     for backend in ("cgtrees", "inductor"):
-        fn = compiled(backend)
+        fn = compiled(first_norm, backend)
         check_values(fn, args, grads)
-        times[backend] = median_us(training_step(fn, args, grads))
-        kernels[backend] = kernel_times(training_step(fn, args, grads))
+        times[backend] = median_us(training_step(fn, args, args, grads))
+        kernels[backend] = kernel_times(training_step(fn, args, args, grads))
     report("ViT first LayerNorm forward+backward", times, kernels)
     assert times["cgtrees"] <= BOUND * times["inductor"], times
