@@ -69,3 +69,47 @@ def test_convolution_gradients_match_eager(module, channels_last):
     for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
         scale = q.grad.abs().max().item()
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _convolution(stride, padding, transposed, groups=1):
+    def fn(x, w, b):
+        nd = x.dim() - 2
+        return aten.convolution.default(x, w, b, [stride] * nd, [padding] * nd, [1] * nd, transposed, [0] * nd,
+                                        groups)
+    return fn
+
+
+CONVOLUTIONS = {  # name: (function, input, weight, bias shapes)
+    "conv2d": (_convolution(1, 1, False), (2, 3, 8, 8), (4, 3, 3, 3), (4,)),
+    "depthwise": (_convolution(1, 3, False, groups=6), (2, 6, 9, 9), (6, 1, 7, 7), (6,)),
+    "transposed": (_convolution(2, 1, True), (2, 3, 5, 5), (3, 4, 3, 3), (4,)),
+    "conv1d": (_convolution(2, 0, False), (2, 3, 11), (5, 3, 3), (5,)),
+    "conv3d": (_convolution(1, 1, False), (1, 2, 4, 5, 6), (3, 2, 3, 3, 3), (3,)),
+}
+
+
+@pytest.mark.parametrize("name", list(CONVOLUTIONS))
+def test_cuda_convolution_bias_is_added_apart(name):
+    """Traced with CUDA (fake) tensors, a convolution's bias becomes a broadcast add after the
+    convolution; the traced graph, run on real CPU tensors, gives aten's convolution with its bias."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fn, *shapes = CONVOLUTIONS[name]
+    with FakeTensorMode():
+        fake = [torch.empty(s, device="cuda") for s in shapes]
+        gm = make_fx(fn, decomposition_table=decomposition_table())(*fake)
+    convs = [n for n in _calls(gm) if n.target is aten.convolution.default]
+    adds = [n for n in _calls(gm) if n.target is aten.add.Tensor]
+    assert len(convs) == 1 and convs[0].args[2] is None
+    assert len(adds) == 1 and adds[0].args[0] is convs[0]
+    torch.manual_seed(0)
+    real = [torch.randn(s) for s in shapes]
+    torch.testing.assert_close(gm(*real), fn(*real))
+
+
+def test_cpu_convolution_keeps_its_bias():
+    fn, *shapes = CONVOLUTIONS["conv2d"]
+    gm = make_fx(fn, decomposition_table=decomposition_table())(*[torch.randn(s) for s in shapes])
+    convs = [n for n in _calls(gm) if n.target is aten.convolution.default]
+    assert len(convs) == 1 and convs[0].args[2] is not None
+    assert aten.add.Tensor not in [n.target for n in _calls(gm)]

@@ -8,6 +8,10 @@ pointwise and reduction parts and can fuse them:
 - dropout                 -> rand-based mask, mul (the random op itself runs through aten)
 - hardtanh / hardsigmoid / hardswish -> clamp, mul, add
 
+- convolution with a bias, on CUDA -> the convolution without it, plus the bias broadcast over the
+  batch and spatial dimensions: cuDNN adds a bias with one more aten kernel after the convolution (on
+  the H100, 40 kernels and 0.3 ms of convnext_atto's 1.7 ms inference call); our add fuses into the
+  convolution's consumers. On CPU the bias stays in the call (mkldnn adds it inside its kernel).
 - convolution_backward's bias gradient -> a sum over every dimension but the channels (a fused,
   layout-following reduction of ours), the weight and input gradients staying one aten call: asked
   for the bias gradient too, aten computes it with its own reduction kernel, slow on channels-last
@@ -55,6 +59,16 @@ def is_attention(op: torch._ops.OpOverload) -> bool:
     return name.startswith("aten::_scaled_dot_product") or name.startswith("aten::scaled_dot_product")
 
 
+def convolution_bias_apart(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """``convolution`` on CUDA with its bias added apart (a broadcast add that codegen fuses);
+    NotImplemented (the op as it is) with no bias or on CPU."""
+    if bias is None or input.device.type == "cpu":
+        return NotImplemented
+    out = aten.convolution.default(input, weight, None, stride, padding, dilation, transposed, output_padding,
+                                   groups)
+    return aten.add.Tensor(out, aten.view.default(bias, [bias.shape[0]] + [1] * (out.dim() - 2)))
+
+
 def convolution_backward_bias_apart(grad_output, input, weight, bias_sizes, stride, padding, dilation,
                                     transposed, output_padding, groups, output_mask):
     """``convolution_backward`` with its bias gradient (``output_mask[2]``) taken out as a sum of
@@ -73,5 +87,6 @@ def convolution_backward_bias_apart(grad_output, input, weight, bias_sizes, stri
 def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
     table = {op: fn for op, fn in core_aten_decompositions().items() if not is_attention(op)}
     table.update(get_decompositions(list(EXTRA_DECOMPOSED)))
+    table[aten.convolution.default] = convolution_bias_apart
     table[aten.convolution_backward.default] = convolution_backward_bias_apart
     return table

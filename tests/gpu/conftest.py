@@ -32,6 +32,21 @@ def _fresh_runtime():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def no_tf32():
+    """Full float32 convolutions and matrix products in eager and compiled alike (TF32's 1e-3 would
+    hide a wrong value)."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    old = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    # through flags(): torch's test utilities, imported by other test modules of this process,
+    # forbid setting cuDNN's flags directly (disable_global_flags)
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                     allow_tf32=False):
+        yield
+    matmul.allow_tf32 = old
+
+
 @pytest.fixture(params=["aten", "codegen"])
 def kernel_modules(request, monkeypatch):
     """Every runtime test runs twice: with the aten graphs as kernel modules (codegen's placeholder

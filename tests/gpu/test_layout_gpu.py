@@ -51,19 +51,6 @@ class WideNet(nn.Module):
         return self.head(y.mean((2, 3)))
 
 
-@pytest.fixture
-def no_tf32():
-    """Full float32 convolutions in eager and compiled alike (TF32's 1e-3 would hide a wrong value)."""
-    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
-    old = matmul.allow_tf32
-    matmul.allow_tf32 = False
-    # through flags(): torch's test utilities, imported by other test modules of this process,
-    # forbid setting cuDNN's flags directly (disable_global_flags)
-    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
-                     allow_tf32=False):
-        yield
-    matmul.allow_tf32 = old
-
 
 # mobilenet_block: one element of bn0.weight's gradient (a sum that cancels to ~3e-3 from terms of
 # 1e2) is 1.31e-4 from cuDNN's where 1.25e-4 is allowed. Measured on the H100 against float64, in

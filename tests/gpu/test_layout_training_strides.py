@@ -40,18 +40,6 @@ class ConvBNReLUConv(nn.Module):
         return self.conv2(torch.relu(self.bn(self.conv1(x))))
 
 
-@pytest.fixture
-def no_tf32():
-    """Full float32 convolutions in eager and compiled alike (TF32's 1e-3 would hide a wrong value)."""
-    matmul = torch.backends.cuda.matmul
-    old = matmul.allow_tf32
-    matmul.allow_tf32 = False
-    cudnn = torch.backends.cudnn
-    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
-                     allow_tf32=False):
-        yield
-    matmul.allow_tf32 = old
-
 
 @pytest.mark.parametrize("cudagraphs", [True, False], ids=["cudagraphs", "no_cudagraphs"])
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw_in", "nhwc_in"])
