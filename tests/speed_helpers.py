@@ -8,21 +8,29 @@ from typing import Callable
 import torch
 
 
-def median_us(step: Callable[[], object], windows: int = 15, calls: int = 20) -> float:
-    """The median over ``windows`` of the mean time of ``calls`` calls, in microseconds."""
-    for _ in range(5):  # warm up, record the graphs
-        step()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(windows):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
+def medians_us(steps: dict[str, Callable[[], object]], windows: int = 15, calls: int = 20) -> dict[str, float]:
+    """For each named step, the median over ``windows`` of the mean time of ``calls`` calls, in
+    microseconds. The steps' windows take turns, so that load from other processes on the GPU (a
+    test run with many workers) falls on every step alike instead of on whichever ran first."""
+    for step in steps.values():
+        for _ in range(5):  # warm up, record the graphs
             step()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return statistics.median(times)
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(windows):
+        for name, step in steps.items():
+            times[name].append(_window_us(step, calls))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _window_us(step: Callable[[], object], calls: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / calls
 
 
 def forward_step(fn: Callable, args: list | tuple) -> Callable[[], None]:
@@ -43,8 +51,8 @@ def training_step(fn: Callable, args: list | tuple, wrt: list | tuple, grads: li
 
 
 def compiled(fn: Callable, backend: str) -> Callable:
-    """``fn`` compiled afresh: ours (CUDA graphs by default), or Inductor's reduce-overhead."""
-    torch._dynamo.reset()
+    """``fn`` compiled: ours (CUDA graphs by default), or Inductor's reduce-overhead. Both can live
+    side by side: Dynamo keeps one entry per backend for the same code."""
     if backend == "inductor":
         return torch.compile(fn, backend="inductor", mode="reduce-overhead")
     return torch.compile(fn, backend="cgtrees")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
-from speed_helpers import compiled, forward_step, median_us, training_step  # noqa: E402
+from speed_helpers import compiled, forward_step, medians_us, training_step  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -60,13 +60,14 @@ def check_values(fn, args, grad=None) -> None:
 
 def test_channels_last_max_pool_forward_within_bound():
     args = inputs(requires_grad=False)
-    times = {}
+    steps = {}
     for backend in ("cgtrees", "inductor"):
         fn = compiled(stem_pool, backend)
         if backend == "cgtrees":
             with torch.no_grad():
                 check_values(fn, args)
-        times[backend] = median_us(forward_step(fn, args))
+        steps[backend] = forward_step(fn, args)
+    times = medians_us(steps)
     print(f"\nmax_pool2d forward {SHAPE} channels-last: cgtrees {times['cgtrees']:.1f} us, "
           f"inductor {times['inductor']:.1f} us ({times['cgtrees'] / times['inductor']:.2f}x)")
     assert times["cgtrees"] <= BOUND * times["inductor"], times
@@ -76,12 +77,13 @@ def test_channels_last_max_pool_training_within_bound():
     args = inputs(requires_grad=True)
     # multiples of 1/16 too: the sums over overlapping windows are exact in any order
     grad = (torch.randint(-64, 65, stem_pool(*args).shape, device="cuda") / 16).to(memory_format=torch.channels_last)
-    times = {}
+    steps = {}
     for backend in ("cgtrees", "inductor"):
         fn = compiled(stem_pool, backend)
         if backend == "cgtrees":
             check_values(fn, args, grad)
-        times[backend] = median_us(training_step(fn, args, args[0], grad))
+        steps[backend] = training_step(fn, args, args[0], grad)
+    times = medians_us(steps)
     print(f"\nmax_pool2d forward+backward {SHAPE} channels-last: cgtrees {times['cgtrees']:.1f} us, "
           f"inductor {times['inductor']:.1f} us ({times['cgtrees'] / times['inductor']:.2f}x)")
     assert times["cgtrees"] <= BOUND * times["inductor"], times
