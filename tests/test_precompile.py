@@ -43,8 +43,9 @@ aot_compat.aot_module_simplified, codegen.generate = counting_aot, counting_gene
 
 nn = torch.nn
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8))
-x = torch.randn(8, 16)
+device = args.get("device", "cpu")
+model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8)).to(device)
+x = torch.randn(8, 16).to(device)
 
 def step(model, x):
     return model(x)
@@ -90,7 +91,7 @@ if args["role"] == "save":
     except Exception as exc:
         result["aliasing_error"] = f"{type(exc).__name__}: {exc}"
 elif args["role"] == "load":
-    model.load_state_dict(torch.load(args["dir"] + "/weights.pt"))
+    model.load_state_dict(torch.load(args["dir"] + "/weights.pt", map_location=device))
     start = time.perf_counter()
     with open(args["dir"] + "/step.bin", "rb") as f:
         fns = {"step": torch.compiler.load_compiled_function(f)}
@@ -110,7 +111,7 @@ elif args["role"] == "dynamo":  # plain torch.compile, Dynamo's cache on (CGTREE
     compiled = torch.compile(model, backend="cgtrees")
     result["batches"] = []
     for batch in args["batches"]:
-        xb = torch.randn(batch, 16)
+        xb = torch.randn(batch, 16).to(device)
         model.zero_grad(set_to_none=True)
         out = compiled(xb)
         out.square().mean().backward()
@@ -135,7 +136,7 @@ else:  # "bad": each file must fail to load with a clear error
             result["errors"][path] = f"{type(exc).__name__}: {exc}"
 c = counters.snapshot()
 result["counters"] = {k: c.get(k, 0) for k in ("kernels_generated", "precompile_loaded", "cudagraph_skips",
-                                                 "graphs_compiled")}
+                                                 "graphs_compiled", "cudagraph_recorded", "cudagraph_replayed")}
 result["calls"] = calls
 print(json.dumps(result))
 '''
