@@ -54,6 +54,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -288,11 +289,16 @@ def progress(row: dict) -> None:
 
 
 def result_files(paths: str) -> list[Path]:
-    """The files named, a folder standing for its ``*.json`` files in name order."""
+    """The files named, a folder standing for its ``*.json`` files in name order, numbers compared
+    as numbers (``9-...`` before ``10-...``)."""
     found: list[Path] = []
     for path in map(Path, filter(None, paths.split(","))):
-        found += sorted(path.glob("*.json")) if path.is_dir() else [path]
+        found += sorted(path.glob("*.json"), key=_natural) if path.is_dir() else [path]
     return found
+
+
+def _natural(path: Path) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", path.name)]
 
 
 def load(paths: str) -> tuple[list[dict], dict | None, dict]:

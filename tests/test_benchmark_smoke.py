@@ -63,6 +63,14 @@ def test_warm_row_is_the_median_run_and_lists_every_run():
     assert run.median_row([rows[1]])["tag"] == "failed"  # no good run: the failure is the row
 
 
+def test_result_folder_merges_in_numeric_order(tmp_path):
+    """A later run's rows win a merge: ``10-...`` comes after ``9-...``, not before ``2-...``."""
+    run = _runner()
+    for name in ("10-b.json", "2-a.json", "9-c.json", "notes.txt"):
+        (tmp_path / name).write_text("{}")
+    assert [p.name for p in run.result_files(str(tmp_path))] == ["2-a.json", "9-c.json", "10-b.json"]
+
+
 def test_primed_byte_code_cache_covers_each_backend_and_mode(tmp_path):
     run = _runner()
     args = run.parse_args(["--models", "decode,mlp_small", "--backends", "inductor,cgtrees", "--cold-warm"])
