@@ -15,6 +15,19 @@ def bump(key: str, n: int = 1) -> None:
     counters["cgtrees"][key] += n
 
 
+GAP_OPS = "cgtrees_aten_gap_ops"  # counters[GAP_OPS][op name]: the aten calls counted in aten_gaps, by op
+
+
+def bump_gap(op: str) -> None:
+    """One more aten call that is a gap in our lowering (``aten_gaps``), recorded by op as well."""
+    counters["cgtrees"]["aten_gaps"] += 1
+    counters[GAP_OPS][op] += 1
+
+
+def gap_ops() -> dict[str, int]:
+    return dict(counters.get(GAP_OPS, {}))
+
+
 def snapshot() -> dict[str, int]:
     """All known keys (zero when never bumped) plus any others that were."""
     table = counters["cgtrees"]

@@ -247,7 +247,8 @@ def _counters(backend: str) -> dict:
     if base(backend) == "cgtrees":
         from backend import counters as cgtrees_counters
 
-        ours = {**cgtrees_counters.snapshot(), "backward_replays": backward_replays()}
+        ours = {**cgtrees_counters.snapshot(), "backward_replays": backward_replays(),
+                "aten_gap_ops": cgtrees_counters.gap_ops()}
     breaks = counters.get("graph_break", {})
     found = {"cgtrees": ours, "graph_breaks": sum(breaks.values()),
              "graph_break_reasons": [str(reason)[:300] for reason in list(breaks)[:5]],

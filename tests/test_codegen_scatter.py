@@ -238,3 +238,17 @@ def test_index_out_of_range_raises_in_the_kernel(case):
     with pytest.raises((IndexError, RuntimeError)):
         module.call([x, bad, src])
     assert "index out of range" in (module.failure or "")
+
+
+def test_a_reduction_we_do_not_lower_is_a_gap_counted_by_op():
+    """scatter_reduce's amax runs through aten: counted in ``aten_gaps`` and, by op, in
+    ``counters["cgtrees_aten_gap_ops"]`` (what the benchmark rows record to name a gap)."""
+    from torch._dynamo.utils import counters
+
+    counters["cgtrees"].clear()
+    counters["cgtrees_aten_gap_ops"].clear()
+    base, index, src = torch.zeros(4, 3), torch.tensor([[0, 1, 0], [3, 3, 2]]), torch.randn(2, 3)
+    module = compile_fn(lambda b, i, s: b.scatter_reduce(0, i, s, "amax"), base, index, src)
+    assert aten_calls(module)
+    assert counters["cgtrees"]["aten_gaps"] == 1
+    assert dict(counters["cgtrees_aten_gap_ops"]) == {"aten.scatter_reduce.two": 1}

@@ -360,7 +360,7 @@ class GraphLowerer:
             return self._python_scalar(node)
         counters.bump("aten_fallbacks")
         if not is_library_op(node.target):
-            counters.bump("aten_gaps")  # an op a kernel could have done: a fusion boundary we left
+            counters.bump_gap(str(node.target))  # an op a kernel could have done: a fusion boundary we left
         self.fallbacks.append((node.name, reason))
         log_once(log, f"fallback:{node.target}:{reason}", "cgtrees codegen: %s runs through aten (%s)",
                  node.target, reason, level=logging.INFO)
