@@ -186,8 +186,9 @@ def test_the_cache_keeps_what_a_module_captures_and_passes_it_back(monkeypatch, 
     assert modules.kernel_binaries(codegen.AtenModule(None)) == {}
     seen = {}
     monkeypatch.setattr(codegen, "load", lambda source, ctx, **kw: seen.update(kw))
-    modules.load_record({"format": "codegen", "source": "", "binaries": {"pw_0": []}}, None)
+    modules.load_record({"format": "codegen", "source": "", "binaries": {"pw_0": []}, "code": {"python": "x"}}, None)
     assert seen["precompile_kernels"] is False and seen["binaries"] == {"pw_0": []}
+    assert seen["code"] == {"python": "x"}
     assert seen["facts"] == codegen.GraphFacts() and seen["dynamic"] is True  # a record without them
 
 
@@ -205,3 +206,43 @@ def test_junk_records_leave_a_deferred_kernel_on_the_jit(monkeypatch, tmp_path, 
     assert binaries.install(module, {"pw_0": junk}, f"m{id(junk)}") == 0
     assert isinstance(module.pw_0, binaries.CachedKernel) and module.pw_0.binaries == []
     assert "not usable" in caplog.text
+
+
+def _deferred_load(tmp_path, code=None):
+    import types
+
+    path = tmp_path / "m.py"
+    path.write_text(SOURCE)
+    module = types.ModuleType("m")
+    binaries.exec_deferred(module, SOURCE, str(path), {"pw_0": []}, code)
+    return module, path
+
+
+def test_a_stored_code_object_runs_instead_of_compiling_the_source(monkeypatch, tmp_path):
+    """A warm load runs the entry's code object (``code_record``): no compile, the same module as
+    from the source, and every function's file is the module's path, where Triton's JIT reads a
+    kernel's source when it decorates it later."""
+    import inspect
+    import types
+
+    code = binaries.code_record(SOURCE, {"pw_0": []})
+    monkeypatch.setattr(binaries, "compile", lambda *a, **k: pytest.fail("compiled"), raising=False)
+    module, path = _deferred_load(tmp_path, code)
+    assert type(module.pw_0) is types.FunctionType and type(module.pw_1) is not types.FunctionType
+    assert module.pw_0.__code__.co_filename == str(path)
+    assert inspect.getsource(module.pw_0).startswith("@triton.jit\ndef pw_0(")
+    monkeypatch.undo()
+    fresh, _ = _deferred_load(tmp_path)
+    assert module.pw_0.__code__.co_firstlineno == fresh.pw_0.__code__.co_firstlineno
+
+
+@pytest.mark.parametrize("bad", ["another_python", "garbled", "not_a_record"])
+def test_a_stored_code_object_this_interpreter_cannot_use_compiles_the_source(tmp_path, bad, caplog):
+    import types
+
+    code = binaries.code_record(SOURCE, {"pw_0": []})
+    code = {"another_python": {**code, "python": "0d0d0a0a"}, "garbled": {**code, "marshal": "AAAA"},
+            "not_a_record": "junk"}[bad]
+    module, path = _deferred_load(tmp_path, code)
+    assert type(module.pw_0) is types.FunctionType and module.pw_0.__code__.co_filename == str(path)
+    assert ("unreadable" in caplog.text) == (bad == "garbled")

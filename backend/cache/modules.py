@@ -87,7 +87,7 @@ def _load_entry(payload: dict[str, Any], gm: torch.fx.GraphModule, example_input
                 ctx: GraphContext) -> Any:
     return codegen.load(payload["source"], ctx, path=codegen.debug_path(gm, ctx), precompile_kernels=False,
                         binaries=payload.get("binaries"), facts=codegen.facts_of(gm),
-                        dynamic=codegen.has_symbolic_shapes(list(example_inputs)))
+                        dynamic=codegen.has_symbolic_shapes(list(example_inputs)), code=payload.get("code"))
 
 
 def store(key: ModuleKey | None, module: Any, ctx: GraphContext) -> bool:
@@ -95,8 +95,23 @@ def store(key: ModuleKey | None, module: Any, ctx: GraphContext) -> bool:
     graph that runs through aten, a write that failed)."""
     if key is None or getattr(module, "source", None) is None:
         return False
-    payload = {"key": key.key.as_dict(), "source": module.source, "binaries": kernel_binaries(module)}
+    binaries = kernel_binaries(module)
+    payload = {"key": key.key.as_dict(), "source": module.source, "binaries": binaries}
+    if not ctx.config.interpret:  # interpreted kernels are loaded from their source (``codegen.load``)
+        payload["code"] = code_record(module.source, binaries)
     return key.store.write(LEVEL, key.digest, payload, ctx.config.cache_size_mb)
+
+
+def code_record(source: str, binaries: dict[str, list[dict]]) -> dict[str, str] | None:
+    """The compiled code a warm start runs instead of compiling ``source`` (``codegen.binaries``);
+    None when it cannot be made (the entry is still good: its source is compiled at load)."""
+    from backend.codegen.binaries import code_record as make
+
+    try:
+        return make(source, binaries)
+    except Exception as exc:  # noqa: BLE001
+        events.log.warning("cgtrees cache: no compiled code kept for a module (%s: %s)", type(exc).__name__, exc)
+        return None
 
 
 def module_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext) -> CacheKey:
@@ -202,7 +217,8 @@ def resolve(record: dict[str, Any], store: Store | None) -> dict[str, Any]:
     if not isinstance(payload.get("source"), str):
         raise MissingModule(f"kernel module {digest[:12]}'s entry holds no source")
     events.hit(LEVEL, digest[:12])
-    return {**record, "format": "codegen", "source": payload["source"], "binaries": payload.get("binaries")}
+    return {**record, "format": "codegen", "source": payload["source"], "binaries": payload.get("binaries"),
+            "code": payload.get("code")}
 
 
 def load_record(record: dict[str, Any], ctx: GraphContext) -> Any:
@@ -215,7 +231,8 @@ def load_record(record: dict[str, Any], ctx: GraphContext) -> Any:
             ctx = dataclasses.replace(ctx, cache_key=record["digest"])
             path = codegen.debug_path(None, ctx)
         return codegen.load(record["source"], ctx, path=path, precompile_kernels=False,
-                            binaries=record.get("binaries"), facts=facts, dynamic=bool(record.get("dynamic", True)))
+                            binaries=record.get("binaries"), facts=facts, dynamic=bool(record.get("dynamic", True)),
+                            code=record.get("code"))
     if record["format"] == "fx-boxed":
         return FxModule(record["source"], ctx.name, facts)
     raise CorruptEntry(f"unknown module format {record['format']!r}")

@@ -137,12 +137,13 @@ _counter = itertools.count()
 
 def load(source: str, ctx: GraphContext, path: str | None = None, precompile_kernels: bool = True,
          binaries: dict[str, list[dict]] | None = None, facts: GraphFacts = UNKNOWN,
-         dynamic: bool = False) -> KernelModule:
+         dynamic: bool = False, code: dict[str, str] | None = None) -> KernelModule:
     """Import ``source`` (written to ``path``, or to a fresh temporary file) as a kernel module whose
     kernels launch from compiled binaries, without Triton's JIT (``codegen.binaries``). A fresh
     module first compiles its kernels together and launches what that compiled; a cache hit
     (``precompile_kernels=False``) launches the entry's ``binaries``, its kernels left undecorated
-    until a launch needs the JIT (a kernel without a binary loads from Triton's on-disk cache)."""
+    until a launch needs the JIT (a kernel without a binary loads from Triton's on-disk cache);
+    ``code``, the entry's compiled code of that source (``binaries.code_record``), spares compiling it."""
     if ctx.config.interpret:
         # Triton decides interpreted or compiled when a kernel is decorated: set before importing.
         from backend.codegen import interp
@@ -167,7 +168,7 @@ def load(source: str, ctx: GraphContext, path: str | None = None, precompile_ker
     if binaries is not None and not precompile_kernels and not ctx.config.interpret:
         from backend.codegen.binaries import exec_deferred
 
-        exec_deferred(module, source, path, binaries)  # kernels with binaries are not decorated
+        exec_deferred(module, source, path, binaries, code)  # kernels with binaries are not decorated
     else:
         spec.loader.exec_module(module)
     ready = False  # every kernel compiled before the first call: no compile can fail in it
