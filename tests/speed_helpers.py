@@ -33,6 +33,24 @@ def _window_us(step: Callable[[], object], calls: int) -> float:
     return start.elapsed_time(end) * 1000 / calls
 
 
+def kernel_times(step: Callable[[], object], calls: int = 10) -> dict[str, float]:
+    """Each GPU kernel's device time per call of ``step`` (us, summed over its launches), from the
+    profiler, longest first; one call of ``step`` runs first, outside the profile."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name] = totals.get(event.name, 0.0) + event.time_range.elapsed_us() / calls
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
 def forward_step(fn: Callable, args: list | tuple) -> Callable[[], None]:
     """One inference call of ``fn`` as a step of its own (a new CUDA-graph step each time)."""
     def step() -> None:

@@ -33,6 +33,7 @@ from backend.cache import events
 from backend.cache.compat import Uncacheable
 from backend.cache.key import CacheKey, constants_text, make_key
 from backend.cache.store import CorruptEntry, Store
+from backend.codegen import binaries as codegen_binaries
 from backend.codegen import compat as codegen_compat
 from backend.config import Config
 from backend.context import GraphContext
@@ -105,10 +106,8 @@ def store(key: ModuleKey | None, module: Any, ctx: GraphContext) -> bool:
 def code_record(source: str, binaries: dict[str, list[dict]]) -> dict[str, str] | None:
     """The compiled code a warm start runs instead of compiling ``source`` (``codegen.binaries``);
     None when it cannot be made (the entry is still good: its source is compiled at load)."""
-    from backend.codegen.binaries import code_record as make
-
     try:
-        return make(source, binaries)
+        return codegen_binaries.code_record(source, binaries)
     except Exception as exc:  # noqa: BLE001
         events.log.warning("cgtrees cache: no compiled code kept for a module (%s: %s)", type(exc).__name__, exc)
         return None

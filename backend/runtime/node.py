@@ -101,6 +101,7 @@ class GraphNode:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.replays = 0
         self.key: Any = None
+        self.keeps_tensors = fn.kind == "backward"  # what a backward returned is kept by weak reference (R4)
 
     # ---------------------------------------------------------------- record
     def record(self, call: Any, args: list[Any], static: frozenset[int], mutated: tuple[int, ...],
@@ -390,7 +391,7 @@ class GraphNode:
 
     def _track(self, storages: list[Any], outs: list[Any]) -> None:
         live = self.manager.live
-        if self.fn.kind == "backward":  # what a backward returned is kept by weak reference (R4)
+        if self.keeps_tensors:
             for storage, key, js in zip(storages, self.pool_storages, self.outputs_in):
                 live.append(LiveOutput(storage, key, self, js[0], [weakref.ref(outs[j]) for j in js]))
         else:

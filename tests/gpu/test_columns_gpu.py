@@ -15,6 +15,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from layout_helpers import same  # noqa: E402
+from speed_helpers import kernel_times  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -49,25 +50,19 @@ def test_channels_last_batch_norm_training_matches_eager(shape):
 def test_split_statistics_read_near_copy_bandwidth(capsys):
     """Printed, not asserted: the compiled forward and backward of the largest resnet18 batch norm
     (32x64x112x112, 103 MB) in kernel time, against reading the input at copy bandwidth."""
-    from torch.profiler import ProfilerActivity, profile
-
     x = torch.randn(32, 64, 112, 112, device=DEV).to(memory_format=torch.channels_last).requires_grad_()
     w, b = (torch.randn(64, device=DEV, requires_grad=True) for _ in range(2))
     grad = torch.randn_like(x)
     fn = torch.compile(bn, backend="cgtrees", options=OPTIONS)
-    for _ in range(3):
+    for _ in range(2):
         fn(x, w, b).backward(grad)
     copy = torch.empty_like(x)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            fn(x, w, b).backward(grad)
-            copy.copy_(x)
-        torch.cuda.synchronize()
-    times: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            times[e.name] = times.get(e.name, 0.0) + e.time_range.elapsed_us() / 5
+
+    def step() -> None:
+        fn(x, w, b).backward(grad)
+        copy.copy_(x)
+
+    times = kernel_times(step, calls=5)
     copy_us = sum(t for n, t in times.items() if not n.startswith(("pw_", "red_")) and "copy" in n.lower())
     with capsys.disabled():
         print(f"\ncopy of 103 MB (read + write): {copy_us:.1f} us")

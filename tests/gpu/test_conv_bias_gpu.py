@@ -15,6 +15,7 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from layout_helpers import train_against_eager  # noqa: E402
+from speed_helpers import kernel_times  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -34,16 +35,6 @@ class ConvGelu(nn.Module):
         return torch.nn.functional.gelu(self.pw(self.dw(x)))
 
 
-def _aten_kernels(fn, x) -> list[str]:
-    """Names of the device kernels of one call that are neither ours (Triton) nor cuDNN's/cuBLAS's."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(x)
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type.name == "CUDA" and "at::native" in e.name]
-
-
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
 def test_bias_add_is_ours_in_inference(memory_format, no_tf32):
     torch.manual_seed(0)
@@ -55,7 +46,7 @@ def test_bias_add_is_ours_in_inference(memory_format, no_tf32):
         for _ in range(2):
             got = compiled(x)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
-        assert _aten_kernels(compiled, x) == []
+        assert [name for name in kernel_times(lambda: compiled(x), calls=1) if "at::native" in name] == []
 
 
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])

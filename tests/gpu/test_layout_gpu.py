@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 from conv_models import BasicBlock, ConvBNReLU, ConvNeXtBlock, MobileBlock  # noqa: E402
 from layout_helpers import train_against_eager  # noqa: E402
+from speed_helpers import kernel_times  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -99,18 +100,11 @@ def test_inference_channels_last_matches_eager(no_tf32):
 
 
 def _kernel_names(model: nn.Module, x: torch.Tensor, options: dict) -> list[str]:
-    """Every GPU kernel of two training steps after warmup (CUDA graphs off: one launch per kernel)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """The GPU kernels of a training step after warmup (CUDA graphs off: one launch per kernel)."""
     compiled = torch.compile(model, backend="cgtrees", options={**options, "cudagraphs": False})
     for _ in range(2):
         compiled(x).sum().backward()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            compiled(x).sum().backward()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return list(kernel_times(lambda: compiled(x).sum().backward(), calls=2))
 
 
 def _conversions(names: list[str]) -> list[str]:
@@ -124,8 +118,8 @@ def test_no_layout_conversion_kernels_around_convolutions():
     before = _kernel_names(copy.deepcopy(model), x, {"layout_opt": "off"})
     torch._dynamo.reset()
     after = _kernel_names(model, x, {})
-    print(f"\nlayout off: {len(before)} kernels, conversions {_conversions(before)}")
-    print(f"layout on: {len(after)} kernels, conversions {_conversions(after)}")
+    print(f"\nlayout off: {len(before)} distinct kernels, conversions {_conversions(before)}")
+    print(f"layout on: {len(after)} distinct kernels, conversions {_conversions(after)}")
     print("layout on, kernels with nchw/nhwc/transpose in their names:",
           sorted({n for n in after if any(k in n.lower() for k in ("nchw", "nhwc", "transpose"))}))
     assert not _conversions(after)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections import defaultdict
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
-from speed_helpers import compiled, forward_step, medians_us, training_step  # noqa: E402
+from speed_helpers import compiled, forward_step, kernel_times, medians_us, training_step  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -53,23 +52,6 @@ def inputs(requires_grad: bool, dtype: torch.dtype = torch.float32) -> list[torc
 def grads_of_outputs() -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(1)
     return (torch.randn(BATCH, TOKENS, D, device="cuda"), torch.randn(BATCH, TOKENS, D, device="cuda"))
-
-
-def kernel_times(step, calls: int = 10) -> dict[str, float]:
-    """Each kernel's device time per call (us), from the profiler, longest first."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name] += event.device_time / calls
-    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def assert_near_float64(ours: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor, what: str) -> None:
