@@ -11,6 +11,8 @@ if TYPE_CHECKING:
     from backend.aot.constants import Constants
 
 
+SAVED_FROM = "cgtrees_saved_from"  # fw_module.meta: the number of its outputs the user sees (aot.partition)
+
 GraphKind = Literal["forward", "backward", "inference"]  # which of AOTAutograd's graphs (R3, R4)
 
 
@@ -26,5 +28,9 @@ class GraphContext:
     pair: Any = field(default=None, compare=False, hash=False)
     # The graph's lifted constants (``aot.constants``): its last inputs, appended to every call.
     constants: "Constants | None" = field(default=None, compare=False, hash=False)
+    # A forward's first output that only the backward reads (AOTAutograd's saved activations come
+    # after the user's outputs); the runtime hands those out as the same tensors on every replay.
+    # None: unknown, or not a forward (every output is rebuilt).
+    saved_from: int | None = field(default=None, compare=False, hash=False)
     # The digest of the graph's kernel-module cache key, which its module's header shows (None: no key).
     cache_key: str | None = field(default=None, compare=False, hash=False)

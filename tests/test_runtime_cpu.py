@@ -89,3 +89,89 @@ def test_changing_dimension_is_named():
     text = _changing_dims(keys)
     assert "input 1 dimension 0" in text and "input 0" in text
     assert "input 2" not in text
+
+
+# ------------------------------------------------------------ reused outputs (liveness.dead)
+def _entry_keeping(make):
+    """An entry that keeps the tensor ``make()`` returns, as a forward node keeps a saved activation."""
+    from backend.runtime.liveness import keeping
+
+    t = make()
+    storage = t.untyped_storage()
+    return keeping(storage, (storage.data_ptr(), storage.nbytes()), None, 0, t)
+
+
+def test_a_kept_tensor_is_dead_only_when_nothing_else_holds_it():
+    """The test that lets a replay hand out last replay's tensor again: every way a program can
+    still reach it (the Python object, a view, a storage, autograd's saved tensors holding the
+    TensorImpl alone) keeps it live; held by its entry alone it is idle (dead)."""
+    from backend.runtime.liveness import dead
+
+    entry = _entry_keeping(lambda: torch.randn(4, 3))
+    assert dead(entry)
+    assert entry.alive() is False
+    held = entry.cached
+    assert not dead(entry)
+    del held
+    assert dead(entry)
+    view = entry.cached[1:]
+    assert not dead(entry)
+    del view
+    storage = entry.cached.untyped_storage()  # the Python object the entry keeps too
+    assert not dead(entry)
+    del storage
+    assert dead(entry)
+    other = torch.empty(0).set_(entry.cached.untyped_storage())  # another TensorImpl, same storage
+    assert not dead(entry)
+    del other
+    w = torch.randn(4, 3, requires_grad=True)
+    y = w * entry.cached  # autograd saves the TensorImpl (C++ only: no Python reference)
+    assert not dead(entry)
+    del y
+    assert dead(entry)
+    entry.cached = entry.cached_storage = None  # forgotten: an ordinary entry, dead with its storage
+    assert dead(entry)
+
+
+def test_an_entry_without_a_kept_tensor_lives_with_its_storage():
+    from backend.runtime.liveness import LiveOutput, dead, still_alive
+
+    t = torch.randn(5)
+    storage = t.untyped_storage()
+    entry = LiveOutput(storage, (storage.data_ptr(), storage.nbytes()), None, 0, None)
+    del storage
+    assert not dead(entry) and still_alive([entry]) == [entry]
+    del t
+    assert dead(entry) and still_alive([entry]) == []
+
+
+def test_forward_context_names_where_its_saved_activations_begin(monkeypatch):
+    """The forward's context says which outputs only the backward reads (the runtime reuses
+    their tensors): after the user's outputs and the new value of a mutated input."""
+    from backend.aot import driver
+
+    seen = []
+    compile_graph = driver.compile_aten_graph
+
+    def spy(gm, example_inputs, ctx):
+        outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+        seen.append((ctx.kind, ctx.saved_from, len(outputs)))
+        return compile_graph(gm, example_inputs, ctx)
+
+    monkeypatch.setattr(driver, "compile_aten_graph", spy)
+    monkeypatch.setenv("CGTREES_CACHE", "0")
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    torch.compile(model, backend="cgtrees")(torch.randn(8, 16)).sum().backward()
+
+    def two_outputs(x, y):
+        x.add_(1)  # a buffer-like input written in place: in the graph, not an output
+        return (y * 2).sin(), y.exp()
+
+    a, b = torch.compile(two_outputs, backend="cgtrees")(torch.zeros(3), torch.randn(4, requires_grad=True))
+    (a.sum() + b.sum()).backward()
+    assert [(k, s) for k, s, _ in seen] == [("forward", 1), ("backward", None), ("forward", 2), ("backward", None)]
+    assert all(n > s for k, s, n in seen if k == "forward")  # some outputs are saved activations
+    with torch.no_grad():
+        torch.compile(lambda a: a.cos() * 3, backend="cgtrees")(torch.randn(6))
+    assert seen[-1][:2] == ("inference", None)

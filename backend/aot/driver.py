@@ -24,7 +24,7 @@ from backend import cache, codegen, counters, runtime
 from backend.aot import compat, constants, layout
 from backend.cache.backward_graph import SAVED_STATIC
 from backend.config import Config
-from backend.context import GraphContext
+from backend.context import SAVED_FROM, GraphContext
 from backend.logs import log, log_once
 
 
@@ -100,6 +100,7 @@ def _aten_compiler(aot_kind: str, name: str, pair: FunctionPair, config: Config,
             config=config, kind=kind, name=f"{name}_{kind}" + (f"_{n}" if n else ""),
             static_input_indices=static + consts.indices(len(example_inputs)),
             mutated_input_indices=mutated_inputs(gm), pair=pair, constants=consts,
+            saved_from=gm.meta.get(SAVED_FROM) if aot_kind == "forward" else None,
         )
         call = compat.boxed(compile_aten_graph(gm, [*example_inputs, *consts.tensors], ctx))
         if kind == "inference":

@@ -21,6 +21,7 @@ import torch.fx
 from backend.aot import compat, layout
 from backend.aot.cost import is_recomputable, saved_bytes
 from backend.cache.backward_graph import SAVED_STATIC
+from backend.context import SAVED_FROM
 
 _SOURCE, _SINK = "__source__", "__sink__"
 
@@ -45,6 +46,7 @@ def partition(joint_module: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_
     fw, bw = compat.extract_fwd_bwd_modules(joint_module, saved_values, saved_syms,
                                             num_fwd_outputs=num_fwd_outputs, static_nodes=static or None)
     bw.meta[SAVED_STATIC] = tuple(n.name for n in saved_values if n in static)
+    fw.meta[SAVED_FROM] = num_fwd_outputs  # after the user's outputs, what the backward reads
     return fw, bw
 
 

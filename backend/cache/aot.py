@@ -236,7 +236,8 @@ def _load_part(part: dict[str, Any], kind: str, config: Config, pair: Any, wrap:
     _, sep, suffix = part["name"].partition("_")
     ctx = GraphContext(config=config, kind=part.get("runtime_kind", kind), name=f"{name}_{suffix}" if sep else name,
                        static_input_indices=tuple(part["static_inputs"]),
-                       mutated_input_indices=tuple(part["mutated_inputs"]), pair=pair, constants=consts)
+                       mutated_input_indices=tuple(part["mutated_inputs"]), pair=pair, constants=consts,
+                       saved_from=part.get("saved_from"))
     module = modules.load_record(part["module"], ctx)
     if not part["wrapped"]:
         return consts.append(module.call) if consts else module.call
@@ -383,6 +384,8 @@ class Recorder:
         }
         if ctx.kind != kind:
             self.parts[kind]["runtime_kind"] = ctx.kind
+        if ctx.saved_from is not None:
+            self.parts[kind]["saved_from"] = ctx.saved_from
         if self.kept is not None and self.parts[kind]["module"]["format"] == "level-2":
             self.kept_modules[kind] = modules.module_record(gm, module)
 

@@ -40,6 +40,10 @@ free_and_remove_deleter = _first("_free_And_Remove_DeleterFn")
 # Outputs whose memory was reused: every later access raises with our message.
 set_storage_error = _first("_set_storage_data_ptr_access_error_msg")
 storage_use_count = _first("_storage_Use_Count")
+# How many at::Tensor references a TensorImpl has (its Python object's counts as one; autograd's
+# saved tensors hold the TensorImpl): whether a tensor we keep is held by anyone else. Without
+# it, replays build every output afresh (``node.py``, reused outputs).
+tensor_use_count = getattr(torch.Tensor, "_use_count", None)
 _ptrs_equal = _first("_tensors_data_ptrs_at_indices_equal")
 clear_cublas_workspaces = _first("_cuda_clearCublasWorkspaces")
 # Whether the running backward keeps its graph (retain_graph; True outside a backward): then the
@@ -77,6 +81,7 @@ def report() -> dict[str, bool]:
     found = {name: hasattr(_C, name) for name in names}
     found["_autograd._get_current_graph_task_keep_graph"] = hasattr(getattr(_C, "_autograd", None),
                                                                     "_get_current_graph_task_keep_graph")
+    found["Tensor._use_count"] = tensor_use_count is not None
     return found
 
 

@@ -10,10 +10,16 @@ Invariants:
   R4); every other live output is invalidated: its memory goes back to the pool and every later
   access raises a RuntimeError that names the function, the op and the remedy (R1).
 - ``reset()`` frees the pool: gradients we still hold are copied out in place, the rest invalidated.
+- A forward's saved activations are handed out as the same tensors on every replay (``cached``):
+  the entry keeps its tensor, and that reference does not count. A cached entry is live while
+  anything else holds the tensor (its Python object or its TensorImpl) or its storage; an *idle*
+  one (held by the entry alone) is dead for every rule above, and reusing its tensor is then
+  indistinguishable from building a new one. An entry whose tensor is invalidated drops it.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -42,10 +48,26 @@ class WeakStorage:
         self._free(self.cdata)
 
 
+class _Holder:
+    __slots__ = ("cached", "cached_storage")
+
+
+def _idle_refcounts() -> tuple[int, int]:
+    """What ``sys.getrefcount`` reads in ``dead`` for a kept tensor and its storage's Python object
+    that only an entry holds (torch 2.13's storage holds its Python object once it has one)."""
+    probe = _Holder()
+    storage = torch.UntypedStorage(16)
+    probe.cached = torch.empty(0, dtype=torch.uint8).set_(storage)
+    probe.cached_storage = storage
+    del storage
+    t, s = probe.cached, probe.cached_storage
+    return sys.getrefcount(t), sys.getrefcount(s)
+
+
 class LiveOutput(WeakStorage):
     """One storage of pool memory that we handed out, held by a weak reference to its StorageImpl."""
 
-    __slots__ = ("key", "node", "index", "tensors")
+    __slots__ = ("key", "node", "index", "tensors", "cached", "cached_storage", "idle_uses")
 
     def __init__(self, storage: torch.UntypedStorage, key: tuple[int, int], node: "GraphNode", index: int,
                  tensors: list[weakref.ref] | None) -> None:
@@ -56,6 +78,41 @@ class LiveOutput(WeakStorage):
         self.node = node
         self.index = index  # the first output of ``node`` that lives in this storage
         self.tensors = tensors  # weak refs to the tensors a backward returned (R4), else None
+        self.cached: torch.Tensor | None = None  # the tensor replays hand out again (a saved activation)
+        self.cached_storage: torch.UntypedStorage | None = None  # and its storage's Python object
+        self.idle_uses = 0  # the storage's use count when only the two above hold it
+
+    def alive(self) -> bool:
+        return not dead(self)
+
+
+def keeping(storage: torch.UntypedStorage, key: tuple[int, int], node: "GraphNode", index: int,
+            tensor: torch.Tensor) -> LiveOutput:
+    """An entry that keeps ``tensor`` over ``storage`` (and the storage's Python object, so that a
+    program holding ``tensor.untyped_storage()`` is seen) to hand out again. Called while nothing
+    else holds them: the storage's use count now is its idle count (the tensor's, and the Python
+    object's, which torch 2.13 keeps for the life of the storage once it exists)."""
+    entry = LiveOutput(storage, key, node, index, None)
+    entry.cached = tensor
+    entry.cached_storage = storage
+    entry.idle_uses = compat.storage_use_count(entry.cdata)
+    return entry
+
+
+_IDLE_TENSOR_REFS, _IDLE_STORAGE_REFS = _idle_refcounts()
+
+
+def dead(entry: LiveOutput) -> bool:
+    """Whether nothing but the runtime holds the entry's storage (the hot path's liveness test)."""
+    uses = compat.storage_use_count(entry.cdata)
+    if uses == 0:
+        return True
+    t = entry.cached
+    if t is None:
+        return False
+    s = entry.cached_storage
+    return (uses <= entry.idle_uses and compat.tensor_use_count(t) == 1
+            and sys.getrefcount(t) == _IDLE_TENSOR_REFS and sys.getrefcount(s) == _IDLE_STORAGE_REFS)
 
 
 def overwritten_message(node: "GraphNode", index: int, why: str) -> str:
@@ -78,6 +135,7 @@ def copy_out_in_place(entry: LiveOutput) -> None:
 
 def invalidate(entry: LiveOutput, why: str) -> None:
     """Give the storage's memory back to the pool; every later access raises our message."""
+    entry.cached = entry.cached_storage = None
     cdata = entry.cdata
     if compat.has_standard_deleter(cdata):
         compat.free_and_remove_deleter(cdata)  # a recording's output: the allocator owns the block
@@ -111,5 +169,5 @@ def release_all(live: list[LiveOutput], why: str) -> None:
 
 
 def still_alive(live: list[Any]) -> list[Any]:
-    use_count = compat.storage_use_count
-    return [e for e in live if use_count(e.cdata) > 0]
+    return [e for e in live if not dead(e)]
+

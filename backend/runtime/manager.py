@@ -68,10 +68,10 @@ class TreeManager:
             self.backward_ran = True
         live = self.live
         if live:
-            use_count = compat.storage_use_count
+            dead = liveness.dead
             for entry in live:
-                if use_count(entry.cdata) == 0:
-                    live = self.live = [e for e in live if use_count(e.cdata) > 0]
+                if dead(entry):
+                    live = self.live = [e for e in live if not dead(e)]
                     if not live:
                         self.generation += 1  # inference: every output of the last step died
                     break
@@ -90,6 +90,10 @@ class TreeManager:
     # ------------------------------------------------------------ recording
     def prepare_recording(self) -> list[LiveOutput]:
         """Make the allocator's book-keeping for the pool true again (R5); return the live outputs."""
+        # Reused tensors (saved activations) are forgotten first: what someone else holds stays
+        # live as an ordinary output, which the checkpoint below may give a deleter.
+        for node in self.alive_nodes():
+            node.forget_reused()
         # Outputs that died in a reference cycle still answer their weak references: they count as
         # live, which is safe (their blocks stay allocated until the cycle is collected) but may
         # cost a branch. The young generations hold the cycles of the last calls and take well

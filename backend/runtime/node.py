@@ -14,10 +14,13 @@ Invariants:
   are *consumed*: the graph reuses their memory, so it replays only when autograd keeps no graph and
   each of them is held by the call alone (its recorded storage use count).
 - Outputs are rebuilt on every replay as fresh tensors over the same pool memory (storages without
-  a deleter: the pool, not the tensor, owns the memory); outputs that alias an input are rebuilt as
-  views of that input; non-tensor outputs are constants of the recording. Outputs that shared one
-  storage when recorded share one on every replay, also in copy-out mode (each pool storage is
-  copied once and every output is rebuilt over its copy), so aliasing is eager's.
+  a deleter: the pool, not the tensor, owns the memory), except a forward's saved activations: each
+  replay hands out the tensors of the last one, which nobody else can hold then (``liveness``:
+  their entries are idle, or the node would not fit); a recording forgets them first. Outputs
+  that alias an input are rebuilt as views of that input; non-tensor outputs are constants of
+  the recording. Outputs that shared one storage when recorded share one on every replay, also
+  in copy-out mode (each pool storage is copied once and every output is rebuilt over its copy),
+  so aliasing is eager's.
 - The allocator checkpoint is taken right after the first replay, while the outputs and every
   protected storage are alive: restoring it gives back exactly those blocks (R5).
 """
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from backend.runtime import compat
+from backend.runtime import compat, liveness
 from backend.runtime.liveness import LiveOutput, WeakStorage
 
 if TYPE_CHECKING:
@@ -102,6 +105,8 @@ class GraphNode:
         self.replays = 0
         self.key: Any = None
         self.keeps_tensors = fn.kind == "backward"  # what a backward returned is kept by weak reference (R4)
+        self.reuse_plan: list[tuple[int, int]] = []  # set by _plan_reuse once the outputs are known
+        self.reused: list[LiveOutput | None] = []
 
     # ---------------------------------------------------------------- record
     def record(self, call: Any, args: list[Any], static: frozenset[int], mutated: tuple[int, ...],
@@ -308,6 +313,28 @@ class GraphNode:
             if kind == _POOL:
                 self.outputs_in[s].append(j)
         self.first_output_of = [js[0] for js in self.outputs_in]
+        self._plan_reuse()
+
+    def _plan_reuse(self) -> None:
+        """Which outputs replays hand out as the same tensor every time: a forward's saved
+        activations (its outputs from ``ctx.saved_from`` on, which only autograd's saved tensors
+        see) that own one pool storage alone. Building a tensor, its storage and its entry costs
+        about 3.5 us an output (H100), paid for hundreds of them on every training step. The other
+        outputs are rebuilt on each replay from ``fresh_*``."""
+        start = self.fn.ctx.saved_from
+        self.reuse_plan = []  # (output, pool storage)
+        if (start is not None and self.fn.kind == "forward" and not self.copy_out
+                and compat.tensor_use_count is not None):
+            self.reuse_plan = [(j, s) for j, (kind, s, _) in enumerate(self.out_plan)
+                               if j >= start and kind == _POOL and len(self.outputs_in[s]) == 1]
+        self.reused = [None] * len(self.reuse_plan)
+        reused = {s for _, s in self.reuse_plan}
+        fresh = [s for s in range(len(self.pool_storages)) if s not in reused]
+        position = {s: k for k, s in enumerate(fresh)}
+        self.fresh_keys = [self.pool_storages[s] for s in fresh]
+        self.fresh_first = [self.first_output_of[s] for s in fresh]
+        self.fresh_plan = [(j, kind, position[a] if kind == _POOL else a, b)
+                           for j, (kind, a, b) in enumerate(self.out_plan) if not (kind == _POOL and a in reused)]
 
     def _first_outputs(self, outs: list[Any], args: list[Any]) -> list[Any]:
         if self.copy_out:  # one copy of each pool storage: outputs that share one still do
@@ -364,6 +391,11 @@ class GraphNode:
         if self.write_back:
             self._write_back(args)
         self.replays += 1
+        outs = self._reusing_outputs(args) if self.reuse_plan else self._fresh_outputs(args)
+        args.clear()
+        return outs if self.returns_list else outs[0]
+
+    def _fresh_outputs(self, args: list[Any]) -> list[Any]:
         device = self.device
         storages = [compat.storage_from_pointer(p, device, n) for p, n in self.pool_storages]
         if self.copy_out:  # one copy of each pool storage: outputs that share one still do
@@ -375,8 +407,50 @@ class GraphNode:
             outs = self._rebuild(args, storages)
         if not self.copy_out:
             self._track(storages, outs)
-        args.clear()
-        return outs if self.returns_list else outs[0]
+        return outs
+
+    def _reusing_outputs(self, args: list[Any]) -> list[Any]:
+        """The saved activations are last replay's tensors (``fits`` replays only when none of
+        them is live: each is idle, held by its entry alone); the rest are built afresh."""
+        device = self.device
+        storages = [compat.storage_from_pointer(p, device, n) for p, n in self.fresh_keys]
+        outs: list[Any] = [None] * len(self.out_plan)
+        tensor_from_storage = compat.tensor_from_storage
+        for j, kind, a, b in self.fresh_plan:
+            if kind == _POOL:
+                outs[j] = tensor_from_storage(b, storages[a])
+            elif kind == _INPUT:
+                outs[j] = _view_of(args[a], b)
+            else:
+                outs[j] = a
+        live = self.manager.live
+        for storage, key, j in zip(storages, self.fresh_keys, self.fresh_first):
+            live.append(LiveOutput(storage, key, self, j, None))
+        reused = self.reused
+        for k, (j, s) in enumerate(self.reuse_plan):
+            entry = reused[k]
+            t = None if entry is None else entry.cached
+            if t is None:  # first replay, or its tensor was invalidated or forgotten
+                entry = reused[k] = self._reusable(j, s)
+                t = entry.cached
+            outs[j] = t
+            live.append(entry)
+        return outs
+
+    def _reusable(self, j: int, s: int) -> LiveOutput:
+        """A new tensor over pool storage ``s`` (no deleter: the pool owns the memory), kept by its entry."""
+        ptr, nbytes = self.pool_storages[s]
+        storage = compat.storage_from_pointer(ptr, self.device, nbytes)
+        tensor = compat.tensor_from_storage(self.out_plan[j][2], storage)
+        return liveness.keeping(storage, (ptr, nbytes), self, j, tensor)
+
+    def forget_reused(self) -> None:
+        """Drop the kept tensors (before a recording restores a checkpoint, and at release): what
+        someone else still holds stays live as an ordinary output."""
+        for entry in self.reused:
+            if entry is not None:
+                entry.cached = entry.cached_storage = None
+        self.reused = [None] * len(self.reuse_plan)
 
     def _rebuild(self, args: list[Any], storages: list[Any]) -> list[Any]:
         outs = []
@@ -407,7 +481,7 @@ class GraphNode:
         return (f"node {self.id} {self.function_name} parent={self.parent_id} gen={self.generation} "
                 f"key={self.key} replays={self.replays} inputs copied={copied} checked={len(self.check_index)} "
                 f"outputs={len(self.out_plan)} pool_bytes={sum(n for _, n in self.pool_storages)} "
-                f"protected={len(self.protected)} consumed={len(self.consumed)}"
+                f"protected={len(self.protected)} consumed={len(self.consumed)} reused={len(self.reuse_plan)}"
                 + (" copy-out" if self.copy_out else ""))
 
     def release(self) -> None:
@@ -416,6 +490,7 @@ class GraphNode:
         checkpoint only while a graph still uses the pool: both go when another node is last."""
         self.slots = self.copy_dst = []
         self.single_slot = None
+        self.forget_reused()
         self.static_storages = []
         if self.manager.last_node is not self:
             self.graph = self.graph_replay = None
