@@ -147,8 +147,9 @@ def end_generation(live: list[LiveOutput], why: str) -> tuple[list[LiveOutput], 
     autograd made of our output, keeps its memory; later nodes are recorded around it); the rest
     is invalidated. Returns (what stays live, how many were invalidated)."""
     kept, n = [], 0
-    for entry in live:
-        if not entry.alive():
+    use_count = compat.storage_use_count
+    for entry in live:  # as in TreeManager.begin_call: ``dead`` only where the count allows it
+        if use_count(entry.cdata) <= entry.idle_uses and dead(entry):
             continue
         if entry.tensors is not None:
             kept.append(entry)
