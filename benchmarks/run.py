@@ -172,9 +172,9 @@ def prime_specs(specs: list[dict]) -> list[dict]:
 def run_warm(spec: dict, env: dict, budget: Budget, timeout: float, runs: int) -> dict:
     """``runs`` warm processes (fewer if the budget is spent after the first); the row of the median
     first 3 outputs, with every run's figure."""
-    rows = [run_worker(spec, env, budget.timeout(timeout))]
+    rows = [run_worker(spec, env, *budget.limit(timeout))]
     while len(rows) < runs and not budget.spent():
-        rows.append(run_worker(spec, env, budget.timeout(timeout)))
+        rows.append(run_worker(spec, env, *budget.limit(timeout)))
     return median_row(rows)
 
 
@@ -191,8 +191,10 @@ def median_row(rows: list[dict]) -> dict:
     return kept
 
 
-def run_worker(spec: dict, env: dict, timeout: float) -> dict:
-    """One row in a fresh process; a crash, a timeout or a missing result becomes the row's error."""
+def run_worker(spec: dict, env: dict, timeout: float, budget_cut: bool = False) -> dict:
+    """One row in a fresh process; a crash, a timeout or a missing result becomes the row's error.
+    ``budget_cut``: ``timeout`` is what was left of ``--budget``; timing out then is a row not run
+    (a merge keeps an earlier file's row for it), not a failure."""
     with tempfile.TemporaryDirectory(prefix="cgtrees-row-") as tmp:
         result, log = Path(tmp) / "row.json", Path(tmp) / "log.txt"
         cmd = [sys.executable, str(HERE / "worker.py"), "--workload", spec["workload"], "--backend",
@@ -209,6 +211,8 @@ def run_worker(spec: dict, env: dict, timeout: float) -> dict:
         if result.exists():
             return {**json.loads(result.read_text()), "wall_s": wall}
         why = f"timed out after {timeout:.0f}s" if rc is None else f"exited {rc} without a result"
+        if rc is None and budget_cut:
+            return {**spec, "ok": False, "error": f"{NOT_RUN} the --budget ran out during it ({why})", "wall_s": wall}
         return {**spec, "ok": False, "error": f"worker {why}: {log.read_text()[-1500:]}", "wall_s": wall}
 
 
@@ -337,6 +341,11 @@ class Budget:
             return timeout
         return max(1.0, min(timeout, self.deadline - time.perf_counter()))
 
+    def limit(self, timeout: float) -> tuple[float, bool]:
+        """A worker's timeout, and whether the budget cut it short."""
+        left = self.timeout(timeout)
+        return left, left < timeout
+
 
 NOT_RUN = "not run:"
 
@@ -369,7 +378,7 @@ def measure_all(args: argparse.Namespace, on_row: Callable[[list[dict]], None]) 
             elif spec["phase"] == "warm":
                 row = run_warm(spec, env, budget, args.timeout, args.warm_runs)
             else:
-                row = run_worker(spec, env, budget.timeout(args.timeout))
+                row = run_worker(spec, env, *budget.limit(args.timeout))
             rows.append({**row, "bytecode_primed": not args.no_bytecode_cache})
             on_row(rows)
         kernels = run_kernels(root, args.timeout) if args.kernels else None

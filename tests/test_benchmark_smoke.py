@@ -71,6 +71,24 @@ def test_result_folder_merges_in_numeric_order(tmp_path):
     assert [p.name for p in run.result_files(str(tmp_path))] == ["2-a.json", "9-c.json", "10-b.json"]
 
 
+def test_a_row_the_budget_cut_short_is_not_run_and_loses_no_earlier_row(tmp_path):
+    """A worker whose timeout was what was left of ``--budget`` measured nothing: the row says
+    "not run", and a merge keeps an earlier file's row for it (a timeout of its own is a failure)."""
+    run = _runner()
+    spec = {"workload": "mlp_small", "backend": "eager", "mode": "infer", "device": "cpu", "phase": "cold",
+            "smoke": True}
+    cut = run.run_worker(spec, {}, 0.5, budget_cut=True)  # a worker cannot import torch in 0.5 s
+    own = run.run_worker(spec, {}, 0.5)
+    assert cut["error"].startswith(run.NOT_RUN) and "timed out" in cut["error"]
+    assert own["error"].startswith("worker timed out")
+    earlier = {**spec, "ok": True, "error": None, "step_s": 1.0}
+    for name, row in (("1-a.json", earlier), ("2-b.json", cut)):
+        (tmp_path / name).write_text(json.dumps({"rows": [row]}))
+    assert run.load(str(tmp_path))[0] == [earlier]
+    (tmp_path / "3-c.json").write_text(json.dumps({"rows": [own]}))
+    assert run.load(str(tmp_path))[0][0]["error"] == own["error"]
+
+
 def test_primed_byte_code_cache_covers_each_backend_and_mode(tmp_path):
     run = _runner()
     args = run.parse_args(["--models", "decode,mlp_small", "--backends", "inductor,cgtrees", "--cold-warm"])
