@@ -171,4 +171,3 @@ def release_all(live: list[LiveOutput], why: str) -> None:
 
 def still_alive(live: list[Any]) -> list[Any]:
     return [e for e in live if not dead(e)]
-
