@@ -175,3 +175,33 @@ def test_forward_context_names_where_its_saved_activations_begin(monkeypatch):
     with torch.no_grad():
         torch.compile(lambda a: a.cos() * 3, backend="cgtrees")(torch.randn(6))
     assert seen[-1][:2] == ("inference", None)
+
+
+def test_a_forward_reuses_only_saved_outputs_that_own_their_storage():
+    """Which outputs a forward node hands out again (``GraphNode._plan_reuse``): those from
+    ``saved_from`` on that own one pool storage alone; a user's output, a saved tensor that shares
+    its storage with another output, an input's alias and a constant are rebuilt every replay."""
+    from backend.runtime.node import GraphNode, Out
+
+    def node_for(kind: str, saved_from: int | None, copy_out: bool = False) -> GraphNode:
+        fn = SimpleNamespace(kind=kind, name="g0_" + kind, ctx=SimpleNamespace(saved_from=saved_from))
+        manager = SimpleNamespace(device=0, generation=0)
+        return GraphNode(fn, manager, None, frozenset(), copy_out)
+
+    x = torch.randn(4, 4)
+    user, alone, shared = torch.randn(4, 4), torch.randn(8), torch.randn(4, 4)
+    outs = [user, alone, shared, shared.t(), x[1:], 3]
+    node = node_for("forward", 1)
+    node.input_storages = {x.untyped_storage().data_ptr(): (0, 0)}
+    node._plan_outputs(outs, [x])
+    assert [kind for kind, _, _ in node.out_plan] == [Out.POOL, Out.POOL, Out.POOL, Out.POOL, Out.INPUT, Out.CONST]
+    assert [j for j, _ in node.reuse_plan] == [1]
+    # the rest is rebuilt: every output but 1, each pool storage but that one
+    assert [j for j, *_ in node.fresh_plan] == [0, 2, 3, 4, 5]
+    assert len(node.fresh_keys) == 2 and node.fresh_first == [0, 2]
+    for kind, saved_from, copy_out in (("backward", 1, False), ("inference", None, False), ("forward", None, False),
+                                       ("forward", 1, True)):
+        other = node_for(kind, saved_from, copy_out)
+        other.input_storages = dict(node.input_storages)
+        other._plan_outputs(outs, [x])
+        assert other.reuse_plan == [], (kind, saved_from, copy_out)
