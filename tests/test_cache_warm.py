@@ -163,6 +163,7 @@ def _codegen_ready() -> bool:
     return hasattr(codegen, "generate") and hasattr(codegen, "load")
 
 
+@pytest.mark.timing
 def test_warm_start_skips_aot_and_is_fast(tmp_path):
     """A second process hits both graphs, traces nothing through AOTAutograd, gets the same
     numbers, and the part of its first training step that is ours (everything but Dynamo's own
@@ -194,6 +195,7 @@ def test_warm_start_skips_aot_and_is_fast(tmp_path):
     assert ours <= 0.30
 
 
+@pytest.mark.timing
 def test_warm_start_with_dynamo_cache_skips_the_trace_and_is_fast(tmp_path):
     """Issue 19's CPU figure for the transparent path: with ``CGTREES_PRECOMPILE_CACHE=1`` a warm
     process installs Dynamo's saved guards and bytecode instead of tracing the frame, so the whole

@@ -28,6 +28,7 @@ def _ratio(*flags: str) -> tuple[float, str]:
     return float(found.group(1)), proc.stdout
 
 
+@pytest.mark.timing
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_per_call_after_history_within_target():
     """The best of three fresh processes (each figure a median of windows): the host of the GPU
