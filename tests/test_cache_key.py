@@ -310,3 +310,22 @@ def test_key_names_a_target_by_the_module_that_publishes_it(monkeypatch):
     unpublished = lambda: None  # noqa: E731 - a target nothing publishes keeps its own module
     unpublished.__module__, unpublished.__qualname__ = "torch._C.nowhere", "_cgtrees_absent"
     assert stable_name(unpublished) == "torch._C.nowhere._cgtrees_absent"
+
+
+def test_a_bypass_reason_warns_once_and_later_graphs_say_so_at_debug(caplog, cgtrees_counters):
+    """One warning per reason and level in a process (DDP's pieces all bypass level 1 for one
+    reason); every later graph still names itself and the reason at DEBUG, and every bypass counts."""
+    from backend import logs
+    from backend.cache import events
+
+    logs.forget()
+    with caplog.at_level(logging.DEBUG, logger="backend.cache"):
+        events.bypass("aot", "g0", "input 0 is a FakeTensor")
+        events.bypass("aot", "g1", "input 0 is a FakeTensor")
+        events.bypass("aot", "g2", "another reason")
+        events.bypass("module", "g3", "input 0 is a FakeTensor")
+    said = [(r.levelname, r.getMessage().split(" bypasses")[0].split()[-1]) for r in caplog.records
+            if " bypasses the " in r.getMessage()]
+    assert said == [("WARNING", "g0"), ("DEBUG", "g1"), ("WARNING", "g2"), ("WARNING", "g3")], said
+    assert all("input 0 is a FakeTensor" in r.getMessage() for r in caplog.records[:2])
+    assert cgtrees_counters["cache_bypass"] == 4 and cgtrees_counters["cache_bypass_aot"] == 3

@@ -28,9 +28,13 @@ def miss(level: str, name: str, explain: Callable[[], str] | None = None) -> Non
 
 
 def bypass(level: str, name: str, reason: str) -> None:
+    """A warning the first time a reason makes a graph bypass a level in this process; every later
+    graph with the same reason says so at DEBUG (DDP splits a model into pieces that all bypass
+    level 1 for one reason: one line per rank, not one per piece)."""
     _count("bypass", level)
-    log_once(log, f"bypass:{level}:{name}:{reason}", "cgtrees: %s bypasses the %s cache level: %s",
-             name, level, reason)
+    message = "cgtrees: %s bypasses the %s cache level: %s"
+    if not log_once(log, f"bypass:{level}:{reason}", message, name, level, reason):
+        log.debug(message, name, level, reason)
 
 
 def corrupt(level: str, name: str, why: str) -> None:
