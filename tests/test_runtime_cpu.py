@@ -181,19 +181,10 @@ def test_a_forward_reuses_only_saved_outputs_that_own_their_storage():
     """Which outputs a forward node hands out again (``GraphNode._plan_reuse``): those from
     ``saved_from`` on that own one pool storage alone; a user's output, a saved tensor that shares
     its storage with another output, an input's alias and a constant are rebuilt every replay."""
-    from backend.runtime.node import GraphNode, Out
+    from backend.runtime.node import Out
 
-    def node_for(kind: str, saved_from: int | None, copy_out: bool = False) -> GraphNode:
-        fn = SimpleNamespace(kind=kind, name="g0_" + kind, ctx=SimpleNamespace(saved_from=saved_from))
-        manager = SimpleNamespace(device=0, generation=0)
-        return GraphNode(fn, manager, None, frozenset(), copy_out)
-
-    x = torch.randn(4, 4)
-    user, alone, shared = torch.randn(4, 4), torch.randn(8), torch.randn(4, 4)
-    outs = [user, alone, shared, shared.t(), x[1:], 3]
-    node = node_for("forward", 1)
-    node.input_storages = {x.untyped_storage().data_ptr(): (0, 0)}
-    node._plan_outputs(outs, [x])
+    x, outs = _recorded_outputs()
+    node = _planned_node("forward", 1, outs, x)
     assert [kind for kind, _, _ in node.out_plan] == [Out.POOL, Out.POOL, Out.POOL, Out.POOL, Out.INPUT, Out.CONST]
     assert [j for j, _ in node.reuse_plan] == [1]
     # the rest is rebuilt: every output but 1, each pool storage but that one
@@ -201,7 +192,76 @@ def test_a_forward_reuses_only_saved_outputs_that_own_their_storage():
     assert len(node.fresh_keys) == 2 and node.fresh_first == [0, 2]
     for kind, saved_from, copy_out in (("backward", 1, False), ("inference", None, False), ("forward", None, False),
                                        ("forward", 1, True)):
-        other = node_for(kind, saved_from, copy_out)
-        other.input_storages = dict(node.input_storages)
-        other._plan_outputs(outs, [x])
-        assert other.reuse_plan == [], (kind, saved_from, copy_out)
+        assert _planned_node(kind, saved_from, outs, x, copy_out).reuse_plan == [], (kind, saved_from, copy_out)
+
+
+def test_replay_outputs_hand_out_the_kept_tensor_and_build_the_rest():
+    """A forward node's outputs on replay (``GraphNode._outputs``, CPU tensors standing in for the
+    pool): the reused output is the same object from the first replay on, unless it was forgotten;
+    every other output is a new tensor over the same memory; each storage handed out is live once."""
+    import weakref
+
+    from backend.runtime.liveness import dead
+
+    x, recorded = _recorded_outputs()
+    node = _planned_node("forward", 1, recorded, x)
+    first = node._outputs([x])
+    assert [o is r for o, r in zip(first, recorded)] == [False] * 5 + [True]  # new tensors; the constant
+    for o, r in zip(first[:4], recorded[:4]):
+        assert torch.equal(o, r) and o.data_ptr() == r.data_ptr()
+    assert torch.equal(first[4], x[1:]) and first[4].data_ptr() == x[1:].data_ptr()
+    assert len(node.manager.live) == 3  # user, alone, shared: one entry a storage
+    entry = node.reused[0]
+    assert entry in node.manager.live and not dead(entry)  # held by `first`
+    kept, fresh = weakref.ref(first[1]), weakref.ref(first[0])
+    del first
+    assert dead(entry) and fresh() is None
+    node.manager.live.clear()  # as the next call's sweep does
+    second = node._outputs([x])
+    assert second[1] is kept() and node.reused[0] is entry and len(node.manager.live) == 3
+    del second
+    node.forget_reused()
+    third = node._outputs([x])
+    assert third[1] is not kept() and torch.equal(third[1], recorded[1])
+
+
+def test_replay_outputs_of_a_backward_a_copy_out_node_and_the_fast_path():
+    """The other ways ``GraphNode._outputs`` builds a replay's outputs: a backward tracks every
+    storage with weak references to its tensors (R4); a copy-out node hands out copies and tracks
+    nothing; outputs that each own a storage take the fast path. Values are the recording's."""
+    x, recorded = _recorded_outputs()
+    back = _planned_node("backward", None, recorded, x)
+    outs = back._outputs([x])
+    live = back.manager.live
+    assert [len(e.tensors) for e in live] == [1, 1, 2]  # the shared storage: two outputs
+    assert all(ref() is outs[j] for e, js in zip(live, back.outputs_in) for ref, j in zip(e.tensors, js))
+    copied = _planned_node("forward", None, recorded, x, copy_out=True)
+    outs = copied._outputs([x])
+    assert copied.manager.live == [] and outs[0].data_ptr() != recorded[0].data_ptr()
+    assert outs[3].untyped_storage().data_ptr() == outs[2].untyped_storage().data_ptr()  # still shared
+    assert all(torch.equal(o, r) for o, r in zip(outs[:4], recorded[:4]))
+    own = _planned_node("backward", None, recorded[:2], x)
+    assert own.simple
+    outs = own._outputs([x])
+    assert all(torch.equal(o, r) and o is not r for o, r in zip(outs, recorded[:2]))
+    assert len(own.manager.live) == 2
+
+
+def _recorded_outputs() -> tuple[torch.Tensor, list]:
+    """An input and a recording's outputs: a user's output, a saved tensor alone in its storage, a
+    saved tensor sharing its storage with another output, an input's alias and a constant."""
+    x = torch.randn(4, 4)
+    user, alone, shared = torch.randn(4, 4), torch.randn(8), torch.randn(4, 4)
+    return x, [user, alone, shared, shared.t(), x[1:], 3]
+
+
+def _planned_node(kind: str, saved_from: int | None, outs: list, x: torch.Tensor, copy_out: bool = False):
+    from backend.runtime.node import GraphNode
+
+    fn = SimpleNamespace(kind=kind, name="g0_" + kind, ctx=SimpleNamespace(saved_from=saved_from))
+    manager = SimpleNamespace(device=0, generation=0, live=[])
+    node = GraphNode(fn, manager, None, frozenset(), copy_out)
+    node.device = x.device
+    node.input_storages = {x.untyped_storage().data_ptr(): (0, 0)}
+    node._plan_outputs(outs, [x])
+    return node

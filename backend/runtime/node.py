@@ -328,6 +328,7 @@ class GraphNode:
             self.reuse_plan = [(j, s) for j, (kind, s, _) in enumerate(self.out_plan)
                                if j >= start and kind == _POOL and len(self.outputs_in[s]) == 1]
         self.reused = [None] * len(self.reuse_plan)
+        self.simple = self.simple and not self.reuse_plan  # its fast path builds every output
         reused = {s for _, s in self.reuse_plan}
         fresh = [s for s in range(len(self.pool_storages)) if s not in reused]
         position = {s: k for k, s in enumerate(fresh)}
@@ -349,7 +350,8 @@ class GraphNode:
         for o, (kind, s, _) in zip(result, self.out_plan):
             if kind == _POOL:
                 storages.setdefault(s, o.untyped_storage())
-        self._track([storages[s] for s in range(len(self.pool_storages))], result)
+        self._track([storages[s] for s in range(len(self.pool_storages))], result, self.pool_storages,
+                    self.first_output_of)
         return result
 
     # ---------------------------------------------------------------- replay
@@ -391,13 +393,15 @@ class GraphNode:
         if self.write_back:
             self._write_back(args)
         self.replays += 1
-        outs = self._reusing_outputs(args) if self.reuse_plan else self._fresh_outputs(args)
+        outs = self._outputs(args)
         args.clear()
         return outs if self.returns_list else outs[0]
 
-    def _fresh_outputs(self, args: list[Any]) -> list[Any]:
+    def _outputs(self, args: list[Any]) -> list[Any]:
+        """This replay's outputs: new tensors over the pool storages (``fresh_keys``), views of
+        inputs and constants; a forward's saved activations are last replay's tensors."""
         device = self.device
-        storages = [compat.storage_from_pointer(p, device, n) for p, n in self.pool_storages]
+        storages = [compat.storage_from_pointer(p, device, n) for p, n in self.fresh_keys]
         if self.copy_out:  # one copy of each pool storage: outputs that share one still do
             storages = [s.clone() for s in storages]
         if self.simple:
@@ -406,36 +410,23 @@ class GraphNode:
         else:
             outs = self._rebuild(args, storages)
         if not self.copy_out:
-            self._track(storages, outs)
+            self._track(storages, outs, self.fresh_keys, self.fresh_first)
+        if self.reuse_plan:
+            self._reuse(outs)
         return outs
 
-    def _reusing_outputs(self, args: list[Any]) -> list[Any]:
-        """The saved activations are last replay's tensors (``fits`` replays only when none of
-        them is live: each is idle, held by its entry alone); the rest are built afresh."""
-        device = self.device
-        storages = [compat.storage_from_pointer(p, device, n) for p, n in self.fresh_keys]
-        outs: list[Any] = [None] * len(self.out_plan)
-        tensor_from_storage = compat.tensor_from_storage
-        for j, kind, a, b in self.fresh_plan:
-            if kind == _POOL:
-                outs[j] = tensor_from_storage(b, storages[a])
-            elif kind == _INPUT:
-                outs[j] = _view_of(args[a], b)
-            else:
-                outs[j] = a
+    def _reuse(self, outs: list[Any]) -> None:
+        """The saved activations: last replay's tensors (``fits`` replays only when none of them is
+        live: each is idle, held by its entry alone), built on a node's first replay and after a
+        tensor was invalidated or forgotten."""
         live = self.manager.live
-        for storage, key, j in zip(storages, self.fresh_keys, self.fresh_first):
-            live.append(LiveOutput(storage, key, self, j, None))
         reused = self.reused
         for k, (j, s) in enumerate(self.reuse_plan):
             entry = reused[k]
-            t = None if entry is None else entry.cached
-            if t is None:  # first replay, or its tensor was invalidated or forgotten
+            if entry is None or entry.cached is None:
                 entry = reused[k] = self._reusable(j, s)
-                t = entry.cached
-            outs[j] = t
+            outs[j] = entry.cached
             live.append(entry)
-        return outs
 
     def _reusable(self, j: int, s: int) -> LiveOutput:
         """A new tensor over pool storage ``s`` (no deleter: the pool owns the memory), kept by its entry."""
@@ -453,23 +444,26 @@ class GraphNode:
         self.reused = [None] * len(self.reuse_plan)
 
     def _rebuild(self, args: list[Any], storages: list[Any]) -> list[Any]:
-        outs = []
-        for kind, a, b in self.out_plan:
+        """Every output but the reused ones, ``storages`` being those of ``fresh_keys``."""
+        outs: list[Any] = [None] * len(self.out_plan)
+        tensor_from_storage = compat.tensor_from_storage
+        for j, kind, a, b in self.fresh_plan:
             if kind == _POOL:
-                outs.append(compat.tensor_from_storage(b, storages[a]))
+                outs[j] = tensor_from_storage(b, storages[a])
             elif kind == _INPUT:
-                outs.append(_view_of(args[a], b))
+                outs[j] = _view_of(args[a], b)
             else:
-                outs.append(a)
+                outs[j] = a
         return outs
 
-    def _track(self, storages: list[Any], outs: list[Any]) -> None:
+    def _track(self, storages: list[Any], outs: list[Any], keys: list[tuple[int, int]], first: list[int]) -> None:
+        """A live entry for each storage handed out (``keys``; ``first``, the first output in each)."""
         live = self.manager.live
-        if self.keeps_tensors:
-            for storage, key, js in zip(storages, self.pool_storages, self.outputs_in):
+        if self.keeps_tensors:  # a backward: nothing reused, so these are all of its storages
+            for storage, key, js in zip(storages, keys, self.outputs_in):
                 live.append(LiveOutput(storage, key, self, js[0], [weakref.ref(outs[j]) for j in js]))
         else:
-            for storage, key, j in zip(storages, self.pool_storages, self.first_output_of):
+            for storage, key, j in zip(storages, keys, first):
                 live.append(LiveOutput(storage, key, self, j, None))
 
     # ---------------------------------------------------------------- introspection

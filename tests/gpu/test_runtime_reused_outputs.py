@@ -54,10 +54,20 @@ def pair() -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Opt
             torch.optim.SGD(ref.parameters(), lr=0.05))
 
 
+def train_step(loss: torch.Tensor, want: torch.Tensor, pair_: tuple, what: str) -> None:
+    """Both backwards, their gradients compared, both optimizers' steps, gradients set to None."""
+    model, ref, opt, ref_opt = pair_
+    loss.backward()
+    want.backward()
+    grads_close(model, ref, what)
+    opt.step(), ref_opt.step()
+    opt.zero_grad(set_to_none=True), ref_opt.zero_grad(set_to_none=True)
+
+
 def test_training_reuses_saved_activations_and_matches_eager():
     """A plain loop: from the second replay on, the forward hands out last step's saved tensors
     (the same objects), and every step's loss and gradients are eager's."""
-    model, ref, opt, ref_opt = pair()
+    trained = model, ref, opt, ref_opt = pair()
     f = torch.compile(model, backend="cgtrees")
     previous: list[weakref.ref] = []
     same = []
@@ -69,11 +79,7 @@ def test_training_reuses_saved_activations_and_matches_eager():
         same.append(sum(any(t is r() for r in previous) for t in now))
         previous = [weakref.ref(t) for t in now]
         del now
-        out.square().mean().backward()
-        want.square().mean().backward()
-        grads_close(model, ref, f"step {step}")
-        opt.step(), ref_opt.step()
-        opt.zero_grad(set_to_none=True), ref_opt.zero_grad(set_to_none=True)
+        train_step(out.square().mean(), want.square().mean(), trained, f"step {step}")
     reused = max(reused_counts())
     assert reused >= 2, runtime.describe()  # our partition saves two activations of this MLP
     # steps 0-2: warm-up, recording, first replay (builds the kept tensors); then reused
@@ -84,7 +90,7 @@ def test_saved_activations_the_program_keeps_are_invalidated_not_reused():
     """A program that keeps the saved tensors (or only a storage of one) across steps holds live
     outputs: the next step's forward does not hand them out again, and they raise our error
     instead of showing the next step's values."""
-    model, ref, opt, ref_opt = pair()
+    trained = model, ref, opt, ref_opt = pair()
     f = torch.compile(model, backend="cgtrees")
     for step in range(8):
         x = torch.randn(16, 32, device=DEV)
@@ -94,11 +100,7 @@ def test_saved_activations_the_program_keeps_are_invalidated_not_reused():
             kept = activations(out, model, x)
             kept_storage = kept[0].untyped_storage()
             assert kept, "the forward saved no activation"
-        out.square().mean().backward()
-        want.square().mean().backward()
-        grads_close(model, ref, f"step {step}")
-        opt.step(), ref_opt.step()
-        opt.zero_grad(set_to_none=True), ref_opt.zero_grad(set_to_none=True)
+        train_step(out.square().mean(), want.square().mean(), trained, f"step {step}")
         if step in (5, 7):  # kept across the generation that ended in this step's forward
             with pytest.raises(RuntimeError, match=r"cgtrees: this tensor is output"):
                 print(kept[0] + 1)
@@ -110,25 +112,21 @@ def test_saved_activations_the_program_keeps_are_invalidated_not_reused():
 def test_two_forwards_before_one_backward():
     """Gradient accumulation over two forwards before one backward: the second forward runs while
     the first one's saved tensors are live (a branch of its own), never over them."""
-    model, ref, opt, ref_opt = pair()
+    trained = model, ref, opt, ref_opt = pair()
     f = torch.compile(model, backend="cgtrees")
     for step in range(8):
         a, b = torch.randn(16, 32, device=DEV), torch.randn(16, 32, device=DEV)
         loss = f(a).square().mean() + f(b).abs().mean()
         want = ref(a).square().mean() + ref(b).abs().mean()
         close(loss, want, f"step {step} loss")
-        loss.backward()
-        want.backward()
-        grads_close(model, ref, f"step {step}")
-        opt.step(), ref_opt.step()
-        opt.zero_grad(set_to_none=True), ref_opt.zero_grad(set_to_none=True)
+        train_step(loss, want, trained, f"step {step}")
     assert max(reused_counts()) >= 2, runtime.describe()
 
 
 def test_forward_without_backward_then_training():
     """Forwards whose graphs are dropped without a backward (an evaluation under grad mode, an
     exception) leave idle saved tensors: reusing them is safe, and training goes on as eager."""
-    model, ref, opt, ref_opt = pair()
+    trained = model, ref, opt, ref_opt = pair()
     f = torch.compile(model, backend="cgtrees")
     for step in range(10):
         x = torch.randn(16, 32, device=DEV)
@@ -136,11 +134,7 @@ def test_forward_without_backward_then_training():
         close(out, want, f"step {step} output")
         if step % 3 == 1:
             continue  # graph dropped with out
-        out.mean().backward()
-        want.mean().backward()
-        grads_close(model, ref, f"step {step}")
-        opt.step(), ref_opt.step()
-        opt.zero_grad(set_to_none=True), ref_opt.zero_grad(set_to_none=True)
+        train_step(out.mean(), want.mean(), trained, f"step {step}")
 
 
 def test_retain_graph_keeps_saved_tensors_right():
