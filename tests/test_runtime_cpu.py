@@ -265,3 +265,45 @@ def _planned_node(kind: str, saved_from: int | None, outs: list, x: torch.Tensor
     node.input_storages = {x.untyped_storage().data_ptr(): (0, 0)}
     node._plan_outputs(outs, [x])
     return node
+
+
+def test_a_consumed_input_replays_only_while_the_call_alone_holds_it(monkeypatch):
+    """A backward's consumed inputs (``GraphNode._held``): the memory of an activation that died in
+    the capture is the graph's, so a replay must see that nothing but the call holds it again. A
+    program that kept the tensor (``grad_fn.saved_tensors``, a saved-tensors hook) or another
+    graph that saved it holds neither a new storage nor a new TensorImpl: its reference shows only
+    in the Python object's count, or the TensorImpl's uses. The forward's own kept tensor
+    (``entry.cached``) does not count."""
+    from backend.runtime import node as node_mod
+    from backend.runtime.node import GraphNode
+
+    monkeypatch.setattr(compat, "keep_graph", lambda: False)
+    fn = SimpleNamespace(kind="backward", name="g0_backward", ctx=SimpleNamespace(saved_from=None))
+    node = GraphNode(fn, SimpleNamespace(device=0, generation=0, live=[]), None, frozenset(), False)
+    args = [torch.randn(4, 3), torch.randn(5)]  # an activation from the pool, and a copied input
+    key = (args[0].untyped_storage().data_ptr(), args[0].untyped_storage().nbytes())
+    node._plan_inputs(args, frozenset(), {key[0]}, ())
+    assert node.handoff == [0]
+    capture_args = node._capture_args(args)
+    assert args[0] is None  # handed to the capture
+    monkeypatch.setattr(node_mod.WeakStorage, "alive", lambda self: False)  # as if it died there
+    node._settle_handoff()
+    assert list(node.consumed_holds) == [key]
+    args = [capture_args[0], args[1]]  # the next call's arguments: the call holds it alone again
+    del capture_args
+    idle = SimpleNamespace(cached=None)
+    assert not node._held(args, key, idle)
+    kept = args[0]  # the program kept it
+    assert node._held(args, key, idle)
+    del kept
+    assert not node._held(args, key, idle)
+    w = torch.randn(4, 3, requires_grad=True)
+    y = w * args[0]  # another autograd graph saved its TensorImpl
+    assert node._held(args, key, idle)
+    del y
+    assert not node._held(args, key, idle)
+    entry = SimpleNamespace(cached=args[0])  # the forward's kept tensor: its entry's reference
+    assert not node._held(args, key, entry)
+    kept = args[0]
+    assert node._held(args, key, entry)
+    del kept

@@ -12,7 +12,10 @@ Invariants:
   their own outside the pool, and mutated ones are written back.
 - A backward's checked pool inputs (the activations its forward saved) that die inside its capture
   are *consumed*: the graph reuses their memory, so it replays only when autograd keeps no graph and
-  each of them is held by the call alone (its recorded storage use count).
+  each of them is held by the call alone: its storage, its TensorImpl and its Python object have
+  the uses and references they had when it died in the capture (a program that kept the tensor,
+  through ``grad_fn.saved_tensors`` or a saved-tensors hook, holds the same TensorImpl and storage
+  but adds a reference).
 - Outputs are rebuilt on every replay as fresh tensors over the same pool memory (storages without
   a deleter: the pool, not the tensor, owns the memory), except a forward's saved activations: each
   replay hands out the tensors of the last one, which nobody else can hold then (``liveness``:
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +70,12 @@ def _meta(t: torch.Tensor) -> dict[str, Any]:
     return {"size": t.size(), "stride": t.stride(), "storage_offset": t.storage_offset(),
             "dtype": t.dtype, "device": t.device, "nbytes": t.untyped_storage().nbytes(),
             "data_ptr": t.untyped_storage().data_ptr()}
+
+
+def _holds(t: torch.Tensor) -> tuple[int, int]:
+    """Who holds ``t``: its TensorImpl's uses and its Python object's references (read alike at a
+    recording and a replay, whose frames hold the argument list and not the tensor)."""
+    return compat.tensor_use_count(t), sys.getrefcount(t)
 
 
 def _unexpanded(t: torch.Tensor) -> tuple | None:
@@ -151,7 +161,9 @@ class GraphNode:
         self.handoff: list[int] = []
         self.handed: list[tuple[tuple[int, int], WeakStorage, int]] = []
         self.handed_args: list[tuple[int, dict[str, Any]]] = []  # (input, meta) until the capture ended
+        self.handed_holds: list[tuple[int, tuple[int, int]]] = []  # (input, _holds) before the capture
         self.consumed: dict[tuple[int, int], int] = {}
+        self.consumed_holds: dict[tuple[int, int], tuple[tuple[int, tuple[int, int]], ...]] = {}
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 continue
@@ -189,6 +201,9 @@ class GraphNode:
         holds: the graph frees each at its last read and may reuse its memory for what it computes
         later (an input the size of the output costs nothing). Replays copy into the slot's
         address, which is memory this graph writes: ``protected`` never covers it."""
+        hand_off = bool(self.handoff) and not compat.keep_graph() and compat.tensor_use_count is not None
+        if hand_off:  # before the list below holds them too
+            self.handed_holds = [(i, _holds(args[i])) for i in self.handoff]
         capture_args = list(args)
         for k, i in enumerate(self.copy_index):
             slot = self.slots[k]
@@ -197,7 +212,7 @@ class GraphNode:
                 slot = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
                 self.pool_slots.append((k, _meta(slot), WeakStorage(slot.untyped_storage())))
             capture_args[i] = slot
-        if self.handoff and not compat.keep_graph():
+        if hand_off:
             self._hand_off(args)
         return capture_args
 
@@ -206,7 +221,8 @@ class GraphNode:
         read and reuses the memory, as an eager backward would (a training step's peak). Only where
         autograd keeps no graph (no ``retain_graph``): nothing reads the activations afterwards.
         ``fits`` replays such a node only when the same holds again: the graph keeps nothing, and
-        each consumed storage has the use count it had here (the call's arguments alone)."""
+        each consumed storage and each input over it are held as they were here (by the call's
+        arguments alone: what dies in the capture, nobody else held)."""
         seen: set[tuple[int, int]] = set()
         self.handed_args = [(i, _meta(args[i])) for i in self.handoff]
         for i in self.handoff:
@@ -224,7 +240,10 @@ class GraphNode:
         """After the capture: the handed inputs that died in it are consumed; their addresses are no
         input's any more (an output there is the graph's own)."""
         self.consumed = {key: count for key, storage, count in self.handed if not storage.alive()}
-        self.handed = self.handed_args = []
+        key_of = {i: (meta["data_ptr"], meta["nbytes"]) for i, meta in self.handed_args}
+        self.consumed_holds = {key: tuple((i, holds) for i, holds in self.handed_holds if key_of[i] == key)
+                               for key in self.consumed}
+        self.handed = self.handed_args = self.handed_holds = []
         for ptr, _ in self.consumed:
             self.input_storages.pop(ptr, None)
 
@@ -234,7 +253,7 @@ class GraphNode:
         memory of those it freed still holds their values until the next recording."""
         for i, meta in self.handed_args:
             args[i] = self._unowned(meta)
-        self.handed_args = []
+        self.handed_args = self.handed_holds = []
 
     def _unowned(self, meta: dict[str, Any]) -> torch.Tensor:
         """A tensor over the memory ``meta`` describes that owns nothing (the pool does)."""
@@ -366,13 +385,25 @@ class GraphNode:
             use_count = compat.storage_use_count
             for entry in live:
                 key = entry.key
-                if key not in protected or (key in consumed and use_count(entry.cdata) != consumed[key]):
+                if key not in protected:
+                    return _LIVE
+                if key in consumed and (use_count(entry.cdata) != consumed[key] or self._held(args, key, entry)):
                     return _LIVE
             return _OK
         for entry in live:
             if entry.key not in protected:
                 return _LIVE
         return _OK
+
+    def _held(self, args: list[Any], key: tuple[int, int], entry: LiveOutput) -> bool:
+        """Whether a program holds an input over consumed storage ``key`` besides the call: its
+        TensorImpl (another graph's saved tensor) or its Python object (``grad_fn.saved_tensors``
+        kept, a saved-tensors hook that keeps it). Neither shows in the storage's use count. A
+        tensor the forward hands out again (``entry.cached``) has its entry's reference too."""
+        for i, (uses, refs) in self.consumed_holds[key]:
+            if _holds(args[i]) != (uses, refs + (args[i] is entry.cached)):
+                return True
+        return False
 
     def static_moved(self, args: list[Any]) -> bool:
         """Whether a static input (not a pool output) is at another address than when recorded."""

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 
 import pytest
 import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
+
+import backend.runtime as runtime
 
 DEV = "cuda"
 pytestmark = pytest.mark.usefixtures("kernel_modules")
@@ -221,6 +224,43 @@ def test_output_the_backward_reads_and_the_user_keeps():
         grads_close(model, ref, f"step {step}")
         model.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("how", ["saved_tensors", "pack_hook"])
+def test_saved_activations_the_user_keeps_through_backward(how):
+    """A program that keeps the activations a forward saved (``grad_fn.saved_tensors``, or a
+    saved-tensors hook that keeps what it packs) holds the same tensors autograd gives the
+    backward: after ``backward()`` they still hold the forward's values, as in eager, on steps
+    after others where nothing kept them (whose backward reused their memory)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 64), nn.GELU(),
+                          nn.Linear(64, 8)).to(DEV)  # deep enough that its backward reuses what it consumed
+    ref = copy.deepcopy(model)
+    f = cg(model)
+    for step in range(8):
+        x = torch.randn(16, 32, device=DEV)
+        keep = step in (4, 6, 7)
+        kept: list[torch.Tensor] = []
+        if keep and how == "pack_hook":
+            with torch.autograd.graph.saved_tensors_hooks(lambda t, store=kept: store.append(t) or t, lambda t: t):
+                out = f(x)
+        else:
+            out = f(x)
+        if keep and how == "saved_tensors":
+            kept = list(out.grad_fn.saved_tensors)
+        before = [t.clone() for t in kept]
+        out.square().mean().backward()
+        ref(x).square().mean().backward()
+        if keep:
+            assert kept, "the forward saved nothing"
+            for k, (t, b) in enumerate(zip(kept, before)):
+                close(t, b, f"step {step}: kept saved tensor {k} after backward")
+        grads_close(model, ref, f"step {step}")
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        del before, out
+        kept.clear()
+    assert re.search(r"g\d+_backward parent=.* consumed=[1-9]", runtime.describe()), runtime.describe()
 
 
 def test_failed_backward_capture_reruns_on_the_activations_it_freed(monkeypatch):
