@@ -274,6 +274,54 @@ def test_input_read_by_aten_then_written_back_by_a_kernel():
     assert kernel_count(comp.modules[0]) >= 1
 
 
+def _kv_update(cache, pos, k, idx, src):
+    cache.index_copy_(1, pos, k)
+    return cache.sum(-1)
+
+
+def _accumulate(cache, pos, k, idx, src):
+    cache.index_put_((idx % 3, idx), src, accumulate=True)  # idx repeats an index
+    return cache * 2
+
+
+def _scatter(cache, pos, k, idx, src):
+    order = idx.argsort(stable=True).view(1, 8, 1).expand(3, 8, 4)  # a permutation of the rows
+    cache.scatter_(1, order, src.expand(3, 8, 4))
+    return cache.sum(1)
+
+
+def _read_before(cache, pos, k, idx, src):
+    old = cache.sum(-1)  # the old value has another reader: written into a copy
+    cache.index_copy_(1, pos, k)
+    return old, cache.sum(-1)
+
+
+def _returned(cache, pos, k, idx, src):
+    return cache.index_copy_(1, pos, k)
+
+
+@pytest.mark.parametrize("fn, kernels", [(_kv_update, 2), (_accumulate, 2), (_scatter, 2), (_read_before, None),
+                                         (_returned, None)], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_writes_at_indices_into_a_mutated_input_in_place(fn, kernels):
+    """``index_copy_``, ``index_put_`` and ``scatter_`` on an input: AOTAutograd makes each a
+    functional write into a copy and a copy back; where nothing else reads the old value, the
+    kernel writes into the input itself (a KV-cache step writes its new rows, not the cache
+    twice): one kernel for the write, one for the reader. Eager's results and inputs either way."""
+    comp = Compiler()
+    cf = torch.compile(fn, backend=comp.backend)
+    torch.manual_seed(0)
+    inputs = (torch.randn(3, 8, 4), torch.tensor([5]), torch.randn(3, 1, 4), torch.tensor([0, 2, 2, 7, 2, 1, 0, 3]),
+              torch.randn(8, 4))
+    mine, theirs = [t.clone() for t in inputs], [t.clone() for t in inputs]
+    out, want = cf(*mine), fn(*theirs)
+    for a, b in zip(out if isinstance(out, tuple) else (out,), want if isinstance(want, tuple) else (want,)):
+        close(a, b, atol=1e-5, rtol=1e-5)
+    close(mine[0], theirs[0], atol=1e-5, rtol=1e-5)
+    comp.check()
+    if kernels is not None:
+        assert kernel_count(comp.modules[0]) == kernels, comp.modules[0].source
+
+
 def test_debug_dir_keeps_every_module(tmp_path):
     x = torch.randn(4, 4)
     m = compile_fn(lambda x: x.exp(), x, cfg=config(debug_dir=str(tmp_path)))

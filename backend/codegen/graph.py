@@ -336,10 +336,34 @@ class GraphLowerer:
             return val
         raise NotImplementedError(f"call_function {node.target} with value {type(val).__name__}")
 
+    def in_place_target(self, node: torch.fx.Node) -> TensorValue | None:
+        """``node``'s first argument, when ``node`` (a write at indices: ``index_put``, ``scatter``)
+        may write into it in place: a graph input that the graph copies ``node``'s result back
+        into (``aten.copy_(input, node)``: an in-place op of the program, which AOTAutograd
+        functionalised) and that nothing else reads. Its old value then has no other reader, and
+        the copy back becomes a no-op (``_copy_into_input``): a KV-cache update writes its new
+        rows, not a copy of the cache and a copy back. Else None."""
+        base = node.args[0] if node.args else None
+        if not isinstance(base, torch.fx.Node) or base.op != "placeholder":
+            return None
+        back = [u for u in base.users if u.target is aten.copy_.default and u.args[0] is base and u.args[1] is node]
+        if len(back) != 1 or set(base.users) != {node, back[0]}:
+            return None
+        others: list[torch.fx.Node] = []
+        torch.fx.node.map_arg((node.args[1:], node.kwargs), others.append)
+        if base in others or any(u.op == "output" for u in node.users):
+            return None  # the node reads the input again, or returns its result as a new tensor
+        value = self.env.get(base)
+        if not isinstance(value, TensorValue) or value.view is None or value.dtype != node.meta["val"].dtype:
+            return None
+        return value
+
     def _copy_into_input(self, node: torch.fx.Node) -> TensorValue:
         """``aten.copy_(input, value)``: the graph mutates an input; write the value into it."""
         dst_node, src_node = node.args[0], node.args[1]
         dst = self.env[dst_node]
+        if isinstance(src_node, torch.fx.Node) and self.env.get(src_node) is dst:
+            return dst  # written in place already (``in_place_target``)
         name = dst.view[0]
         src = self.env[src_node] if isinstance(src_node, torch.fx.Node) else src_node
         self.ctx.node = node

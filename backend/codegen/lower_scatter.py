@@ -7,7 +7,10 @@ each value at the place its indices give. Indices are checked as eager checks th
 of range raises in the kernel, through ``tl.device_assert``, and is never written; ``index_put``
 counts negative indices from the end, ``scatter`` does not). The scatter is a kernel of its own
 (the scheduler never fuses a step that reads its buffer into it); the values it writes are
-computed in it (a lazy ``src`` fuses).
+computed in it (a lazy ``src`` fuses). An in-place op of the program on a graph input
+(``cache.index_copy_(...)``, which AOTAutograd makes a write into a copy and a copy back) is the
+scatter step alone, into the input, where nothing else reads the input's old value
+(``GraphBuilder.in_place_target``).
 
 - Without accumulation, several values landing on one place leave one of them there (eager
   documents that as undefined; on CPU the last one wins).
@@ -64,12 +67,15 @@ def _dim(d: int, n: int) -> int:
 
 
 def write_at(ctx: LowerCtx, base: TensorValue, ranges: tuple, value: ir.Expr, coords: list[Any],
-             mode: ir.Write) -> TensorValue:
+             mode: ir.Write, in_place: bool = False) -> TensorValue:
     """The node's result: ``base`` with ``value`` (an element over ``ranges``) written, or added,
     at ``coords`` (per dimension of ``base``: an index expression over ``ranges`` or an
-    ``ir.Indirect``)."""
+    ``ir.Indirect``). ``in_place``: ``base`` is the node's first argument, and the scatter writes
+    into it where the graph allows (``LowerCtx.in_place_target``) instead of into a copy."""
     dtype = ctx.out_meta().dtype
     acc = ACCUMULATE_IN.get(dtype, dtype) if mode == ir.Write.ADD else dtype
+    if in_place and acc == dtype and ctx.in_place_target() is base:
+        return scatter_into(ctx, base, ranges, cast(value, dtype), coords, mode)
     target = scatter_buffer(ctx, base, ranges, value, coords, mode, acc, "" if acc == dtype else "_acc")
     return target if acc == dtype else TensorValue(target.size, dtype, cast(target.body, dtype))
 
@@ -79,6 +85,12 @@ def scatter_buffer(ctx: LowerCtx, base: TensorValue, ranges: tuple, value: ir.Ex
     """A new buffer of type ``acc`` (named after the node plus ``suffix``) holding ``base`` with
     ``value`` written, or added, at ``coords``."""
     target = ctx.fresh(TensorValue(base.size, acc, cast(base.body, acc)), suffix=suffix)
+    return scatter_into(ctx, target, ranges, cast(value, acc), coords, mode)
+
+
+def scatter_into(ctx: LowerCtx, target: TensorValue, ranges: tuple, value: ir.Expr, coords: list[Any],
+                 mode: ir.Write) -> TensorValue:
+    """A step writing ``value`` (of ``target``'s type), or adding it, into buffer ``target`` at ``coords``."""
     buf, layout = target.view
     syms, indirect = [], []
     for c in coords:
@@ -87,7 +99,7 @@ def scatter_buffer(ctx: LowerCtx, base: TensorValue, ranges: tuple, value: ir.Ex
             indirect.append(c)
         else:
             syms.append(c)
-    ctx.scatter_into(buf, acc, ranges, cast(value, acc), ir.Scatter(layout.index(tuple(syms)), tuple(indirect), mode))
+    ctx.scatter_into(buf, target.dtype, ranges, value, ir.Scatter(layout.index(tuple(syms)), tuple(indirect), mode))
     return target
 
 
@@ -137,7 +149,7 @@ def _index_put(ctx: LowerCtx, x: TensorValue, indices: list[Any], values: Tensor
     size = indexed_size(x.size, indices)
     value = broadcast(values, size, compute_dtype(x.dtype))
     mode = ir.Write.ADD if accumulate else ir.Write.STORE
-    return write_at(ctx, x, size, value, advanced_coords(x.size, indices, size), mode)
+    return write_at(ctx, x, size, value, advanced_coords(x.size, indices, size), mode, in_place=True)
 
 
 def _index_put_mask(ctx: LowerCtx, x: TensorValue, indices: list[Any], values: Any, accumulate: bool) -> TensorValue:
@@ -209,7 +221,7 @@ def _scatter(ctx: LowerCtx, base: TensorValue, dim: int, index: TensorValue, src
     value = cast(src.body, compute) if isinstance(src, TensorValue) else broadcast(src, (), compute)
     if _counted(ctx.node):
         return _scatter_counted(ctx, base, index, value, coords)
-    return write_at(ctx, base, index.size, value, coords, _mode(ctx.node))
+    return write_at(ctx, base, index.size, value, coords, _mode(ctx.node), in_place=True)
 
 
 def _counted(node: torch.fx.Node) -> bool:

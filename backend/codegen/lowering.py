@@ -123,6 +123,11 @@ class LowerCtx:
             return value
         return self.builder.realize_input(value, self.node)
 
+    def in_place_target(self) -> TensorValue | None:
+        """The current node's first argument, where the node may write into it in place (see
+        ``GraphBuilder.in_place_target``), else None."""
+        return self.builder.in_place_target(self.node)
+
     def fresh(self, value: TensorValue, suffix: str = "") -> TensorValue:
         """A new buffer holding ``value``, even where ``value`` is a buffer already (a scatter then
         writes into it): named after the current node (plus ``suffix``), laid out as its result
