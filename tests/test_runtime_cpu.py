@@ -195,11 +195,13 @@ def test_a_forward_reuses_only_saved_outputs_that_own_their_storage():
         assert _planned_node(kind, saved_from, outs, x, copy_out).reuse_plan == [], (kind, saved_from, copy_out)
 
 
-def test_replay_outputs_hand_out_the_kept_tensor_and_build_the_rest():
+def test_replay_outputs_hand_out_the_kept_tensor_and_build_the_rest(monkeypatch):
     """A forward node's outputs on replay (``GraphNode._outputs``, CPU tensors standing in for the
     pool): the reused output is the same object from the first replay on, unless it was forgotten;
     every other output is a new tensor over the same memory; each storage handed out is live once."""
     import weakref
+
+    monkeypatch.setattr(compat, "_tensor_from_storage", None)  # a CUDA build's takes CUDA storages only
 
     from backend.runtime.liveness import dead
 
@@ -225,10 +227,11 @@ def test_replay_outputs_hand_out_the_kept_tensor_and_build_the_rest():
     assert third[1] is not kept() and torch.equal(third[1], recorded[1])
 
 
-def test_replay_outputs_of_a_backward_a_copy_out_node_and_the_fast_path():
+def test_replay_outputs_of_a_backward_a_copy_out_node_and_the_fast_path(monkeypatch):
     """The other ways ``GraphNode._outputs`` builds a replay's outputs: a backward tracks every
     storage with weak references to its tensors (R4); a copy-out node hands out copies and tracks
     nothing; outputs that each own a storage take the fast path. Values are the recording's."""
+    monkeypatch.setattr(compat, "_tensor_from_storage", None)  # a CUDA build's takes CUDA storages only
     x, recorded = _recorded_outputs()
     back = _planned_node("backward", None, recorded, x)
     outs = back._outputs([x])
