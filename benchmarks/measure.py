@@ -16,7 +16,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -151,8 +151,30 @@ def profile_table(step: Step, device: torch.device, calls: int = 10, rows: int =
             step()
         sync(device)
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
-    return f"{calls} calls, sorted by {sort_by}\n{table}"
+    averages = prof.key_averages()
+    table = averages.table(sort_by=sort_by, row_limit=rows, max_name_column_width=60)
+    kinds = device_time_by_kind(averages, calls) if cuda else ""
+    return f"{calls} calls, sorted by {sort_by}\n{table}{kinds}"
+
+
+# Generated kernels by name: ours (``backend.codegen``: pw_/red_/... prefixes) and Inductor's.
+_GENERATED = ("pw_", "red_", "scan_", "sc_", "triton_")
+
+
+def device_time_by_kind(averages: Any, calls: int) -> str:
+    """Every kernel of the profile (not only the table's top rows), per call: generated kernels,
+    copies and fills, and library kernels (cuDNN, cuBLAS, CUTLASS, aten's own), time and launches."""
+    totals: dict[str, list[float]] = {"generated": [0.0, 0], "copies": [0.0, 0], "library": [0.0, 0]}
+    for evt in averages:
+        if getattr(evt, "device_type", None) != torch.autograd.DeviceType.CUDA:
+            continue
+        name = evt.key
+        copies = name.startswith(("Memcpy", "Memset")) or "copy" in name.lower() or "fill" in name.lower()
+        kind = "generated" if name.startswith(_GENERATED) else "copies" if copies else "library"
+        totals[kind][0] += evt.self_device_time_total
+        totals[kind][1] += evt.count
+    parts = [f"{kind} {us / calls:.1f} us ({int(n) // calls} launches)" for kind, (us, n) in totals.items()]
+    return "\ndevice time per call by kind: " + ", ".join(parts) + "\n"
 
 
 def profiled(fn: Callable, *args: object, rows: int = 40) -> tuple[object, str]:

@@ -226,3 +226,25 @@ def test_the_repository_warm_start_doc_keeps_its_precompile_block(tmp_path):
     results = os.path.join(ROOT, "benchmarks", "results")
     run.main(["--from-json", f"{results}/check-warm-median-mlp_small-norm_act.json", "--markdown", str(doc)])
     assert block in doc.read_text()
+
+
+def test_profile_sums_every_kernel_by_kind():
+    """The profile's per-call device time by kind counts every kernel, not only the table's rows:
+    generated kernels (ours and Inductor's), copies and fills, library kernels; CPU ops are left out."""
+    from types import SimpleNamespace
+
+    import torch
+
+    measure = bench("measure")
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name: str, us: float, count: int, device=cuda) -> SimpleNamespace:
+        return SimpleNamespace(key=name, self_device_time_total=us, count=count, device_type=device)
+
+    events = [event("pw_fused_add_3", 40.0, 10), event("triton_poi_fused_copy__1", 20.0, 10),
+              event("Memcpy DtoD (Device -> Device)", 30.0, 20), event("void at::native::fill_kernel", 10.0, 10),
+              event("sm90_xmma_gemm_f32f32", 100.0, 30), event("CompiledFunctionBackward", 999.0, 10, cpu)]
+    line = measure.device_time_by_kind(events, calls=10)
+    assert "generated 6.0 us (2 launches)" in line
+    assert "copies 4.0 us (3 launches)" in line
+    assert "library 10.0 us (3 launches)" in line
