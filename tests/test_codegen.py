@@ -322,6 +322,28 @@ def test_writes_at_indices_into_a_mutated_input_in_place(fn, kernels):
         assert kernel_count(comp.modules[0]) == kernels, comp.modules[0].source
 
 
+def test_backward_of_an_as_strided_view_is_generated():
+    """The backward of an ``as_strided`` view is ``as_strided_scatter`` (ConvNeXt's last op through
+    aten): a copy of the zeros and a write at the storage elements the view addressed, generated;
+    the gradient is eager's."""
+    from codegen_helpers import aten_call_targets
+
+    comp = Compiler()
+
+    def f(x):
+        return (x * 2).as_strided((3, 2), (6, 2), 1).exp().sum()
+
+    cf = torch.compile(f, backend=comp.backend)
+    x = torch.randn(4, 6, requires_grad=True)
+    ref = x.detach().clone().requires_grad_()
+    cf(x).backward()
+    f(ref).backward()
+    close(x.grad, ref.grad, atol=1e-5, rtol=1e-5)
+    comp.check()
+    backward = comp.modules[-1]
+    assert "as_strided_scatter" in backward.source and aten_call_targets(backward) == [], backward.source
+
+
 def test_debug_dir_keeps_every_module(tmp_path):
     x = torch.randn(4, 4)
     m = compile_fn(lambda x: x.exp(), x, cfg=config(debug_dir=str(tmp_path)))

@@ -35,7 +35,7 @@ OPS = {
     "stack", "tril", "triu",
     # indexing (lower_indexing.py)
     "nn.functional.embedding", "gather", "take_along_dim", "index_select", "__getitem__", "constant_pad_nd",
-    "nn.functional.pad.constant", "slice_scatter", "select_scatter", "scatter", "scatter_add",
+    "nn.functional.pad.constant", "slice_scatter", "select_scatter", "scatter", "scatter_add", "as_strided_scatter",
     # writes at indices from data (lower_scatter.py)
     "index_put", "_unsafe_masked_index_put_accumulate", "index_add", "index_copy", "scatter_reduce.sum",
     "scatter_reduce.prod", "scatter_reduce.mean", "scatter_reduce.amax", "scatter_reduce.amin",
@@ -50,7 +50,7 @@ OPS = {
 # Ops whose sample graph must be generated whole: no aten call is left in the module's ``call``.
 GENERATED = {
     "nn.functional.embedding", "gather", "take_along_dim", "index_select", "__getitem__", "constant_pad_nd",
-    "nn.functional.pad.constant", "slice_scatter", "select_scatter", "cat", "full_like",
+    "nn.functional.pad.constant", "slice_scatter", "select_scatter", "cat", "full_like", "as_strided_scatter",
     "scatter", "scatter_add", "scatter_reduce.sum", "scatter_reduce.mean", "index_add", "index_copy",
     "_unsafe_masked_index_put_accumulate",
     "index_put", "cumsum", "cumprod", "nn.functional.max_pool2d", "nn.functional.avg_pool2d",

@@ -91,6 +91,7 @@ ALWAYS_GENERATED = {
     "aten.embedding_dense_backward.default", "aten.scatter.src", "aten.scatter.value", "aten.scatter_add.default",
     "aten.cumsum.default", "aten.cumprod.default", "aten.max_pool2d_with_indices.default",
     "aten.max_pool2d_with_indices_backward.default", "aten.avg_pool2d.default", "aten.avg_pool2d_backward.default",
+    "aten.as_strided_scatter.default",
 }
 OUR_DECOMPOSITIONS = {
     aten._softmax.default: "softmax",

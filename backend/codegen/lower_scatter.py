@@ -1,5 +1,5 @@
 """Lowerings of writes at indices taken from data: ``index_put``, ``scatter`` (``scatter_add``,
-``scatter_reduce`` of a sum), ``embedding_dense_backward``.
+``scatter_reduce`` of a sum), ``embedding_dense_backward``; and ``as_strided_scatter``.
 
 Each is two steps: a new buffer filled with the base (a copy of the input, or zeros), then a
 scatter step (``ir.Compute`` with ``scatter``) over the space of the values written, which writes
@@ -25,6 +25,9 @@ scatter step alone, into the input, where nothing else reads the input's old val
 
 ``index_put`` with a boolean mask (``x[mask] = v``) is a ``where`` when ``v`` is one value for
 every selected element (it does not vary along the selection's count).
+
+``as_strided_scatter`` (the backward of an ``as_strided`` view) is a copy of its base and a write of
+``src`` at the storage elements the view addresses; a view whose elements overlap runs through aten.
 
 ``scatter_reduce`` of a mean, or of a sum without ``self``, adds the values and counts them (two
 scatters), then combines them with ``self`` pointwise as eager does.
@@ -316,3 +319,30 @@ def _embedding_dense_backward(ctx: LowerCtx, grad: TensorValue, indices: TensorV
     zeros = TensorValue(size, meta.dtype, Const(0, meta.dtype))
     row = ir.Indirect(indices.body, size[0], wrap=False)
     return write_at(ctx, zeros, grad.size, value, [row, ir.index_symbol(len(indices.size))], ir.Write.ADD)
+
+
+# -------------------------------------------------------------------------------- as_strided_scatter
+def _as_strided_scatter_ok(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
+    size, stride = _arg(node, 2, "size"), _arg(node, 3, "stride")
+    offset = _arg(node, 4, "storage_offset")
+    if not all(isinstance(v, int) for v in [*size, *stride, offset or 0]):
+        return "as_strided_scatter with a symbolic size, stride or offset"
+    if any(st == 0 and n > 1 for n, st in zip(size, stride)):
+        return "as_strided_scatter into a view with a zero stride (its elements overlap)"
+    return None
+
+
+@lowering(aten.as_strided_scatter.default, can_lower=_as_strided_scatter_ok)
+def _as_strided_scatter(ctx: LowerCtx, base: TensorValue, src: TensorValue, size: list[int], stride: list[int],
+                        storage_offset: int | None = None) -> TensorValue:
+    """``out = base.clone(); out.as_strided(size, stride, storage_offset).copy_(src)``: a copy of
+    ``base`` laid out as the result (the strides the view addresses), then ``src`` written at
+    storage element ``storage_offset + sum(i * stride)`` (the backward of an ``as_strided`` view,
+    a write through a view that functionalisation could not express with slices)."""
+    dtype = ctx.out_meta().dtype
+    ranges = tuple(sympy.Integer(n) for n in size)
+    target = ctx.fresh(TensorValue(base.size, dtype, cast(base.body, dtype)))
+    buf, layout = target.view
+    where = sum((ir.index_symbol(d) * st for d, st in enumerate(stride)), sympy.Integer(storage_offset or 0))
+    ctx.scatter_into(buf, dtype, ranges, broadcast(src, ranges, dtype), ir.Scatter(where, (), ir.Write.STORE))
+    return target
