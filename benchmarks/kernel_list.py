@@ -1,0 +1,49 @@
+"""Every generated kernel of a steady training step, with its device time per step (GPU).
+
+Not a benchmark row: ``python benchmarks/kernel_list.py MODEL BACKEND`` (a model of either suite,
+``cgtrees`` or ``reduce-overhead``). The profile in a row shows the top 40 entries and the sum of
+every kernel by kind; this lists each generated kernel (ours: ``pw_``/``red_``/``scan_``;
+Inductor's: ``triton_``), so that two backends' kernels can be compared by what they compute.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from worker import Kept, make_step
+
+_GENERATED = ("pw_", "red_", "scan_", "sc_", "triton_")
+
+
+def kernels(model: str, backend: str, steps: int = 10) -> list[tuple[float, int, str]]:
+    """(us per step, launches per step, name) of each generated kernel, the costliest first."""
+    spec = {"workload": model, "backend": backend, "mode": "train", "device": "cuda", "smoke": False}
+    step = make_step(spec, torch.device("cuda"), Kept())
+    for _ in range(6):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.self_device_time_total / steps, e.count // steps, e.key) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.key.startswith(_GENERATED)]
+    return sorted(rows, reverse=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("backend")
+    args = parser.parse_args()
+    rows = kernels(args.model, args.backend)
+    print(f"{args.model} {args.backend}: {len(rows)} generated kernels, {sum(r[0] for r in rows):.1f} us per call")
+    for us, n, name in rows:
+        print(f"{us:9.1f} us {n:4d}x  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
