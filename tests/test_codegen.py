@@ -300,13 +300,15 @@ def _returned(cache, pos, k, idx, src):
     return cache.index_copy_(1, pos, k)
 
 
-@pytest.mark.parametrize("fn, kernels", [(_kv_update, 2), (_accumulate, 2), (_scatter, 2), (_read_before, None),
+# _accumulate keeps its copy: a first call whose later kernel failed reruns through aten on the
+# input, and an accumulation written into it already would then be added twice.
+@pytest.mark.parametrize("fn, kernels", [(_kv_update, 2), (_accumulate, None), (_scatter, 2), (_read_before, None),
                                          (_returned, None)], ids=lambda v: getattr(v, "__name__", str(v)))
 def test_writes_at_indices_into_a_mutated_input_in_place(fn, kernels):
     """``index_copy_``, ``index_put_`` and ``scatter_`` on an input: AOTAutograd makes each a
-    functional write into a copy and a copy back; where nothing else reads the old value, the
-    kernel writes into the input itself (a KV-cache step writes its new rows, not the cache
-    twice): one kernel for the write, one for the reader. Eager's results and inputs either way."""
+    functional write into a copy and a copy back; where nothing else reads the old value, a plain
+    write goes into the input itself (a KV-cache step writes its new rows, not the cache twice):
+    one kernel for the write, one for the reader. Eager's results and inputs either way."""
     comp = Compiler()
     cf = torch.compile(fn, backend=comp.backend)
     torch.manual_seed(0)
@@ -320,6 +322,60 @@ def test_writes_at_indices_into_a_mutated_input_in_place(fn, kernels):
     comp.check()
     if kernels is not None:
         assert kernel_count(comp.modules[0]) == kernels, comp.modules[0].source
+
+
+def _two_inputs_written(cache, pos, k, idx, src):
+    cache.index_put_((idx % 3, idx), src, accumulate=True)  # copied back before the next input is
+    src.mul_(2)
+    return cache.sum(-1)
+
+
+@pytest.mark.parametrize("fn", [_kv_update, _two_inputs_written], ids=["write", "accumulate"])
+def test_a_first_call_that_fails_after_writing_an_input_reruns_to_eager_values(fn):
+    """A first call whose last kernel fails, after earlier kernels wrote into a mutated input (the
+    write itself, or a copy back), reruns through aten (``KernelModule.call``) from the inputs as
+    the program passed them: eager's results, and an accumulation added once."""
+    import re
+
+    class FailingLast(Compiler):
+        def __call__(self, kind):
+            compile_graph = super().__call__(kind)
+
+            def failing(gm, example_inputs):
+                call = compile_graph(gm, example_inputs)
+                module = self.modules[-1]
+                last = re.findall(r"^def (\w+)\(", module.source.split("def call(")[0], re.M)[-1]
+                setattr(module.module, last, _Grid(_injected_failure))
+                return call
+
+            return failing
+
+    comp = FailingLast()
+    cf = torch.compile(fn, backend=comp.backend)
+    torch.manual_seed(0)
+    inputs = (torch.randn(3, 8, 4), torch.tensor([5]), torch.randn(3, 1, 4), torch.tensor([0, 2, 2, 7, 2, 1, 0, 3]),
+              torch.randn(8, 4))
+    mine, theirs = [t.clone() for t in inputs], [t.clone() for t in inputs]
+    out, want = cf(*mine), fn(*theirs)
+    assert comp.modules[0].failure and "injected" in comp.modules[0].failure
+    assert comp.modules[0].module.MUTATED_INPUTS == ((0,) if fn is _kv_update else (0, 2))  # unused inputs pruned
+    close(out, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(mine, theirs):
+        close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _injected_failure(*args, **kwargs):
+    raise RuntimeError("injected: the last kernel failed")
+
+
+class _Grid:
+    """A kernel stand-in: ``kernel[grid](...)`` calls ``launch``."""
+
+    def __init__(self, launch) -> None:
+        self.launch = launch
+
+    def __getitem__(self, grid):
+        return self.launch
 
 
 def test_backward_of_an_as_strided_view_is_generated():

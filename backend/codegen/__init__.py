@@ -67,7 +67,7 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
     from backend.codegen import wrapper
 
     _ensure_meta(gm, example_inputs)  # shapes/strides/dtypes of every node
-    header = _header(ctx, graph_hash(gm))
+    header = [*_header(ctx, graph_hash(gm)), f"MUTATED_INPUTS = {mutated_inputs(gm)!r}"]
     if not _uses_triton(gm, ctx):  # CPU without the interpreter: aten calls only
         return "\n".join([*header, "import math", "import operator", "", "import torch", "", "aten = torch.ops.aten",
                           "", "", *wrapper.aten_call(gm), "", "", "call = call_aten", ""])
@@ -93,6 +93,15 @@ def _header(ctx: GraphContext, digest: str | None) -> list[str]:
         f"# versions: torch {torch.__version__}, triton {triton.__version__}",
         f"GRAPH_HASH = {digest!r}",
     ]
+
+
+def mutated_inputs(gm: torch.fx.GraphModule) -> tuple[int, ...]:
+    """The inputs the graph writes into (``aten.copy_(input, value)``, an in-place op of the program
+    that AOTAutograd functionalised), by position: a first call that fails puts them back before it
+    reruns through aten (``KernelModule.call``)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return tuple(i for i, p in enumerate(placeholders)
+                 if any(u.target is torch.ops.aten.copy_.default and u.args[0] is p for u in p.users))
 
 
 def graph_hash(gm: torch.fx.GraphModule) -> str | None:

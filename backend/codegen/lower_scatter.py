@@ -7,10 +7,11 @@ each value at the place its indices give. Indices are checked as eager checks th
 of range raises in the kernel, through ``tl.device_assert``, and is never written; ``index_put``
 counts negative indices from the end, ``scatter`` does not). The scatter is a kernel of its own
 (the scheduler never fuses a step that reads its buffer into it); the values it writes are
-computed in it (a lazy ``src`` fuses). An in-place op of the program on a graph input
+computed in it (a lazy ``src`` fuses). An in-place write of the program into a graph input
 (``cache.index_copy_(...)``, which AOTAutograd makes a write into a copy and a copy back) is the
 scatter step alone, into the input, where nothing else reads the input's old value
-(``GraphBuilder.in_place_target``).
+(``GraphBuilder.in_place_target``); an accumulation (``index_put_(..., accumulate=True)``) keeps
+the copy: a first call that fails later reruns through aten on the input, and must not add twice.
 
 - Without accumulation, several values landing on one place leave one of them there (eager
   documents that as undefined; on CPU the last one wins).
@@ -74,10 +75,13 @@ def write_at(ctx: LowerCtx, base: TensorValue, ranges: tuple, value: ir.Expr, co
     """The node's result: ``base`` with ``value`` (an element over ``ranges``) written, or added,
     at ``coords`` (per dimension of ``base``: an index expression over ``ranges`` or an
     ``ir.Indirect``). ``in_place``: ``base`` is the node's first argument, and the scatter writes
-    into it where the graph allows (``LowerCtx.in_place_target``) instead of into a copy."""
+    into it where the graph allows (``LowerCtx.in_place_target``) instead of into a copy; not
+    where values are added (an accumulation applied twice would double them)."""
     dtype = ctx.out_meta().dtype
     acc = ACCUMULATE_IN.get(dtype, dtype) if mode == ir.Write.ADD else dtype
-    if in_place and acc == dtype and ctx.in_place_target() is base:
+    # Only plain writes: written twice they leave the same values, and a first call whose later
+    # kernel fails reruns the whole graph through aten on the input this one already wrote.
+    if in_place and mode == ir.Write.STORE and ctx.in_place_target() is base:
         return scatter_into(ctx, base, ranges, cast(value, dtype), coords, mode)
     target = scatter_buffer(ctx, base, ranges, value, coords, mode, acc, "" if acc == dtype else "_acc")
     return target if acc == dtype else TensorValue(target.size, dtype, cast(target.body, dtype))

@@ -167,6 +167,7 @@ class KernelModule:
         self.graph_hash = getattr(module, "GRAPH_HASH", None)
         self._run = module.call
         self._aten = module.call_aten
+        self._mutated = tuple(getattr(module, "MUTATED_INPUTS", ()))  # older entries: none known
         self._verified = module.call is module.call_aten  # nothing to compile: no guard needed
         self._dynamic = dynamic  # new shapes compile new kernel specializations: keep guarding
         self._hold_weakly = kernels_ready and not dynamic
@@ -183,6 +184,7 @@ class KernelModule:
         if self._verified:
             return self._run(args)
         saved = [_Weak(a) for a in args] if self._hold_weakly else list(args)
+        before = self._before_writes(args) if not self._ran_once else []
         try:
             out = self._run(args)
         except Exception as exc:  # noqa: BLE001  (a kernel failure must not reach the user)
@@ -200,10 +202,23 @@ class KernelModule:
                     raise RuntimeError(f"cgtrees codegen: {self.name}: generated code failed ({self.failure}) "
                                        f"after freeing inputs nothing else holds, so it cannot rerun through "
                                        f"aten; source: {self.path}") from exc
+            for i, value in before:  # what the failed call wrote into an input is undone
+                saved[i].copy_(value)
             return self._aten(saved)  # an error of the user's own program raises again here
         self._ran_once = True
         self._verified = not self._dynamic
         return out
+
+
+    def _before_writes(self, args: list[Any]) -> list[tuple[int, torch.Tensor]]:
+        """Copies of the inputs the graph writes into, kept through a guarded call: a kernel may
+        write one (the copy back of an in-place op, or the write itself) before a later kernel
+        fails, and the rerun through aten must start from the input the program passed (an
+        accumulation applied twice would double). One copy per mutated input, on the first call
+        only: a later guarded call (new shapes of a dynamic module) is not worth a copy of, say, a
+        KV cache per call, and its kernels fail to compile, if at all, before the first runs."""
+        return [(i, args[i].detach().clone()) for i in self._mutated
+                if i < len(args) and isinstance(args[i], torch.Tensor)]
 
 
 class _Weak:
