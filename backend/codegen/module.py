@@ -209,7 +209,6 @@ class KernelModule:
         self._verified = not self._dynamic
         return out
 
-
     def _before_writes(self, args: list[Any]) -> list[tuple[int, torch.Tensor]]:
         """Copies of the inputs the graph writes into, kept through a guarded call: a kernel may
         write one (the copy back of an in-place op, or the write itself) before a later kernel
