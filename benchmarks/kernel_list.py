@@ -13,9 +13,8 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from measure import GENERATED_PREFIXES
 from worker import Kept, make_step
-
-_GENERATED = ("pw_", "red_", "scan_", "sc_", "triton_")
 
 
 def kernels(model: str, backend: str, steps: int = 10) -> list[tuple[float, int, str]]:
@@ -30,7 +29,7 @@ def kernels(model: str, backend: str, steps: int = 10) -> list[tuple[float, int,
             step()
         torch.cuda.synchronize()
     rows = [(e.self_device_time_total / steps, e.count // steps, e.key) for e in prof.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.key.startswith(_GENERATED)]
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.key.startswith(GENERATED_PREFIXES)]
     return sorted(rows, reverse=True)
 
 

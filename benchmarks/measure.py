@@ -158,7 +158,7 @@ def profile_table(step: Step, device: torch.device, calls: int = 10, rows: int =
 
 
 # Generated kernels by name: ours (``backend.codegen``: pw_/red_/... prefixes) and Inductor's.
-_GENERATED = ("pw_", "red_", "scan_", "sc_", "triton_")
+GENERATED_PREFIXES = ("pw_", "red_", "scan_", "sc_", "triton_")
 
 
 def device_time_by_kind(averages: Any, calls: int) -> str:
@@ -170,7 +170,7 @@ def device_time_by_kind(averages: Any, calls: int) -> str:
             continue
         name = evt.key
         copies = name.startswith(("Memcpy", "Memset")) or "copy" in name.lower() or "fill" in name.lower()
-        kind = "generated" if name.startswith(_GENERATED) else "copies" if copies else "library"
+        kind = "generated" if name.startswith(GENERATED_PREFIXES) else "copies" if copies else "library"
         totals[kind][0] += evt.self_device_time_total
         totals[kind][1] += evt.count
     parts = [f"{kind} {us / calls:.1f} us ({int(n) // calls} launches)" for kind, (us, n) in totals.items()]

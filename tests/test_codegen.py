@@ -300,6 +300,13 @@ def _returned(cache, pos, k, idx, src):
     return cache.index_copy_(1, pos, k)
 
 
+def _write_inputs() -> list[torch.Tensor]:
+    """A cache, a position, a new row, indices (repeated) and values: the same on every call."""
+    torch.manual_seed(0)
+    return [torch.randn(3, 8, 4), torch.tensor([5]), torch.randn(3, 1, 4), torch.tensor([0, 2, 2, 7, 2, 1, 0, 3]),
+            torch.randn(8, 4)]
+
+
 # _accumulate keeps its copy: a first call whose later kernel failed reruns through aten on the
 # input, and an accumulation written into it already would then be added twice.
 @pytest.mark.parametrize("fn, kernels", [(_kv_update, 2), (_accumulate, None), (_scatter, 2), (_read_before, None),
@@ -311,10 +318,7 @@ def test_writes_at_indices_into_a_mutated_input_in_place(fn, kernels):
     one kernel for the write, one for the reader. Eager's results and inputs either way."""
     comp = Compiler()
     cf = torch.compile(fn, backend=comp.backend)
-    torch.manual_seed(0)
-    inputs = (torch.randn(3, 8, 4), torch.tensor([5]), torch.randn(3, 1, 4), torch.tensor([0, 2, 2, 7, 2, 1, 0, 3]),
-              torch.randn(8, 4))
-    mine, theirs = [t.clone() for t in inputs], [t.clone() for t in inputs]
+    mine, theirs = _write_inputs(), _write_inputs()
     out, want = cf(*mine), fn(*theirs)
     for a, b in zip(out if isinstance(out, tuple) else (out,), want if isinstance(want, tuple) else (want,)):
         close(a, b, atol=1e-5, rtol=1e-5)
@@ -352,10 +356,7 @@ def test_a_first_call_that_fails_after_writing_an_input_reruns_to_eager_values(f
 
     comp = FailingLast()
     cf = torch.compile(fn, backend=comp.backend)
-    torch.manual_seed(0)
-    inputs = (torch.randn(3, 8, 4), torch.tensor([5]), torch.randn(3, 1, 4), torch.tensor([0, 2, 2, 7, 2, 1, 0, 3]),
-              torch.randn(8, 4))
-    mine, theirs = [t.clone() for t in inputs], [t.clone() for t in inputs]
+    mine, theirs = _write_inputs(), _write_inputs()
     out, want = cf(*mine), fn(*theirs)
     assert comp.modules[0].failure and "injected" in comp.modules[0].failure
     assert comp.modules[0].module.MUTATED_INPUTS == ((0,) if fn is _kv_update else (0, 2))  # unused inputs pruned

@@ -271,14 +271,14 @@ def _planned_node(kind: str, saved_from: int | None, outs: list, x: torch.Tensor
 
 
 def test_a_consumed_input_replays_only_while_the_call_alone_holds_it(monkeypatch):
-    """A backward's consumed inputs (``GraphNode._held``): the memory of an activation that died in
+    """A backward's consumed inputs (``node._held``): the memory of an activation that died in
     the capture is the graph's, so a replay must see that nothing but the call holds it again. A
     program that kept the tensor (``grad_fn.saved_tensors``, a saved-tensors hook) or another
     graph that saved it holds neither a new storage nor a new TensorImpl: its reference shows only
     in the Python object's count, or the TensorImpl's uses. The forward's own kept tensor
     (``entry.cached``) does not count."""
     from backend.runtime import node as node_mod
-    from backend.runtime.node import GraphNode
+    from backend.runtime.node import GraphNode, _held
 
     monkeypatch.setattr(compat, "keep_graph", lambda: False)
     fn = SimpleNamespace(kind="backward", name="g0_backward", ctx=SimpleNamespace(saved_from=None))
@@ -291,22 +291,23 @@ def test_a_consumed_input_replays_only_while_the_call_alone_holds_it(monkeypatch
     assert args[0] is None  # handed to the capture
     monkeypatch.setattr(node_mod.WeakStorage, "alive", lambda self: False)  # as if it died there
     node._settle_handoff()
-    assert list(node.consumed_holds) == [key]
+    assert list(node.consumed) == [key]
+    holds = node.consumed[key][1]
     args = [capture_args[0], args[1]]  # the next call's arguments: the call holds it alone again
     del capture_args
     idle = SimpleNamespace(cached=None)
-    assert not node._held(args, key, idle)
+    assert not _held(args, holds, idle)
     kept = args[0]  # the program kept it
-    assert node._held(args, key, idle)
+    assert _held(args, holds, idle)
     del kept
-    assert not node._held(args, key, idle)
+    assert not _held(args, holds, idle)
     w = torch.randn(4, 3, requires_grad=True)
     y = w * args[0]  # another autograd graph saved its TensorImpl
-    assert node._held(args, key, idle)
+    assert _held(args, holds, idle)
     del y
-    assert not node._held(args, key, idle)
+    assert not _held(args, holds, idle)
     entry = SimpleNamespace(cached=args[0])  # the forward's kept tensor: its entry's reference
-    assert not node._held(args, key, entry)
+    assert not _held(args, holds, entry)
     kept = args[0]
-    assert node._held(args, key, entry)
+    assert _held(args, holds, entry)
     del kept

@@ -78,6 +78,18 @@ def _holds(t: torch.Tensor) -> tuple[int, int]:
     return compat.tensor_use_count(t), sys.getrefcount(t)
 
 
+def _held(args: list[Any], holds: tuple[tuple[int, tuple[int, int]], ...], entry: LiveOutput) -> bool:
+    """Whether a program holds an input over a consumed storage besides the call (``holds``: each
+    input over it and its ``_holds`` at the recording): its TensorImpl (another graph's saved
+    tensor) or its Python object (``grad_fn.saved_tensors`` kept, a saved-tensors hook that keeps
+    it). Neither shows in the storage's use count. A tensor the forward hands out again
+    (``entry.cached``) has its entry's reference too."""
+    for i, (uses, refs) in holds:
+        if _holds(args[i]) != (uses, refs + (args[i] is entry.cached)):
+            return True
+    return False
+
+
 def _unexpanded(t: torch.Tensor) -> tuple | None:
     """Index that keeps one element along each broadcast (stride-0) dimension, or None."""
     if all(st != 0 or sz <= 1 for sz, st in zip(t.shape, t.stride())):
@@ -157,13 +169,13 @@ class GraphNode:
         self.pool_slots: list[tuple[int, dict[str, Any], WeakStorage]] = []  # (slot, meta, storage)
         self.input_storages: dict[int, tuple[int, int]] = {}  # storage pointer -> (input, offset)
         # A backward's pool inputs (the activations its forward saved): handed to the capture
-        # (``_capture_args``); those that die in it are *consumed*, by key, with their use count.
+        # (``_capture_args``); those that die in it are *consumed*: by key, the storage's use count
+        # and, for each input over it, its ``_holds`` (all that ``fits`` reads for it, one lookup).
         self.handoff: list[int] = []
         self.handed: list[tuple[tuple[int, int], WeakStorage, int]] = []
         self.handed_args: list[tuple[int, dict[str, Any]]] = []  # (input, meta) until the capture ended
         self.handed_holds: list[tuple[int, tuple[int, int]]] = []  # (input, _holds) before the capture
-        self.consumed: dict[tuple[int, int], int] = {}
-        self.consumed_holds: dict[tuple[int, int], tuple[tuple[int, tuple[int, int]], ...]] = {}
+        self.consumed: dict[tuple[int, int], tuple[int, tuple[tuple[int, tuple[int, int]], ...]]] = {}
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 continue
@@ -239,10 +251,9 @@ class GraphNode:
     def _settle_handoff(self) -> None:
         """After the capture: the handed inputs that died in it are consumed; their addresses are no
         input's any more (an output there is the graph's own)."""
-        self.consumed = {key: count for key, storage, count in self.handed if not storage.alive()}
         key_of = {i: (meta["data_ptr"], meta["nbytes"]) for i, meta in self.handed_args}
-        self.consumed_holds = {key: tuple((i, holds) for i, holds in self.handed_holds if key_of[i] == key)
-                               for key in self.consumed}
+        self.consumed = {key: (count, tuple((i, holds) for i, holds in self.handed_holds if key_of[i] == key))
+                         for key, storage, count in self.handed if not storage.alive()}
         self.handed = self.handed_args = self.handed_holds = []
         for ptr, _ in self.consumed:
             self.input_storages.pop(ptr, None)
@@ -387,23 +398,14 @@ class GraphNode:
                 key = entry.key
                 if key not in protected:
                     return _LIVE
-                if key in consumed and (use_count(entry.cdata) != consumed[key] or self._held(args, key, entry)):
+                held = consumed.get(key)
+                if held is not None and (use_count(entry.cdata) != held[0] or _held(args, held[1], entry)):
                     return _LIVE
             return _OK
         for entry in live:
             if entry.key not in protected:
                 return _LIVE
         return _OK
-
-    def _held(self, args: list[Any], key: tuple[int, int], entry: LiveOutput) -> bool:
-        """Whether a program holds an input over consumed storage ``key`` besides the call: its
-        TensorImpl (another graph's saved tensor) or its Python object (``grad_fn.saved_tensors``
-        kept, a saved-tensors hook that keeps it). Neither shows in the storage's use count. A
-        tensor the forward hands out again (``entry.cached``) has its entry's reference too."""
-        for i, (uses, refs) in self.consumed_holds[key]:
-            if _holds(args[i]) != (uses, refs + (args[i] is entry.cached)):
-                return True
-        return False
 
     def static_moved(self, args: list[Any]) -> bool:
         """Whether a static input (not a pool output) is at another address than when recorded."""
