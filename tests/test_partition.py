@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conv_models import BasicBlock, ConvBNReLU, ConvNeXtBlock, MobileBlock
 from models import GPT2, MLP, NormAct
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
@@ -132,3 +133,69 @@ def test_backward_recomputes_pointwise():
 
     measure(NormAct(), (torch.randn(64, 128, requires_grad=True),), spy)
     assert saved_names
+
+
+def _partitioned(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, int]:
+    """Our partition of ``model``'s training graph: forward, backward, the forward's output count."""
+    got: list = []
+
+    def spy(joint, joint_inputs, *, num_fwd_outputs, **kw):
+        fw, bw = partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kw)
+        got.append((fw, bw, num_fwd_outputs))
+        return fw, bw
+
+    from backend.aot.measure import run_partitioned
+
+    run_partitioned(model, (x.requires_grad_(),), spy)
+    return got[0]
+
+
+class SinThenLinear(torch.nn.Module):
+    """sin's backward reads x, from which the product's operand sin(x) could be recomputed for
+    free in saved bytes: the smallest case of a LayerNorm's output and its input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.sin(x))
+
+
+@pytest.mark.parametrize("name", ["sin_then_linear", *CASES])
+def test_what_a_backward_library_call_reads_is_saved_not_recomputed(name):
+    """A matmul or convolution of the backward reads its operands whole from memory: recomputing
+    one (a LayerNorm's or an activation's output) would write it again there. Each operand, seen
+    through views, is a saved value or a gradient."""
+    from backend.aot.cost import is_view, reads_from_memory
+
+    case = (lambda: (SinThenLinear(), torch.randn(8, 32))) if name == "sin_then_linear" else CASES[name]
+    _, bw, _ = _partitioned(*case())
+    gradients = {n for n in bw.graph.nodes if compat.is_tangent(n)}
+    for node in bw.graph.nodes:
+        if any(a in gradients for a in node.all_input_nodes):
+            gradients.add(node)
+    calls = [n for n in bw.graph.nodes if reads_from_memory(n)]
+    assert calls or name == "layernorm_gelu"
+    for call in calls:
+        for value in reads_from_memory(call):
+            assert is_view(value) or value.op == "placeholder" or value in gradients, (call.name, value.name)
+
+
+def test_a_tie_goes_to_the_value_a_library_call_wrote():
+    """GELU's backward reads either its input or its derivative, the same bytes. The input is what
+    fc1's GEMM writes anyway; the derivative would be one more write in the forward."""
+    class GeluMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(32, 128), torch.nn.Linear(128, 32)
+
+        def forward(self, x):
+            return self.fc2(F.gelu(self.fc1(x)))
+
+    fw, _, outputs = _partitioned(GeluMLP(), torch.randn(4, 8, 32))
+    saved = list(fw.graph.find_nodes(op="output"))[0].args[0][outputs:]
+    bases = {(n.args[0] if n.target == torch.ops.aten.view.default else n).target for n in saved}
+    assert torch.ops.aten.addmm.default in bases, [n.format_node() for n in saved]
+    # the derivative, x * exp(-x*x/2) / sqrt(2*pi) + ..., is not computed in the forward
+    assert not fw.graph.find_nodes(op="call_function", target=torch.ops.aten.exp.default), fw.code

@@ -38,10 +38,19 @@ _RECOMPUTABLE_PACKETS = {
     aten.full, aten.full_like, aten.zeros, aten.zeros_like, aten.ones, aten.ones_like,
     aten.scalar_tensor, aten.arange, aten.empty, aten.empty_like,
 }
-_NEVER = {
+# Library kernels: they read their inputs from memory, so nothing is fused into them.
+_LIBRARY = {
     aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.convolution,
+    aten.convolution_backward,
     aten._scaled_dot_product_flash_attention, aten._scaled_dot_product_efficient_attention,
-    aten._scaled_dot_product_cudnn_attention, aten.copy_, aten.native_dropout,
+    aten._scaled_dot_product_cudnn_attention, aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_efficient_attention_backward,
+    aten._scaled_dot_product_cudnn_attention_backward,
+}
+_NEVER = _LIBRARY | {aten.copy_, aten.native_dropout}
+_VIEWS = {
+    aten.view, aten._unsafe_view, aten.reshape, aten.permute, aten.transpose, aten.t, aten.expand,
+    aten.detach, aten.squeeze, aten.unsqueeze, aten.slice, aten.select, aten.alias, aten.as_strided,
 }
 
 
@@ -61,6 +70,29 @@ def is_recomputable(node: torch.fx.Node) -> bool:
     if torch.Tag.pointwise in target.tags or target.overloadpacket in _RECOMPUTABLE_PACKETS:
         return True
     return target.overloadpacket in _REDUCTIONS and _is_row_reduction(node)
+
+
+def reads_from_memory(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The values a library call ``node`` (a matrix product, a convolution, attention) reads
+    whole from memory: its tensor arguments, seen through views to the value they view. A value a
+    backward library call reads must exist in memory there: recomputing it is a kernel of its own
+    that writes it again, while saving it costs nothing more when the forward wrote it anyway."""
+    if node.op != "call_function" or getattr(node.target, "overloadpacket", None) not in _LIBRARY:
+        return set()
+    out: set[torch.fx.Node] = set()
+    todo = list(node.all_input_nodes)
+    while todo:
+        value = todo.pop()
+        if value in out:
+            continue
+        out.add(value)
+        if is_view(value):
+            todo.extend(value.all_input_nodes)
+    return out
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _VIEWS
 
 
 def _is_row_reduction(node: torch.fx.Node) -> bool:

@@ -18,8 +18,8 @@ from typing import Any
 import networkx as nx
 import torch.fx
 
-from backend.aot import compat, layout
-from backend.aot.cost import is_recomputable, saved_bytes
+from backend.aot import compat, layout, order
+from backend.aot.cost import is_recomputable, is_view, reads_from_memory, saved_bytes
 from backend.cache.backward_graph import SAVED_STATIC
 from backend.context import SAVED_FROM
 
@@ -39,12 +39,13 @@ def partition(joint_module: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_
     primals = [n for n in graph.nodes if compat.is_primal(n)]
     static = {primals[i] for i in (static_lifetime_input_indices or []) if i < len(primals)}
     # 3. The min cut decides the saved set.
-    saved = _min_cut(graph, backward, needed, static)
+    saved = _min_cut(graph, backward, needed, static, _written_anyway(graph, backward, num_fwd_outputs))
     # 4. Torch's helper builds the two modules in the order AOTAutograd's runtime expects.
     saved_values = [n for n in saved if not compat.is_sym_node(n)]
     saved_syms = [n for n in saved if compat.is_sym_node(n)]
     fw, bw = compat.extract_fwd_bwd_modules(joint_module, saved_values, saved_syms,
                                             num_fwd_outputs=num_fwd_outputs, static_nodes=static or None)
+    order.place(fw, bw, num_fwd_outputs)  # what crossed the cut, where it fuses (order.py)
     bw.meta[SAVED_STATIC] = tuple(n.name for n in saved_values if n in static)
     fw.meta[SAVED_FROM] = num_fwd_outputs  # after the user's outputs, what the backward reads
     return fw, bw
@@ -73,20 +74,51 @@ def _needed_by_backward(graph: torch.fx.Graph, backward: set[torch.fx.Node],
     return needed
 
 
+def _written_anyway(graph: torch.fx.Graph, backward: set[torch.fx.Node], num_fwd_outputs: int) -> set[torch.fx.Node]:
+    """Forward values that exist in memory whether saved or not: inputs, what library calls
+    return or read (cost.reads_from_memory), the forward's outputs, values read on both sides of
+    a library call (a residual stream: a kernel boundary lies between its readers), and views of
+    these. Saving one of them costs memory only; saving another costs a write in the forward too."""
+    output = next(iter(graph.find_nodes(op="output")))
+    out = {a for a in output.args[0][:num_fwd_outputs] if isinstance(a, torch.fx.Node)}
+    calls = 0  # library calls so far, in program order
+    segment: dict[torch.fx.Node, int] = {}
+    for node in graph.nodes:
+        if node in backward or node.op == "output":
+            continue
+        if node.op == "placeholder" or not is_recomputable(node):
+            out.add(node)
+            calls += node.op != "placeholder"
+        segment[node] = calls
+        out.update(reads_from_memory(node))
+    for node, at in segment.items():
+        if any(segment.get(user, at) > at for user in node.users):
+            out.add(node)
+    for node in graph.nodes:
+        if is_view(node) and node.all_input_nodes and node.all_input_nodes[0] in out:
+            out.add(node)
+    return out
+
+
 def _min_cut(graph: torch.fx.Graph, backward: set[torch.fx.Node], needed: set[torch.fx.Node],
-             static: set[torch.fx.Node]) -> list[torch.fx.Node]:
+             static: set[torch.fx.Node], written: set[torch.fx.Node]) -> list[torch.fx.Node]:
     if not needed:
         return []
     net = nx.DiGraph()
     forward = [n for n in graph.nodes if n not in backward and n.op != "output"]
+    # What a backward library call reads is saved, not recomputed (cost.reads_from_memory).
+    materialized = {v for n in backward for v in reads_from_memory(n) if v not in backward and not is_view(v)}
     for node in forward:
         size = saved_bytes(node)
         if size is None:
             net.add_edge(("in", node), ("out", node))  # no capacity: infinite, cannot be saved
         else:
-            # Static inputs cost ~nothing; a tiny epsilon per value prefers fewer saved values.
-            net.add_edge(("in", node), ("out", node), capacity=1 if node in static else size + 1)
-        if node.op == "placeholder" or not is_recomputable(node):
+            # Static inputs cost ~nothing; a tiny epsilon per value prefers fewer saved values; a
+            # value the forward would not write otherwise costs a quarter more (a tie, such as
+            # GELU's input against its derivative, goes to what a library call wrote already).
+            cost = 4 * size if node in written else 5 * size
+            net.add_edge(("in", node), ("out", node), capacity=1 if node in static else cost + 1)
+        if node.op == "placeholder" or not is_recomputable(node) or node in materialized:
             net.add_edge(_SOURCE, ("in", node))
         if node in needed:
             net.add_edge(("out", node), _SINK)

@@ -15,11 +15,13 @@ An addmm stays one aten call (the lowering's ``can_lower`` says why) where:
   unfused, the product rounds to bfloat16/float16 before the add. Inductor keeps these fused
   (``keep_addmm_fused_for_half_dtypes``): the extra rounding compounded through deep models;
 - ``alpha`` is 0 (eager then never reads the product: NaN there is ignored) or not a number;
-- its result reaches anything but pointwise ops we generate and the graph's outputs, through views
-  that stay index remaps (``lower_views``); an add that fused with nothing would be a launch of its
-  own, so at least one pointwise op must read it, and every place the value is computed (each
-  pointwise user, and each node that is written to memory: an output, or one read twice) must
-  have one size, so that the scheduler puts them in one kernel.
+- its result reaches anything but pointwise ops we generate, through views that stay index remaps
+  (``lower_views``); an add that fused with nothing would be a launch of its own, so at least one
+  pointwise op must read it, and every place the value is computed (each pointwise user, and each
+  node read twice) must have one size, so that the scheduler puts them in one kernel;
+- the sum, or a view of it, is a graph output: a training forward saves the input of GELU for the
+  backward. Unfused, the product is written by the GEMM and the sum again by the kernel (on
+  vit_tiny's training step, 96 us of the forward's GELU kernels); the epilogue writes it once.
 
 ``beta = 0`` ignores the bias, NaN included, as eager does.
 """
@@ -81,7 +83,10 @@ def _why_not_fused(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
     while pending:
         value = pending.pop()
         readers = [u for u in value.users if reads_values(u, value)]
-        if len(readers) > 1 or any(u.op == "output" for u in readers):
+        if any(u.op == "output" for u in readers):
+            return "its sum is a graph output (saved for the backward, say): unfused, the product " \
+                   "and the sum would both be written"
+        if len(readers) > 1:
             sizes.add(_size(value))  # written to memory where it is computed
         for user in readers:
             if user.op == "output" or user.target in _SIZES:
