@@ -109,6 +109,15 @@ class Compiler:
         for module in self.modules:
             check(module)
 
+    def with_our_partition(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        """A ``torch.compile`` backend: AOTAutograd with our partitioner, graphs compiled here."""
+        from backend.aot import compat
+        from backend.aot.partition import partition
+
+        return compat.aot_module_simplified(gm, example_inputs, fw_compiler=self("forward"),
+                                            bw_compiler=self("backward"), partition_fn=partition,
+                                            decompositions=decomposition_table())
+
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._functorch.aot_autograd import aot_module_simplified
 

@@ -12,9 +12,6 @@ import torch
 import torch.nn.functional as F
 from codegen_helpers import INTERPRET, Compiler, compile_fn, kernel_count, run, sum_tolerance, trace
 
-from backend.aot import compat
-from backend.aot.decompositions import decomposition_table
-from backend.aot.partition import partition
 from backend.codegen import merged_sums
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
@@ -71,15 +68,9 @@ def test_training_fuses_fc1s_bias_gradient_into_the_gelu_backward_kernel():
     model, eager = MLP(), MLP()
     eager.load_state_dict(model.state_dict())
     comp = Compiler()
-
-    def backend(gm, example_inputs):
-        return compat.aot_module_simplified(gm, example_inputs, fw_compiler=comp("forward"),
-                                            bw_compiler=comp("backward"), partition_fn=partition,
-                                            decompositions=decomposition_table())
-
     x = torch.randn(3, 9, 32)
     xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
-    outs = [torch.compile(model, backend=backend, fullgraph=True)(xs[0]), eager(xs[1])]
+    outs = [torch.compile(model, backend=comp.with_our_partition, fullgraph=True)(xs[0]), eager(xs[1])]
     for out in outs:
         out.pow(2).sum().backward()
     comp.check()

@@ -14,8 +14,6 @@ from codegen_helpers import INTERPRET, Compiler
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from backend.aot import compat, order
-from backend.aot.decompositions import decomposition_table
-from backend.aot.partition import partition
 
 
 def _names(graph: torch.fx.Graph) -> list[str]:
@@ -88,13 +86,7 @@ def test_backward_recomputes_layernorm_statistics_in_the_layernorm_backward_kern
     model, eager = Block(), Block()
     eager.load_state_dict(model.state_dict())
     comp = Compiler()
-
-    def backend(gm, example_inputs):
-        return compat.aot_module_simplified(gm, example_inputs, fw_compiler=comp("forward"),
-                                            bw_compiler=comp("backward"), partition_fn=partition,
-                                            decompositions=decomposition_table())
-
-    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    compiled = torch.compile(model, backend=comp.with_our_partition, fullgraph=True)
     x = torch.randn(2, 5, 32)
     xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
     outs = [compiled(xs[0]), eager(xs[1])]

@@ -77,24 +77,22 @@ def _place(node: torch.fx.Node, movable: set[torch.fx.Node], placed: set[torch.f
 
 
 def _ancestors(roots) -> set[torch.fx.Node]:
-    seen: set[torch.fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return seen
+    return _reach(roots, lambda n: n.all_input_nodes)
 
 
 def _descendants(roots) -> set[torch.fx.Node]:
+    return _reach(roots, lambda n: n.users)
+
+
+def _reach(roots, step) -> set[torch.fx.Node]:
+    """``roots`` and every node reached from them through ``step`` (inputs or users)."""
     seen: set[torch.fx.Node] = set()
     stack = list(roots)
     while stack:
         node = stack.pop()
         if node not in seen:
             seen.add(node)
-            stack.extend(node.users)
+            stack.extend(step(node))
     return seen
 
 
