@@ -101,6 +101,24 @@ def test_short_columns_stay_one_kernel():
     assert "_part" not in source and len(LAUNCH.findall(source)) == 1, source
 
 
+@pytest.mark.parametrize("rows, grid, xblock", [(16, 16, 1), (200, 200, 1), (1024, 128, 8), (8192, 512, 16)])
+def test_few_rows_spread_over_programs(rows, grid, xblock):
+    """A LayerNorm over 16 rows of 256 was one program of 16 rows on one SM (4x slower than
+    Inductor's on mlp_small); blocks shrink until there are MIN_PROGRAMS programs, or one row each."""
+    source = gpu_source(lambda x: F.layer_norm(x, (256,)), torch.empty(rows, 256))
+    [(_, got_grid, got_xblock, rblock, _)] = LAUNCH.findall(source)
+    assert (int(got_grid), int(got_xblock), int(rblock)) == (grid, xblock, 256), source
+
+
+@pytest.mark.parametrize("rows, cols, grid, xblock", [(16, 256, 32, 8), (16, 8192, 128, 64), (16, 4, 1, 4)])
+def test_few_columns_spread_over_programs_of_a_sector_at_least(rows, cols, grid, xblock):
+    """A bias gradient, sum over 16 rows: 32 programs of 8 adjacent outputs (one 32-byte sector a
+    row), not one program of 256; 8192 outputs: 128 programs of 64."""
+    source = gpu_source(lambda x: x.sum(0), torch.empty(rows, cols))
+    [(_, got_grid, got_xblock, rblock, _)] = LAUNCH.findall(source)
+    assert (int(got_grid), int(got_xblock), int(rblock)) == (grid, xblock, 16), source
+
+
 # ------------------------------------------------------------------------------------- numerics
 numerics = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 

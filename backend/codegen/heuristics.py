@@ -6,7 +6,8 @@ small tensors use one block of the next power of two.
 
 Reductions: a row of at most ``PERSISTENT_LIMIT`` elements is reduced in registers ("persistent",
 one block of ``RBLOCK = next_pow2(row)`` columns; rows per program so that a block holds about 4096
-elements); warps grow with the block (4 up to 2048 elements, 8 up to 8192, 16 beyond). Longer or
+elements, but fewer while that leaves under ``MIN_PROGRAMS`` programs: 16 rows of 256 were one
+program on one SM, 4x slower than 16 programs of one row each); warps grow with the block (4 up to 2048 elements, 8 up to 8192, 16 beyond). Longer or
 symbolic rows loop over ``RBLOCK = 1024`` columns. When the reduced dimension is not the innermost
 in memory (a column reduction), programs take ``COLUMN_XBLOCK`` rows so that loads along the rows
 coalesce (the fastest lane index walks the adjacent outputs); such a block stays persistent only
@@ -39,7 +40,9 @@ and W, the last logical dims, but in memory its reduced elements are rows of C c
 - A column block with few programs (fewer than ``COLUMN_NARROW_PROGRAMS`` at ``COLUMN_XBLOCK``
   rows, the second stage of a split) may narrow to ``COLUMN_MIN_XBLOCK`` outputs (32 bytes, one
   memory sector) so that its reduced rows fit one persistent block: one load round trip, not one
-  per ``COLUMN_RBLOCK`` rows.
+  per ``COLUMN_RBLOCK`` rows. A persistent column block, too, narrows toward that width while it
+  leaves under ``MIN_PROGRAMS`` programs (a bias gradient over 16 rows of 256 outputs: 32 programs
+  of 8 outputs, not one of 256).
 
 Scans (cumsum) hold a whole row in one block of ``RBLOCK = next_pow2(row)`` columns, rows of at
 most ``SCAN_LIMIT`` elements (longer ones are scanned in chunks, then their totals: ``lower_scan``),
@@ -56,6 +59,7 @@ from dataclasses import dataclass
 import sympy
 
 PERSISTENT_LIMIT = 8192
+MIN_PROGRAMS = 128  # a persistent reduction's blocks shrink until this many programs (H100: 132 SMs)
 LOOP_RBLOCK = 1024
 COLUMN_XBLOCK = 32  # adjacent outputs per column block: 32 float32, a 128-byte line per reduced row
 COLUMN_RBLOCK = 64  # reduced rows per loop step of a [COLUMN_XBLOCK, COLUMN_RBLOCK] column block
@@ -126,9 +130,20 @@ def reduction(xnumel: sympy.Expr, rnumel: sympy.Expr, inner: bool, interpret: bo
         rblock = max(2, next_pow2(r))
         xblock = max(1, budget // rblock)
         if x is not None:
-            xblock = max(1, min(xblock, next_pow2(x)))
+            xblock = _spread(max(1, min(xblock, next_pow2(x))), x, 1, interpret)
         return Config(xblock, rblock, _warps(xblock * rblock), True)
     return Config(1, LOOP_RBLOCK * (4 if interpret else 1), 8, False)
+
+
+def _spread(xblock: int, x: int, least: int, interpret: bool) -> int:
+    """``xblock`` halved (not below ``least``) while ``x`` outputs in blocks of it make fewer than
+    ``MIN_PROGRAMS`` programs: a small reduction on one SM waits on one SM's bandwidth. Not under
+    the interpreter, where each program costs Python time."""
+    if interpret:
+        return xblock
+    while xblock > least and -(-x // xblock) < MIN_PROGRAMS:
+        xblock //= 2
+    return xblock
 
 
 def _column(x: int | None, r: int | None, budget: int, interpret: bool) -> Config:
@@ -138,7 +153,7 @@ def _column(x: int | None, r: int | None, budget: int, interpret: bool) -> Confi
         rblock = max(2, next_pow2(r))
         xblock = max(least, budget // rblock)
         if x is not None:
-            xblock = max(1, min(xblock, next_pow2(x)))
+            xblock = _spread(max(1, min(xblock, next_pow2(x))), x, least, interpret)
         return Config(xblock, rblock, _warps(xblock * rblock), True)
     if interpret:
         return Config(64, 64, 8, False)
