@@ -116,7 +116,8 @@ class Compiler:
 
         return compat.aot_module_simplified(gm, example_inputs, fw_compiler=self("forward"),
                                             bw_compiler=self("backward"), partition_fn=partition,
-                                            decompositions=decomposition_table())
+                                            decompositions=decomposition_table(),
+                                            keep_inference_input_mutations=True)  # as backend/aot/driver.py
 
     def backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._functorch.aot_autograd import aot_module_simplified

@@ -71,11 +71,12 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
     if not _uses_triton(gm, ctx):  # CPU without the interpreter: aten calls only
         return "\n".join([*header, "import math", "import operator", "", "import torch", "", "aten = torch.ops.aten",
                           "", "", *wrapper.aten_call(gm), "", "", "call = call_aten", ""])
-    from backend.codegen import merged_sums
+    from backend.codegen import input_writes, merged_sums
     from backend.codegen.graph import GraphLowerer
     from backend.codegen.scheduler import schedule
 
     gm = merged_sums.rewritten(gm)  # a bias gradient's sum next to the kernel of what it sums
+    gm = input_writes.placed(gm)  # a running statistic's update next to the kernel of the statistic
     program = GraphLowerer(gm, ctx.config).run()  # aten nodes -> IR steps (fallbacks as aten calls)
     items = schedule(program)  # steps -> fused kernels, aten calls, views
     source, n_kernels = wrapper.module_source(header, program, items, gm, ctx.config.interpret)  # text

@@ -97,9 +97,13 @@ class _Open:
         keep = tuple(sympy.Integer(1) if d in self.reduced else n for d, n in enumerate(self.ranges))
         if step.ranges == keep:
             return "row", {s: (sympy.Integer(0) if d in self.reduced else kernel[d]) for d, s in enumerate(own)}
-        kept = [d for d in range(len(self.ranges)) if d not in self.reduced]
-        if step.ranges == tuple(self.ranges[d] for d in kept):
-            return "row", {s: kernel[d] for s, d in zip(own, kept)}
+        # the kept dims, size-1 dims aside: a (C,) running statistic is a row of a (1, C, 1, 1) one
+        kept = [d for d in range(len(self.ranges)) if d not in self.reduced and self.ranges[d] != 1]
+        mine = [i for i, n in enumerate(step.ranges) if n != 1]
+        if [step.ranges[i] for i in mine] == [self.ranges[d] for d in kept]:
+            subs = {s: sympy.Integer(0) for s in own}
+            subs.update({own[i]: kernel[d] for i, d in zip(mine, kept)})
+            return "row", subs
         return None
 
     def try_add(self, step: ir.Compute) -> bool:
@@ -132,11 +136,12 @@ class _Open:
         return True
 
     def _only_aligned_reads(self, member: Member) -> bool:
-        """An input written in place may only be read at the element being written."""
+        """An input written in place may only be read at the element being written, by a step of
+        the write's role (a row step of a reduction kernel writes once per row)."""
         target = member.store_index()
         for m in [*self.members, member]:
             for load in ir.loads(m.body()):
-                if load.buf == member.name and (m.role != "full" or sympy.expand(load.index - target) != 0):
+                if load.buf == member.name and (m.role != member.role or sympy.expand(load.index - target) != 0):
                     return False
         return True
 
