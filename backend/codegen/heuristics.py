@@ -7,7 +7,8 @@ small tensors use one block of the next power of two.
 Reductions: a row of at most ``PERSISTENT_LIMIT`` elements is reduced in registers ("persistent",
 one block of ``RBLOCK = next_pow2(row)`` columns; rows per program so that a block holds about 4096
 elements, but fewer while that leaves under ``MIN_PROGRAMS`` programs: 16 rows of 256 were one
-program on one SM, 4x slower than 16 programs of one row each); warps grow with the block (4 up to 2048 elements, 8 up to 8192, 16 beyond). Longer or
+program on one SM, 4x slower than 16 programs of one row each); warps grow with the block (4 up
+to 2048 elements, 8 up to 8192, 16 beyond). Longer or
 symbolic rows loop over ``RBLOCK = 1024`` columns. When the reduced dimension is not the innermost
 in memory (a column reduction), programs take ``COLUMN_XBLOCK`` rows so that loads along the rows
 coalesce (the fastest lane index walks the adjacent outputs); such a block stays persistent only
