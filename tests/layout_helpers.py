@@ -7,6 +7,7 @@ import copy
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, what: str, truth: torch.Tensor | None = None) -> None:
@@ -24,6 +25,32 @@ def same(actual: torch.Tensor, expected: torch.Tensor, what: str, truth: torch.T
     """``close``, and eager's strides."""
     close(actual, expected, what, truth)
     assert actual.stride() == expected.stride(), f"{what}: strides {actual.stride()}, eager's {expected.stride()}"
+
+
+class _Kinks(torch.overrides.TorchFunctionMode):
+    """Records the smallest distance of a ReLU's or ReLU6's input from the kinks (0, and 6)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.least = float("inf")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (F.relu, torch.relu, F.relu6):
+            x = args[0].detach()
+            distance = x.abs() if func is not F.relu6 else torch.minimum(x.abs(), (x - 6).abs())
+            self.least = min(self.least, distance.min().item())
+        return func(*args, **kwargs)
+
+
+def kink_distance(model: nn.Module, x: torch.Tensor) -> float:
+    """How close eager's forward comes to a ReLU's kink. Within float32 rounding of it (an input one
+    ulp from 0), eager and a compiled forward that sums in another order may take opposite sides,
+    and the gradients then differ by a whole element's gradient, spread by batch norm's backward to
+    every element: right on both sides, and no test of gradients against eager's can hold."""
+    with _Kinks() as kinks:
+        copy.deepcopy(model)(x)
+    return kinks.least
 
 
 def train_against_eager(model: nn.Module, x: torch.Tensor, options: dict, steps: int,

@@ -254,3 +254,13 @@ def test_reductions_read_row_or_column_from_strides(strides, reduced_innermost):
     x0, r0 = sympy.Symbol("x0", integer=True, nonnegative=True), sympy.Symbol("r0", integer=True, nonnegative=True)
     load = ir.Load("buf", strides[0] * x0 + strides[1] * r0, torch.float32)
     assert _reduces_innermost({"sum": load}, [(x0, 16, False), (r0, 140, True)]) is reduced_innermost
+
+
+def test_kink_distance_finds_relu_inputs_at_the_kinks():
+    """The precondition of the GPU training tests (layout_helpers.kink_distance)."""
+    from layout_helpers import kink_distance
+
+    x = torch.tensor([[-1.0, 2.0, 3e-9]])
+    assert kink_distance(torch.nn.ReLU(), x) == pytest.approx(3e-9)
+    assert kink_distance(torch.nn.ReLU6(), torch.tensor([[6.5, 6.0 - 1e-6, -2.0]])) == pytest.approx(1e-6, rel=1e-2)
+    assert kink_distance(torch.nn.GELU(), x) == float("inf")  # no kink
