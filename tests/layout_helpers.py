@@ -28,7 +28,7 @@ def same(actual: torch.Tensor, expected: torch.Tensor, what: str, truth: torch.T
 
 
 class _Kinks(torch.overrides.TorchFunctionMode):
-    """Records the smallest distance of a ReLU's or ReLU6's input from the kinks (0, and 6)."""
+    """Records the smallest distance of a ReLU's, ReLU6's or hardtanh's input from its kinks."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,10 +36,13 @@ class _Kinks(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (F.relu, torch.relu, F.relu6):
+        kinks = {F.relu: (0.0,), torch.relu: (0.0,), F.relu6: (0.0, 6.0)}.get(func)
+        if func is F.hardtanh:  # nn.ReLU6 is a hardtanh
+            bounds = {"min_val": -1.0, "max_val": 1.0, **dict(zip(("min_val", "max_val"), args[1:3])), **kwargs}
+            kinks = (bounds["min_val"], bounds["max_val"])
+        if kinks:
             x = args[0].detach()
-            distance = x.abs() if func is not F.relu6 else torch.minimum(x.abs(), (x - 6).abs())
-            self.least = min(self.least, distance.min().item())
+            self.least = min([self.least, *((x - k).abs().min().item() for k in kinks)])
         return func(*args, **kwargs)
 
 
