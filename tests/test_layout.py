@@ -262,5 +262,5 @@ def test_kink_distance_finds_relu_inputs_at_the_kinks():
 
     x = torch.tensor([[-1.0, 2.0, 3e-9]])
     assert kink_distance(torch.nn.ReLU(), x) == pytest.approx(3e-9)
-    assert kink_distance(torch.nn.ReLU6(), torch.tensor([[6.5, 6.0 - 1e-6, -2.0]])) == pytest.approx(1e-6, rel=1e-2)
+    assert kink_distance(torch.nn.ReLU6(), torch.tensor([[6.5, 6.0 - 2**-20, -2.0]])) == 2**-20  # exact in float32
     assert kink_distance(torch.nn.GELU(), x) == float("inf")  # no kink
