@@ -11,6 +11,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 TIMING_WORKERS = 4
 
 
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's torch (and every process it starts) gets its share of the
+    cores: 15 workers each running 16 intra-op threads slowed the GPU machine's suite down so far
+    that the demo's subprocess (20 s alone) ran past its 300 s limit."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers > 1:
+        import torch
+
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config, items):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
     if workers <= TIMING_WORKERS:
