@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -53,7 +53,7 @@ class _Holder:
 
 
 def _idle_refcounts() -> tuple[int, int]:
-    """What ``sys.getrefcount`` reads in ``dead`` for a kept tensor and its storage's Python object
+    """What ``sys.getrefcount`` reads in ``idle`` for a kept tensor and its storage's Python object
     that only an entry holds (torch 2.13's storage holds its Python object once it has one)."""
     probe = _Holder()
     storage = torch.UntypedStorage(16)
@@ -105,14 +105,15 @@ _IDLE_TENSOR_REFS, _IDLE_STORAGE_REFS = _idle_refcounts()
 def dead(entry: LiveOutput) -> bool:
     """Whether nothing but the runtime holds the entry's storage (the hot path's liveness test)."""
     uses = compat.storage_use_count(entry.cdata)
-    if uses == 0:
-        return True
-    t = entry.cached
-    if t is None:
-        return False
-    s = entry.cached_storage
-    return (uses <= entry.idle_uses and compat.tensor_use_count(t) == 1
-            and sys.getrefcount(t) == _IDLE_TENSOR_REFS and sys.getrefcount(s) == _IDLE_STORAGE_REFS)
+    return uses == 0 or (uses <= entry.idle_uses and entry.cached is not None and idle(entry))
+
+
+def idle(entry: LiveOutput) -> bool:
+    """Whether the tensor an entry keeps, and its storage's Python object, are held by the entry
+    alone (``dead``'s second half, for an entry whose storage's use count is at its idle count)."""
+    t, s = entry.cached, entry.cached_storage
+    return (compat.tensor_use_count(t) == 1 and sys.getrefcount(t) == _IDLE_TENSOR_REFS
+            and sys.getrefcount(s) == _IDLE_STORAGE_REFS)
 
 
 def overwritten_message(node: "GraphNode", index: int, why: str) -> str:
@@ -148,8 +149,9 @@ def end_generation(live: list[LiveOutput], why: str) -> tuple[list[LiveOutput], 
     is invalidated. Returns (what stays live, how many were invalidated)."""
     kept, n = [], 0
     use_count = compat.storage_use_count
-    for entry in live:  # as in TreeManager.begin_call: ``dead`` only where the count allows it
-        if use_count(entry.cdata) <= entry.idle_uses and dead(entry):
+    for entry in live:  # ``dead``, inlined: this loop sees every output of a training step
+        uses = use_count(entry.cdata)
+        if uses == 0 or (uses <= entry.idle_uses and entry.cached is not None and idle(entry)):
             continue
         if entry.tensors is not None:
             kept.append(entry)
@@ -169,5 +171,14 @@ def release_all(live: list[LiveOutput], why: str) -> None:
             invalidate(entry, why)
 
 
-def still_alive(live: list[Any]) -> list[Any]:
-    return [e for e in live if not dead(e)]
+def still_alive(live: list[LiveOutput]) -> list[LiveOutput]:
+    """The entries not ``dead`` (inlined: every call of a compiled function runs this over every
+    live output, a training step's saved activations included)."""
+    use_count = compat.storage_use_count
+    alive = []
+    for entry in live:
+        uses = use_count(entry.cdata)
+        if uses == 0 or (uses <= entry.idle_uses and entry.cached is not None and idle(entry)):
+            continue
+        alive.append(entry)
+    return alive

@@ -68,13 +68,11 @@ class TreeManager:
             self.backward_ran = True
         live = self.live
         if live:
-            use_count, dead = compat.storage_use_count, liveness.dead
-            for entry in live:  # the first test is all an entry without a kept tensor needs
-                if use_count(entry.cdata) <= entry.idle_uses and dead(entry):
-                    live = self.live = [e for e in live if not dead(e)]
-                    if not live:
-                        self.generation += 1  # inference: every output of the last step died
-                    break
+            alive = liveness.still_alive(live)
+            if len(alive) != len(live):
+                live = self.live = alive
+                if not live:
+                    self.generation += 1  # inference: every output of the last step died
         return live
 
     def end_generation(self, why: str) -> None:
