@@ -23,7 +23,7 @@ __all__ = [
     "tensor_bytes", "SerializableCallable", "precompile_backend_id", "caching_precompile",
     "plain_aot_settings", "BackendArtifact", "record_backend_artifact", "enable_caching_precompile",
     "save_dynamo_cache", "dynamo_names_used", "reserve_dynamo_names", "pickle_aot_metadata",
-    "aot_backward_attributes",
+    "aot_backward_attributes", "release_saved",
 ]
 
 
@@ -201,6 +201,22 @@ def increment_version(tensors: list[torch.Tensor]) -> None:
     except TypeError:  # older torch: one tensor at a time
         for t in tensors:
             torch.autograd.graph.increment_version(t)
+
+
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None) or (lambda: True)
+
+
+def release_saved(ctx: Any) -> None:
+    """Drop what the forward saved for a backward that keeps no graph (no ``retain_graph``), as
+    AOTAutograd's backward does (``maybe_clear_saved_tensors``) once it has read them: the call's
+    arguments then hold the activations alone, so the backward's CUDA graph frees each at its last
+    read (the runtime's hand-off) and a warm process peaks where a cold one does."""
+    if _keep_graph():
+        return
+    clear = getattr(ctx, "maybe_clear_saved_tensors", None)
+    if clear is not None:
+        clear()
+    ctx.saved_no_vc_check = ()
 
 
 class view_replay:  # noqa: N801 - a context manager, named like one

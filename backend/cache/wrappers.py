@@ -103,6 +103,7 @@ def _autograd_function(forward: Boxed, backward: Boxed, plan: dict[str, Any]) ->
                                    "but torch.use_deterministic_algorithms(True) is set now")
             args = [*ctx.saved_tensors, *ctx.saved_no_vc_check,
                     *(_as_traced(grads[i], fmt) for i, fmt in tangents)]
+            compat.release_saved(ctx)
             if torch.is_grad_enabled() and (plan["any_input_requires_grad"] or
                                             any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
                 return _FirstOrderOnly.apply(lambda: tuple(backward(args)), torch.empty(0, requires_grad=True))

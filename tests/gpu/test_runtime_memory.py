@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 import threading
 
 import pytest
@@ -140,9 +141,10 @@ def _deep_mlp() -> nn.Module:
     return nn.Sequential(*layers).to(DEV)
 
 
-def _training_peak(backend_name: str, steps: int = 6) -> int:
+def _training_peak(backend_name: str, steps: int = 6, described: list[str] | None = None) -> int:
     """Peak allocated bytes above the model and its input over ``steps`` SGD steps, compiled with
-    ``backend_name`` (the pool's graphs, input slots, activations and gradients included)."""
+    ``backend_name`` (the pool's graphs, input slots, activations and gradients included); the
+    runtime's ``describe()`` before the reset goes to ``described``."""
     model = _deep_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(256, 1024, device=DEV)
@@ -155,6 +157,8 @@ def _training_peak(backend_name: str, steps: int = 6) -> int:
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
+    if described is not None:
+        described.append(runtime.describe())
     del f, model, opt
     torch._dynamo.reset()
     backend.reset()
@@ -168,6 +172,26 @@ def test_training_peak_at_most_cudagraphs_backend(kernel_modules):
     ours = _training_peak("cgtrees")
     print(f"training peak above the model: cgtrees {ours / 2**20:.1f} MiB, cudagraphs {theirs / 2**20:.1f} MiB")
     assert ours <= theirs, f"cgtrees {ours} bytes > backend='cudagraphs' {theirs} bytes\n{runtime.describe()}"
+
+
+def test_cache_hit_hands_the_activations_to_the_backward(request, monkeypatch, cgtrees_counters):
+    """A training step whose graphs come from the cache runs them through our own autograd wrapper
+    (level 1): its backward releases what the forward saved, as AOTAutograd's does on a miss, so
+    the backward's capture is handed the activations and frees each at its last read (consumed):
+    a warm process peaks where a cold one does."""
+    if request.node.callspec.params["kernel_modules"] == "aten":
+        pytest.skip("the cache stores generated kernel modules only")
+    monkeypatch.setenv("CGTREES_CACHE", "1")
+    miss_described: list[str] = []
+    hit_described: list[str] = []
+    miss = _training_peak("cgtrees", described=miss_described)
+    assert cgtrees_counters["cache_hit_aot"] == 0
+    hit = _training_peak("cgtrees", described=hit_described)
+    assert cgtrees_counters["cache_hit_aot"] == 1, dict(cgtrees_counters)
+    print(f"training peak above the model: miss {miss / 2**20:.1f} MiB, level-1 hit {hit / 2**20:.1f} MiB")
+    for described in (miss_described[0], hit_described[0]):
+        assert re.search(r"g\d+_backward parent=.* consumed=[1-9]", described), described
+    assert hit <= miss, f"level-1 hit {hit} bytes > miss {miss} bytes\n{hit_described[0]}"
 
 
 def test_deleted_model_frees_its_memory():
