@@ -57,9 +57,11 @@ def profile(model: str, backend: str, blocks: str | None) -> None:
     if blocks:
         torch.cuda.memory._record_memory_history(enabled="state", stacks="python")
     spec = {"workload": model, "backend": backend, "mode": "train", "device": "cuda", "smoke": False}
-    step = make_step(spec, torch.device("cuda"), Kept())
+    keep = Kept()
+    step = make_step(spec, torch.device("cuda"), keep)
     for _ in range(8):  # compile, record, warm up
         step()
+    keep.to_host()  # as a benchmark worker does before its steady state
     torch.cuda.synchronize()
     between = torch.cuda.memory_allocated()
     if blocks:

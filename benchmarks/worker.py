@@ -130,10 +130,12 @@ def raw_graph_call(model: torch.nn.Module, inputs: tuple) -> Callable:
 
 @dataclass
 class Kept:
-    """What the first step produced, copied to the host, to compare with eager's first step. On the
-    host, not cloned on the device: the copies would count in every later step's peak allocated,
-    and the allocator may serve the same clone from a larger cached block in one process than in
-    another (a 3 MB gradient in a 4 MB block: 1-3 MB between backends on GPT-2 and Llama).
+    """What the first step produced, cloned, to compare with eager's first step. The first step
+    clones on the device (a copy to the host would add its transfer to the first outputs' time);
+    ``to_host`` moves the clones out before the steady state, where they would count in every
+    step's peak allocated, and the allocator may serve the same clone from a larger cached block
+    in one process than in another (a 3 MB gradient in a 4 MB block: 1-3 MB between backends on
+    GPT-2 and Llama).
 
     ``outputs``: the model's output (infer), or the loss and the model's output (train);
     ``grads``: each parameter's gradient after the first backward, named in ``names``.
@@ -146,6 +148,10 @@ class Kept:
 
     def __bool__(self) -> bool:
         return bool(self.outputs)
+
+    def to_host(self) -> None:
+        self.outputs = [_on_host(t) for t in self.outputs]
+        self.grads = [_on_host(t) for t in self.grads]
 
     def absolute(self) -> list[torch.Tensor | None]:
         """The tensors of ``max_err``: the output (infer), the loss and the gradients (train)."""
@@ -160,7 +166,7 @@ def infer_step(fn: Callable, inputs: tuple, mark: bool, keep: Kept) -> Callable[
         with torch.no_grad():
             out = fn(*inputs)
         if not keep:
-            keep.outputs.append(_kept(out))
+            keep.outputs.append(_clone(out))
     return step
 
 
@@ -178,22 +184,25 @@ def train_step(fn: Callable, inputs: tuple, loss_fn: Callable, model: torch.nn.M
         if mark:
             torch.compiler.cudagraph_mark_step_begin()
         out = fn(*inputs)
-        first_out = None if keep else _kept(out)
+        first_out = None if keep else _clone(out)
         loss = loss_fn(out)
         del out  # held no longer than before: only what the loss's backward saves
         backward(loss)
         if not keep:
-            keep.outputs.extend([_kept(loss), first_out])
-            keep.grads.extend(_kept(p.grad) for p in params)
+            keep.outputs.extend([_clone(loss), first_out])
+            keep.grads.extend(_clone(p.grad) for p in params)
             keep.names.extend(name for name, _ in named)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
 
 
-def _kept(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A copy on the host (see ``Kept``)."""
-    return None if t is None else t.detach().to("cpu", copy=True)
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
+def _on_host(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.cpu()
 
 
 def make_step(spec: dict, device: torch.device, keep: Kept) -> Callable[[], None]:
@@ -341,6 +350,7 @@ def run_row(spec: dict) -> dict:
         else:
             marks = measure.first_outputs(step, device)
         row.update(first_s=marks[0], first3_s=marks[-1])
+        keep.to_host()  # out of the steady state's peak (``Kept``)
         if is_pc(spec["backend"]):
             phases.next("save Dynamo's cache")
             row["dynamo_cache_save"] = save_dynamo_cache(spec["backend"])
