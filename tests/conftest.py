@@ -14,8 +14,9 @@ TIMING_WORKERS = 4
 
 def pytest_configure(config):
     """Under pytest-xdist, each worker's torch (and every process it starts) gets its share of the
-    cores: 15 workers each running 16 intra-op threads slowed the GPU machine's suite down so far
-    that the demo's subprocess (20 s alone) ran past its 300 s limit."""
+    cores instead of one intra-op thread per core each (15 x 16 threads on the GPU machine's 16
+    cores). The suite there went from 450 to 434 s; the demo's subprocess still ran past its limit
+    beside 14 workers, so it is a ``timing`` test now."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
     if workers > 1:
         import torch

@@ -103,7 +103,8 @@ _IDLE_TENSOR_REFS, _IDLE_STORAGE_REFS = _idle_refcounts()
 
 
 def dead(entry: LiveOutput) -> bool:
-    """Whether nothing but the runtime holds the entry's storage (the hot path's liveness test)."""
+    """Whether nothing but the runtime holds the entry's storage (the hot path's liveness test).
+    ``still_alive`` and ``end_generation`` inline the same test: change the three alike."""
     uses = compat.storage_use_count(entry.cdata)
     return uses == 0 or (uses <= entry.idle_uses and entry.cached is not None and idle(entry))
 
