@@ -5,7 +5,7 @@
 Builds the workload as a benchmark worker does (own or real suite names), runs a few steps, then
 times ``--steps`` steps five times each way (the least counts): without synchronizing (the host's
 time to enqueue a step, as long as the GPU queue does not fill) and with a synchronize at the end
-(the wall time per step). A step whose
+(the wall time per step), and the time the garbage collector took in those steps. A step whose
 host time is above its device time is host-bound: the figure to cut is then ours in Python. Last, a
 cProfile of the same steps, by own time.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -37,6 +38,30 @@ def per_step(step, steps: int, sync: bool) -> float:
     return (time.perf_counter() - start) / steps
 
 
+class GcTimer:
+    """Collections and their time, by generation, while counting (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.counting = False
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if not self.counting:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+    def report(self, steps: int) -> str:
+        return ", ".join(f"gen{g} {n} ({s / steps * 1e6:.0f} us/step)"
+                         for g, (n, s) in enumerate(zip(self.count, self.seconds)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
@@ -50,9 +75,13 @@ def main() -> None:
         step()
     # the least of five: a host-bound step moves with whatever else the machine's CPU does
     host = min(per_step(step, args.steps, sync=False) for _ in range(5))
+    timer = GcTimer()
+    timer.counting = True
     wall = min(per_step(step, args.steps, sync=True) for _ in range(5))
+    timer.counting = False
     print(f"{args.model} {args.backend}: step wall {wall * 1e3:.2f} ms, host enqueue ~{host * 1e3:.2f} ms "
           f"(least of 5 x {args.steps} steps)")
+    print(f"garbage collections in the 5 x {args.steps} synchronized steps: {timer.report(5 * args.steps)}")
     prof = cProfile.Profile()
     prof.runcall(per_step, step, args.steps, True)
     text = io.StringIO()
