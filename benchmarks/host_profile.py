@@ -19,6 +19,7 @@ import io
 import os
 import pstats
 import sys
+import threading
 import time
 
 import torch
@@ -62,6 +63,18 @@ class GcTimer:
                          for g, (n, s) in enumerate(zip(self.count, self.seconds)))
 
 
+def python_speed() -> float:
+    """Microseconds for a fixed pure-Python loop (least of 5): the same in every process of one
+    machine unless the process itself runs slower (its core, its clock, another thread's GIL)."""
+    def loop() -> float:
+        start = time.perf_counter()
+        total = 0
+        for i in range(100_000):
+            total += i & 7
+        return time.perf_counter() - start
+    return min(loop() for _ in range(5)) * 1e6
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
@@ -81,6 +94,9 @@ def main() -> None:
     timer.counting = False
     print(f"{args.model} {args.backend}: step wall {wall * 1e3:.2f} ms, host enqueue ~{host * 1e3:.2f} ms "
           f"(least of 5 x {args.steps} steps)")
+    threads = sorted(t.name for t in threading.enumerate())
+    print(f"python speed {python_speed():.0f} us per 100k-step loop; "
+          f"{len(os.sched_getaffinity(0))} cores allowed; threads {threads}")
     print(f"garbage collections in the 5 x {args.steps} synchronized steps: {timer.report(5 * args.steps)}")
     prof = cProfile.Profile()
     prof.runcall(per_step, step, args.steps, True)
