@@ -37,6 +37,9 @@ class FunctionPair:
         # An inference graph in our own runtime wrapper, where AOTAutograd's wrappers would add
         # nothing (``_lean_inference``): it replaces AOTAutograd's function, ~20 us a call less.
         self.lean: Callable[..., Any] | None = None
+        # A training graph's compiled forward, for the wrapper a level-1 hit would build
+        # (``cache.aot.lean_training``), which then replaces AOTAutograd's function as well.
+        self.forward_call: Callable[[list[Any]], Any] | None = None
         # The tree manager the forward ran under, for its backward (the runtime's: ``function._tree``).
         self.cgtrees_manager: Any = None
         # Collects the aten graphs for the level-1 entry on a miss (``cache.aot.Recorder``).
@@ -75,7 +78,9 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
         keep_inference_input_mutations=True,
     )
     cache.aot.finish(pair)  # level 1: a training graph's entry, its backward compiled or not
-    return compiled if ddp_piece else pair.lean or compiled  # a piece's first call is fake (distributed.py)
+    if ddp_piece:  # a piece's first call is fake (distributed.py)
+        return compiled
+    return pair.lean or cache.aot.lean_training(pair, backward_compiler(name, pair, config)) or compiled
 
 
 def backward_compiler(name: str, pair: FunctionPair, config: Config) -> Callable[..., Any]:
@@ -105,6 +110,8 @@ def _aten_compiler(aot_kind: str, name: str, pair: FunctionPair, config: Config,
         call = compat.boxed(compile_aten_graph(gm, [*example_inputs, *consts.tensors], ctx))
         if kind == "inference":
             pair.lean = _lean_inference(call, len(example_inputs), pair)
+        elif aot_kind == "forward":
+            pair.forward_call = call
         return call
 
     return compile_aten

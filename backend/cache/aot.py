@@ -208,10 +208,13 @@ def _aot_attributes(payload: dict[str, Any], plan: dict[str, Any]) -> dict[str, 
 class LazyBackward:
     """The backward of an entry that keeps only its graph (the process that wrote it ran the
     backward under compiled autograd): compiled at its first call, as AOTAutograd compiles a
-    backward, through the driver's steps (its kernel module from level 2 when one is there)."""
+    backward, through the driver's steps (its kernel module from level 2 when one is there).
+    ``graph``: the entry's record of it, or, on a miss, AOTAutograd's GraphModule itself."""
 
-    def __init__(self, graph: dict[str, Any], config: Config, name: str, pair: Any) -> None:
+    def __init__(self, graph: dict[str, Any] | torch.fx.GraphModule, config: Config, name: str, pair: Any,
+                 compiler: Callable[..., Any] | None = None) -> None:
         self.graph, self.config, self.name, self.pair = graph, config, name, pair
+        self.compiler = compiler
         self.call: Callable[[list[Any]], Any] | None = None
 
     def __call__(self, args: list[Any]) -> Any:
@@ -220,12 +223,19 @@ class LazyBackward:
         return self.call(args)
 
     def _compile(self) -> Callable[[list[Any]], Any]:
-        from backend.aot import driver  # the driver imports this module: its steps, at first use
+        if isinstance(self.graph, torch.fx.GraphModule):  # a copy, as AOTAutograd compiles one
+            gm, inputs = backward_graph.copy_with_inputs(self.graph)
+        else:
+            gm = backward_graph.graph_module(self.graph)
+            inputs = backward_graph.example_inputs(gm, self.graph)
+        compiler = self.compiler
+        if compiler is None:
+            from backend.aot import driver  # the driver imports this module: its steps, at first use
 
-        gm = backward_graph.graph_module(self.graph)
-        inputs = backward_graph.example_inputs(gm, self.graph)
+            compiler = driver.backward_compiler(self.name, self.pair, self.config)
+        self.graph = None  # compiled once: the graph is not needed again
         with torch.no_grad():  # the compiler AOTAutograd would have called (constants lifted, ...)
-            return driver.backward_compiler(self.name, self.pair, self.config)(gm, inputs)
+            return compiler(gm, inputs)
 
 
 def _load_part(part: dict[str, Any], kind: str, config: Config, pair: Any, wrap: Wrap,
@@ -301,6 +311,7 @@ class Recorder:
         self.finished = False  # AOTAutograd has returned
         self.partial = False  # an entry without the compiled backward is written
         self.done = False
+        self.bypassed = False  # the graph gave up on level 1 (``_give_up``)
 
     def keep_backward_graph(self, bw: torch.fx.GraphModule) -> None:
         self.bw_graph = bw
@@ -405,7 +416,7 @@ class Recorder:
             self.store.write(LEVEL, self.digest, payload, self.config.cache_size_mb)
 
     def _give_up(self, reason: str) -> None:
-        self.done = True
+        self.done = self.bypassed = True
         _bypass(self.kept, self.config, self.name, reason)
         if self.store is not None:
             self.store.write(LEVEL, self.digest, {"key": self.key.as_dict(), "bypass": reason},
@@ -432,6 +443,25 @@ def recorded_partition(pair: Any, partition: Callable[..., Any]) -> Callable[...
         return fw, bw
 
     return partition_and_keep
+
+
+def lean_training(pair: Any, compiler: Callable[..., Any]) -> Callable[..., Any] | None:
+    """On a miss, the function a hit on the entry just written would give: our wrapper around this
+    process's compiled forward and its backward (compiled at the first ``backward()`` by
+    ``compiler``, as AOTAutograd would). It replaces AOTAutograd's, so that a cold process's calls
+    cost what a warm one's do (AOTAutograd's runtime wrappers: about 750 Python calls a
+    mobilenet_v3_small training step). None where AOTAutograd's function stays: no recorder (cache
+    off), a graph level 1 does not take, or what compiled autograd needs of the entry is missing."""
+    recorder = pair.cache_recorder
+    if recorder is None or pair.forward_call is None or recorder.bypassed or recorder.plan is None:
+        return None
+    if "forward" not in recorder.parts or "backward" in recorder.parts or recorder.bw_graph is None:
+        return None  # not a training graph, or its backward compiled already (not AOTAutograd's lazy way)
+    attributes = _aot_attributes(recorder.extras, recorder.plan)
+    if attributes is None:
+        return None  # compiled autograd would trace our backward instead of AOTAutograd's graph
+    backward = LazyBackward(recorder.bw_graph, recorder.config, recorder.name, pair, compiler)
+    return wrappers.training_function(pair.forward_call, backward, recorder.plan, recorder.detach, attributes)
 
 
 def finish(pair: Any) -> None:

@@ -72,6 +72,14 @@ def example_inputs(gm: torch.fx.GraphModule, rec: dict[str, Any]) -> list[torch.
     return inputs
 
 
+def copy_with_inputs(bw: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """A copy of AOTAutograd's backward graph (kept intact for compiled autograd), and its
+    placeholders' example values: what AOTAutograd hands its compiler at a lazy backward."""
+    import copy
+
+    return copy.deepcopy(bw), [n.meta.get("val") for n in bw.graph.find_nodes(op="placeholder")]
+
+
 def _spec(node: torch.fx.Node) -> dict[str, Any]:
     value = node.meta.get("val")
     if not isinstance(value, torch.Tensor) or any(not isinstance(s, int) for s in (*value.shape, *value.stride())):
