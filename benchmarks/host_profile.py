@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from measure import python_speed  # noqa: E402
 from worker import Kept, make_step  # noqa: E402
 
 
@@ -61,18 +62,6 @@ class GcTimer:
     def report(self, steps: int) -> str:
         return ", ".join(f"gen{g} {n} ({s / steps * 1e6:.0f} us/step)"
                          for g, (n, s) in enumerate(zip(self.count, self.seconds)))
-
-
-def python_speed() -> float:
-    """Microseconds for a fixed pure-Python loop (least of 5): the same in every process of one
-    machine unless the process itself runs slower (its core, its clock, another thread's GIL)."""
-    def loop() -> float:
-        start = time.perf_counter()
-        total = 0
-        for i in range(100_000):
-            total += i & 7
-        return time.perf_counter() - start
-    return min(loop() for _ in range(5)) * 1e6
 
 
 def main() -> None:

@@ -71,6 +71,19 @@ def window(step: Step, calls: int, device: torch.device) -> float:
     return begin.elapsed_time(end) / 1e3 / calls
 
 
+def python_speed() -> float:
+    """Microseconds for a fixed pure-Python loop (least of 5). On the GPU machine it moves by up to
+    2x between processes (3.5-7.1 ms measured), and a host-bound row's per-call time with it: kept
+    beside each row's per-call figure, it tells a slow process from a slow backend."""
+    def loop() -> float:
+        start = time.perf_counter()
+        total = 0
+        for i in range(100_000):
+            total += i & 7
+        return time.perf_counter() - start
+    return min(loop() for _ in range(5)) * 1e6
+
+
 def steady_state(step: Step, device: torch.device, plan: Plan) -> dict:
     """Per-call seconds (median of windows) and the peak memory over those calls."""
     for _ in range(plan.warmup_calls):
@@ -81,9 +94,10 @@ def steady_state(step: Step, device: torch.device, plan: Plan) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # cached blocks from compilation are not the workload's memory
         torch.cuda.reset_peak_memory_stats(device)
+    before = python_speed()
     per_window = [window(step, calls, device) for _ in range(plan.windows)]
     figures = {"step_s": statistics.median(per_window), "step_windows_s": per_window,
-               "calls_per_window": calls}
+               "calls_per_window": calls, "python_speed_us": [before, python_speed()]}
     if device.type == "cuda":
         figures["peak_alloc_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
         figures["peak_reserved_mb"] = torch.cuda.max_memory_reserved(device) / 2**20

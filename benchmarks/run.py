@@ -285,8 +285,10 @@ def progress(row: dict) -> None:
         return "-" if v is None else fmt.format(v * scale)
 
     status = "ok" if row.get("ok") else f"FAILED {str(row.get('error'))[:200]}"
+    speed = row.get("python_speed_us")  # the process's pure-Python speed around the per-call windows
+    py = "" if not speed else f"  py {max(speed) / 1e3:.1f}ms"
     print(f"{row['workload']:10} {row['mode']:5} {row['backend']:15} {row.get('phase', 'cold'):4} "
-          f"first3 {f('first3_s', 1, '{:.2f}')}s  per call {f('step_s', 1e6, '{:.1f}')}us  "
+          f"first3 {f('first3_s', 1, '{:.2f}')}s  per call {f('step_s', 1e6, '{:.1f}')}us{py}  "
           f"peak {f('peak_alloc_mb', 1, '{:.0f}')}MB  err {f('max_err', 1, '{:.1e}')} "
           f"(rel {f('rel_err_out', 1, '{:.0e}')}/{f('rel_err_grad', 1, '{:.0e}')})  "
           f"[process {f('wall_s', 1, '{:.1f}')}s] {status}{report.runs_note(row)}", flush=True)
