@@ -28,10 +28,16 @@ FACTOR = 3.0
 
 @pytest.fixture
 def no_tf32():
-    before = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+    """cuDNN's and cuBLAS's TF32 off (cuDNN's through its context manager: torch's test utilities,
+    once imported, forbid setting its flags directly)."""
+    cudnn = torch.backends.cudnn
+    matmul = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                     allow_tf32=False):
+        assert not cudnn.allow_tf32
+        yield
+    torch.backends.cuda.matmul.allow_tf32 = matmul
 
 
 def _grads(model, x, labels):
