@@ -51,7 +51,9 @@ ABOUT = """\
 The real-model suite (issue 16): library models with random weights built from configs, fp32, sizes
 fixed in `benchmarks/real_models.py`: HF GPT-2, HF Llama (grouped-query attention: 8 heads, 2 kv heads)
 and HF BERT (masked LM), each 4 layers, d=512, 8 heads, vocabulary 8192, batch 8 x seq 128, `sdpa`
-attention, no dropout; timm `vit_tiny_patch16_224` and torchvision `resnet18`, batch 32 at 224x224.
+attention, no dropout; timm `vit_tiny_patch16_224` and `convnext_atto`, torchvision `resnet18` and
+`mobilenet_v3_small` (its classifier dropout off), batch 32 at 224x224. cuDNN's TF32 is left on
+(torch's default), so the conv nets' gradient errors are TF32 rounding on every backend.
 Backends side by side: eager, Inductor (default mode), Inductor `reduce-overhead` and cgtrees; inference
 (`no_grad`) and training (forward, cross-entropy against fixed labels, backward, SGD step). Every row is
 a fresh process, as above: cold with empty cache directories, warm in later processes reusing them.
