@@ -233,9 +233,10 @@ class LazyBackward:
             from backend.aot import driver  # the driver imports this module: its steps, at first use
 
             compiler = driver.backward_compiler(self.name, self.pair, self.config)
-        self.graph = None  # compiled once: the graph is not needed again
         with torch.no_grad():  # the compiler AOTAutograd would have called (constants lifted, ...)
-            return compiler(gm, inputs)
+            call = compiler(gm, inputs)
+        self.graph = None  # compiled: not needed again (kept until then, so a failed compile can retry)
+        return call
 
 
 def _load_part(part: dict[str, Any], kind: str, config: Config, pair: Any, wrap: Wrap,

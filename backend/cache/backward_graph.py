@@ -18,6 +18,7 @@ example values are propagated on fake inputs where it is compiled.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -75,8 +76,6 @@ def example_inputs(gm: torch.fx.GraphModule, rec: dict[str, Any]) -> list[torch.
 def copy_with_inputs(bw: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[Any]]:
     """A copy of AOTAutograd's backward graph (kept intact for compiled autograd), and its
     placeholders' example values: what AOTAutograd hands its compiler at a lazy backward."""
-    import copy
-
     return copy.deepcopy(bw), [n.meta.get("val") for n in bw.graph.find_nodes(op="placeholder")]
 
 
