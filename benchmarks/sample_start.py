@@ -5,11 +5,12 @@
 
 Runs ``worker.py`` with those arguments (caches as the environment says: run it twice on the same
 cache directories for a warm start; ``--backend cgtrees-pc`` also needs ``CGTREES_PRECOMPILE_CACHE=1``)
-and, while its first outputs are timed, reads the main thread's stack every ``--interval`` seconds
-from a second thread. Each sample counts the time since the last one for every function on the stack
-(inclusive) and for the innermost one (exclusive). Unlike cProfile it adds little time (a few
-percent) and sees through Dynamo's frame evaluation; a sample waits while the main thread holds the
-GIL in C, so long C calls land on their Python caller.
+and, while the model is compiled (the ``torch.compile`` call: where Dynamo's caching precompile loads a
+saved entry) and while its first outputs are timed, reads the main thread's stack every ``--interval``
+seconds from a second thread; the two windows are reported apart. Each sample counts the time since
+the last one for every function on the stack (inclusive) and for the innermost one (exclusive).
+Unlike cProfile it adds little time (a few percent) and sees through Dynamo's frame evaluation; a
+sample waits while the main thread holds the GIL in C, so long C calls land on their Python caller.
 """
 
 from __future__ import annotations
@@ -86,8 +87,23 @@ def sampling(first_outputs: Callable, out: Path, interval: float) -> Callable:
         with StackSampler(threading.get_ident(), interval) as sampler:
             marks = first_outputs(*args, **kwargs)
         new = sorted(set(sys.modules) - before)
-        out.write_text(sampler.report() + f"\n## modules imported in the window ({len(new)})\n" + " ".join(new) + "\n")
+        head = out.read_text() + "\n# the first outputs\n" if out.exists() else ""
+        modules = f"\n## modules imported in the window ({len(new)})\n" + " ".join(new) + "\n"
+        out.write_text(head + sampler.report() + modules)
         return marks
+
+    return sampled
+
+
+def sampling_compile(compile_model: Callable, out: Path, interval: float) -> Callable:
+    """The first call only (the eager reference after the timed calls builds its model too)."""
+    def sampled(*args: object, **kwargs: object) -> object:
+        if out.exists():
+            return compile_model(*args, **kwargs)
+        with StackSampler(threading.get_ident(), interval) as sampler:
+            fn = compile_model(*args, **kwargs)
+        out.write_text("# the torch.compile call\n" + sampler.report())
+        return fn
 
     return sampled
 
@@ -99,6 +115,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path, help="the sampled totals, as text")
     parser.add_argument("--interval", type=float, default=0.0005, help="seconds between samples")
     args = parser.parse_args(argv[:split])
+    args.out.unlink(missing_ok=True)
+    worker.compile_model = sampling_compile(worker.compile_model, args.out, args.interval)
     measure.first_outputs = sampling(measure.first_outputs, args.out, args.interval)
     sys.argv = [str(Path(worker.__file__)), *argv[split + 1:]]
     worker.main()
