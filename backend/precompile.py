@@ -153,9 +153,11 @@ class CachedArtifact(compat.BackendArtifact):
     unique names handed out in the saving process (``compat.reserve_dynamo_names``)."""
 
     names_used = 0
+    checked: dict[str, Any] | None = None  # the record ``check`` read at unpickling: not read twice
 
     def after_deserialization(self) -> "PrecompiledFunction":
-        return load(check(self.content))
+        record, self.checked = self.checked or check(self.content), None
+        return load(record)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _restore_artifact, (self.key, self.content, self.names_used)
@@ -165,10 +167,10 @@ class CachedArtifact(compat.BackendArtifact):
 
 
 def _restore_artifact(key: str, content: bytes, names_used: int) -> CachedArtifact:
-    check(content)
+    record = check(content)
     compat.reserve_dynamo_names(names_used)
     artifact = CachedArtifact(key=key, content=content)
-    artifact.names_used = names_used
+    artifact.names_used, artifact.checked = names_used, record
     return artifact
 
 
