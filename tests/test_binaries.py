@@ -246,3 +246,39 @@ def test_a_stored_code_object_this_interpreter_cannot_use_compiles_the_source(tm
     module, path = _deferred_load(tmp_path, code)
     assert type(module.pw_0) is types.FunctionType and module.pw_0.__code__.co_filename == str(path)
     assert ("unreadable" in caplog.text) == (bad == "garbled")
+
+
+def _meta(**fields):
+    base = {"num_warps": 4, "shared": 1024, "num_ctas": 1, "global_scratch_size": 0, "profile_scratch_size": 0,
+            "launch_pdl": False, "launch_cooperative_grid": False, "tensordesc_meta": None}
+    return __import__("types").SimpleNamespace(**{**base, **fields})
+
+
+def test_torchs_static_launcher_gets_the_binary_s_arguments_only(monkeypatch):
+    """The static launch plan: one letter per argument the binary takes; constexprs (an int
+    specialised to 1 among the run-time ones, then the constexpr parameters) are left out, and a
+    null pointer goes in for each of Triton 3.6's scratch buffers."""
+    calls = []
+    monkeypatch.setattr(compat, "_static_launch_kernel", lambda: lambda *a: calls.append(a))
+    signature = ["*fp32", "i32", "constexpr", "*fp16", "i64", "constexpr", "constexpr"]
+    plan = compat.StaticLaunch.plan(signature, _meta())
+    assert plan.types == "OiOlOO" and plan.num_warps == 4 and plan.shared == 1024
+    a, b = torch.empty(1), torch.empty(1)
+    args = (a, 7, 1, b, 2**40, 128, True)  # every parameter's value, as ``LoadedBinary.launch`` gets them
+    assert plan.arguments(args) == (a, 7, b, 2**40, None, None)
+    # no constexpr among the run-time arguments: a slice
+    plan = compat.StaticLaunch.plan(["*fp32", "*fp32", "i32", "constexpr"], _meta(profile_scratch_size=0))
+    assert plan.keep is None and plan.arguments((a, b, 5, 64)) == (a, b, 5, None, None)
+    assert compat.StaticLaunch.plan(["*fp32"], _meta()).arguments((a,)) == (a, None, None)
+
+
+@pytest.mark.parametrize("field", [{"num_ctas": 2}, {"global_scratch_size": 256}, {"profile_scratch_size": 8},
+                                   {"launch_pdl": True}, {"launch_cooperative_grid": True},
+                                   {"tensordesc_meta": [{"block": [16]}]}])
+def test_what_torchs_static_launcher_cannot_do_keeps_tritons_launcher(monkeypatch, field):
+    monkeypatch.setattr(compat, "_static_launch_kernel", lambda: lambda *a: None)
+    assert compat.StaticLaunch.plan(["*fp32", "i32"], _meta()) is not None
+    assert compat.StaticLaunch.plan(["*fp32", "i32"], _meta(**field)) is None
+    assert compat.StaticLaunch.plan(["*fp32", "nvTmaDesc"], _meta()) is None  # a type it has no letter for
+    monkeypatch.setattr(compat, "_static_launch_kernel", lambda: None)  # a torch without it
+    assert compat.StaticLaunch.plan(["*fp32", "i32"], _meta()) is None

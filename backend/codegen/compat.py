@@ -14,8 +14,14 @@ None where this Triton has no such mode: the caller then compiles one kernel aft
 putting ``SharedKey`` in its place: computed once, and remembered across processes in our cache.
 
 ``compiled_specialisations(jit)`` and ``LoadedBinary``: a kernel's compiled binaries taken from
-Triton's in-process cache as JSON-able records, and one such record loaded and launched through
-Triton's launcher, without its JIT (``binaries`` says when and why).
+Triton's in-process cache as JSON-able records, and one such record loaded and launched without
+Triton's JIT (``binaries`` says when and why). The binary is loaded by Triton's driver; it is
+launched by torch's static CUDA launcher (``torch._C._StaticCudaLauncher``, what Inductor launches
+its kernels with) where torch has one and the kernel needs nothing it lacks (one CTA, no scratch
+memory, no tensor descriptors, no programmatic dependent launch), else by Triton's launcher. Triton
+makes that launcher per signature from C source that it builds with the host compiler on first use
+(about 1.2 s each on the device machine, when its cache directory is empty): a cold process paid
+2.5 s of its first call for decode's two signatures.
 """
 
 from __future__ import annotations
@@ -217,6 +223,7 @@ class LoadedBinary:
         self.driver, self.knobs = driver.active, knobs.runtime
         self.metadata: tuple | None = None
         self.run: Callable | None = None
+        self.static: StaticLaunch | None = None
         self.functions: dict[int, object] = {}
 
     def launch(self, grid: tuple, args: tuple) -> bool:
@@ -228,8 +235,13 @@ class LoadedBinary:
             function = self.functions[device] = self._load(device)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        self.run(grid[0], g1, g2, self.driver.get_current_stream(device), function,  # type: ignore[misc]
-                 self.packed, None, None, None, *args)
+        stream = self.driver.get_current_stream(device)
+        static = self.static
+        if static is not None:
+            static.launch(function, grid[0], g1, g2, static.num_warps, static.shared, static.types,
+                          static.arguments(args), stream)
+            return True
+        self.run(grid[0], g1, g2, stream, function, self.packed, None, None, None, *args)  # type: ignore[misc]
         return True
 
     def _load(self, device: int) -> object:
@@ -243,8 +255,10 @@ class LoadedBinary:
             if meta.shared > max_shared_mem(device):
                 raise LoadFailed(f"needs {meta.shared} bytes of shared memory, device {device} has "
                                  f"{max_shared_mem(device)}")
-            if self.run is None:
-                self.run = _launcher(self.driver, _Source(self.names, self.record), meta)
+            if self.run is None and self.static is None:
+                self.static = StaticLaunch.plan(self.record["signature"], meta)
+                if self.static is None:
+                    self.run = _launcher(self.driver, _Source(self.names, self.record), meta)
             _, function, _, _, max_threads = self.driver.utils.load_binary(meta.name, self.binary, meta.shared,
                                                                             device)
         except LoadFailed:
@@ -255,6 +269,63 @@ class LoadedBinary:
         if threads > max_threads:
             raise LoadFailed(f"needs {threads} threads per block, the binary allows {max_threads}")
         return function
+
+
+class StaticLaunch:
+    """How torch's static CUDA launcher launches one kernel: its argument types (one letter each, as
+    ``_launch_kernel`` reads them), which of the launch's arguments the binary takes (Triton drops
+    the constexprs, a run-time int specialised to 1 among them), and what Triton 3.6 appends (a null
+    pointer for each scratch buffer its metadata names, none of them used)."""
+
+    TYPES = {"i1": "i", "i8": "b", "i16": "h", "i32": "i", "i64": "l", "u1": "I", "u8": "B", "u16": "H",
+             "u32": "I", "u64": "K", "fp16": "f", "bf16": "f", "fp32": "f", "fp64": "d"}
+
+    def __init__(self, launch: Callable, types: str, keep: tuple[int, ...] | None, extra: tuple,
+                 num_warps: int, shared: int) -> None:
+        self.launch, self.types, self.keep, self.extra = launch, types, keep, extra
+        self.num_warps, self.shared = num_warps, shared
+
+    def arguments(self, args: tuple) -> tuple:
+        """The launch's arguments as the binary takes them (``args``: every parameter's value)."""
+        if self.keep is None:
+            return args[:len(self.types) - len(self.extra)] + self.extra
+        return tuple(args[i] for i in self.keep) + self.extra
+
+    @classmethod
+    def plan(cls, signature: list[str], meta: tuple) -> "StaticLaunch | None":
+        """None where torch has no static launcher or the kernel needs what it does not do."""
+        launch = _static_launch_kernel()
+        if launch is None or getattr(meta, "num_ctas", 1) != 1 or getattr(meta, "tensordesc_meta", None):
+            return None
+        if getattr(meta, "launch_pdl", False) or getattr(meta, "launch_cooperative_grid", False):
+            return None
+        extra = []
+        for field in ("global_scratch_size", "profile_scratch_size"):
+            if hasattr(meta, field):
+                if getattr(meta, field):
+                    return None
+                extra.append(None)
+        keep, types = [], []
+        for i, kind in enumerate(signature):
+            if kind == "constexpr":
+                continue
+            letter = "O" if kind.startswith("*") else cls.TYPES.get(kind)
+            if letter is None:
+                return None
+            keep.append(i)
+            types.append(letter)
+        together = keep == list(range(len(keep)))  # no constexpr among them: a slice does
+        return cls(launch, "".join(types) + "O" * len(extra), None if together else tuple(keep), tuple(extra),
+                   meta.num_warps, meta.shared)
+
+
+def _static_launch_kernel() -> Callable | None:
+    """``torch._C._StaticCudaLauncher._launch_kernel`` (torch 2.8 and later with CUDA), else None."""
+    try:
+        from torch._C import _StaticCudaLauncher
+    except ImportError:
+        return None
+    return getattr(_StaticCudaLauncher, "_launch_kernel", None)
 
 
 _metadata_types: dict[tuple, type] = {}
