@@ -463,7 +463,8 @@ def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
     for r in rows:
         title = f"{r['workload']} / {r['mode']} / {r['backend']}"
         if r.get("profile"):
-            head += [f"## Profile of steady state: {title}", "", "```", r["profile"].rstrip(), "```", ""]
+            earlier = f" (an earlier run: {r['profile_from']})" if r.get("profile_from") else ""
+            head += [f"## Profile of steady state: {title}{earlier}", "", "```", r["profile"].rstrip(), "```", ""]
         if r.get("start_profile"):
             head += [f"## Profile of the first 3 calls: {title}", "", "```", r["start_profile"].rstrip(), "```", ""]
     return "\n".join(head).rstrip() + "\n"

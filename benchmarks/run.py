@@ -310,15 +310,21 @@ def _natural(path: Path) -> list:
 def load(paths: str) -> tuple[list[dict], dict | None, dict]:
     """Rows, kernel report and meta (date, commands) of earlier runs, merged in order: a later
     file's row replaces an earlier one for the same (workload, mode, backend, phase), unless it
-    was never run (a spent ``--budget``: it measured nothing)."""
+    was never run (a spent ``--budget``: it measured nothing). A replacing row without a profile
+    keeps the earlier row's, with ``profile_from`` naming the file it was measured in."""
     by_key: dict[tuple, dict] = {}
+    from_file: dict[tuple, str] = {}
     kernels, metas = None, []
     for path in result_files(paths):
         data = json.loads(path.read_text())
         for row in data["rows"]:
             key = (row["workload"], row["mode"], row["backend"], row["phase"])
             if key not in by_key or not str(row.get("error") or "").startswith(NOT_RUN):
-                by_key[key] = row
+                earlier = by_key.get(key) or {}
+                if earlier.get("profile") and not row.get("profile"):  # kept, saying which run it is of
+                    row = {**row, "profile": earlier["profile"],
+                           "profile_from": earlier.get("profile_from") or from_file[key]}
+                by_key[key], from_file[key] = row, path.name
         kernels = data.get("kernels") or kernels
         metas.append(data.get("meta", {}))
     order = {name: i for i, name in enumerate(workloads.NAMES)}

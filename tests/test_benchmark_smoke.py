@@ -91,6 +91,22 @@ def test_a_row_the_budget_cut_short_is_not_run_and_loses_no_earlier_row(tmp_path
     assert run.load(str(tmp_path))[0][0]["error"] == own["error"]
 
 
+def test_a_replacing_row_without_a_profile_keeps_the_earlier_one_and_says_whose(tmp_path):
+    run, report = _runner(), bench("report")
+    key = {"workload": "decode", "mode": "infer", "backend": "cgtrees", "phase": "cold", "ok": True, "error": None}
+    files = [("1-a.json", {**key, "step_s": 2.0, "profile": "kernels of run 1"}), ("2-b.json", {**key, "step_s": 1.5}),
+             ("3-c.json", {**key, "step_s": 1.0})]
+    for name, row in files:
+        (tmp_path / name).write_text(json.dumps({"rows": [row]}))
+    (row,) = run.load(str(tmp_path))[0]
+    assert row["step_s"] == 1.0 and row["profile"] == "kernels of run 1" and row["profile_from"] == "1-a.json"
+    text = report.markdown([row], None, {})
+    assert "Profile of steady state: decode / infer / cgtrees (an earlier run: 1-a.json)" in text
+    (tmp_path / "4-d.json").write_text(json.dumps({"rows": [{**key, "step_s": 0.9, "profile": "run 4"}]}))
+    (row,) = run.load(str(tmp_path))[0]
+    assert row["profile"] == "run 4" and "profile_from" not in row
+
+
 def test_primed_byte_code_cache_covers_each_backend_and_mode(tmp_path):
     run = _runner()
     args = run.parse_args(["--models", "decode,mlp_small", "--backends", "inductor,cgtrees", "--cold-warm"])

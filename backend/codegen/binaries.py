@@ -23,7 +23,8 @@ the JIT from then on. With a profiler hooked into Triton's launches, every launc
 JIT, so that the profiler sees it.
 
 A freshly compiled module is installed from its own records too, so that every launch, cold or
-warm, takes the same path.
+warm, takes the same path. A binary is launched by torch's static CUDA launcher where it can be
+(``compat.StaticLaunch``), so no launcher is built from C source per signature, as Triton's is.
 """
 
 from __future__ import annotations
