@@ -27,6 +27,7 @@ makes that launcher per signature from C source that it builds with the host com
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import os
@@ -284,11 +285,12 @@ class StaticLaunch:
                  num_warps: int, shared: int) -> None:
         self.launch, self.types, self.keep, self.extra = launch, types, keep, extra
         self.num_warps, self.shared = num_warps, shared
+        self.taken = len(types) - len(extra)  # of the launch's arguments, where ``keep`` is a slice
 
     def arguments(self, args: tuple) -> tuple:
         """The launch's arguments as the binary takes them (``args``: every parameter's value)."""
         if self.keep is None:
-            return args[:len(self.types) - len(self.extra)] + self.extra
+            return args[:self.taken] + self.extra
         return tuple(args[i] for i in self.keep) + self.extra
 
     @classmethod
@@ -319,6 +321,7 @@ class StaticLaunch:
                    meta.num_warps, meta.shared)
 
 
+@functools.cache
 def _static_launch_kernel() -> Callable | None:
     """``torch._C._StaticCudaLauncher._launch_kernel`` (torch 2.8 and later with CUDA), else None."""
     try:
