@@ -31,6 +31,9 @@ class Config:
     max_shapes_per_function: int = _field(8, affects_codegen=False, doc="recordings per distinct shape, then no graphs")
     max_rerecords_per_function: int = _field(4, affects_codegen=False, doc="re-records for changed static addresses")
     max_live_branches_per_function: int = _field(4, affects_codegen=False, doc="branches forced by live outputs")
+    max_copy_mb_per_launch: int = _field(8, affects_codegen=False,
+                                         doc="a graph whose replays would copy more MiB of inputs than this per "
+                                             "kernel launch runs without CUDA graphs (0: no limit)")
     cache_size_mb: int = _field(0, affects_codegen=False, doc="cache size cap with LRU eviction (0: no cap)")
     interpret: bool = _field(False, affects_codegen=True, doc="run Triton kernels through the interpreter (CPU)")
     debug_dir: str = _field("", affects_codegen=False, doc="write every generated module and graph here")

@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from codegen_helpers import INTERPRET, Compiler, compile_fn, config, kernel_count, run, trace
+from codegen_helpers import INTERPRET, Compiler, aten_call_targets, compile_fn, config, kernel_count, run, trace
 
 from backend import codegen
 
@@ -564,3 +564,13 @@ def call(args):
     return (add,)
 
 """)
+
+
+def test_module_counts_its_launches():
+    """``LAUNCHES`` (what the runtime weighs input copies against): each kernel with work to do and
+    each aten call of one ``call``, read here off the source it generated."""
+    m = compile_fn(lambda x, w: (torch.sigmoid(x @ w) * 2).sum(0), torch.randn(16, 64), torch.randn(64, 32))
+    externs = len(aten_call_targets(m))
+    assert externs == 1, m.source  # the product
+    assert m.launches == kernel_count(m) + externs, m.source
+    assert f"LAUNCHES = {m.launches} " in m.source

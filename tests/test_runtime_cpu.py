@@ -311,3 +311,34 @@ def test_a_consumed_input_replays_only_while_the_call_alone_holds_it(monkeypatch
     kept = args[0]
     assert _held(args, holds, entry)
     del kept
+
+
+def test_copied_bytes_counts_what_a_replay_copies():
+    """Static inputs, parameters and live pool outputs are read where they are; every other tensor
+    is copied whole, except a broadcast one (one element per stride-0 dimension)."""
+    from backend.runtime.node import copied_bytes
+
+    plain, static, pooled = torch.randn(16, 8), torch.randn(100), torch.randn(50)
+    param = nn.Parameter(torch.randn(30))
+    expanded = torch.randn(1, 8).expand(64, 8)
+    args = [plain, static, param, pooled, expanded, 3]
+    live = {pooled.untyped_storage().data_ptr()}
+    assert copied_bytes(args, frozenset({1}), live) == (16 * 8 + 8) * 4
+    assert copied_bytes(args, frozenset(), set()) == (16 * 8 + 100 + 50 + 8) * 4
+
+
+def test_copies_outweigh_launches_by_the_option():
+    """The check of ``max_copy_mb_per_launch``: a reason past the limit, None within it, with the
+    option at 0, or where the module's launches are not known."""
+    from backend.runtime.function import GraphFunction
+
+    def why(limit, launches, mib):
+        fn = SimpleNamespace(config=Config(max_copy_mb_per_launch=limit), launches=launches, static=frozenset())
+        return GraphFunction._copies_outweigh_launches(fn, [torch.empty(mib * 2**18)], set())
+
+    assert why(8, 2, 16) is None  # exactly at the limit
+    reason = why(8, 2, 17)
+    assert reason is not None and "17 MiB" in reason and "2 launches" in reason and "max_copy_mb_per_launch=8" in reason
+    assert why(0, 1, 64) is None
+    assert why(8, None, 64) is None
+    assert Config.resolve(environ={"CGTREES_MAX_COPY_MB_PER_LAUNCH": "2"}).max_copy_mb_per_launch == 2

@@ -112,6 +112,7 @@ def _output_ops(gm: torch.fx.GraphModule) -> list[str]:
 class CompiledModule(Protocol):
     facts: GraphFacts
     source: str | None
+    launches: int | None  # kernels and aten calls per call (None: not known)
 
     def call(self, args: list[Any]) -> Any: ...
 
@@ -130,6 +131,7 @@ class AtenModule:
 
         self.gm = gm
         self.facts = facts_of(gm) if facts is None else facts
+        self.launches = None if gm is None else _aten_launches(gm)
         self._boxed = None if gm is None else compat.boxed_graph_module(gm)
 
     def call(self, args: list[Any]) -> Any:
@@ -165,6 +167,7 @@ class KernelModule:
         self.name = name
         self.facts = facts
         self.graph_hash = getattr(module, "GRAPH_HASH", None)
+        self.launches = getattr(module, "LAUNCHES", None)  # older entries: not known
         self._run = module.call
         self._aten = module.call_aten
         self._mutated = tuple(getattr(module, "MUTATED_INPUTS", ()))  # older entries: none known
@@ -218,6 +221,12 @@ class KernelModule:
         KV cache per call, and its kernels fail to compile, if at all, before the first runs."""
         return [(i, args[i].detach().clone()) for i in self._mutated
                 if i < len(args) and isinstance(args[i], torch.Tensor)]
+
+
+def _aten_launches(gm: torch.fx.GraphModule) -> int:
+    """The aten calls of a graph that launch work: every op but views and tuple items."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+               and not n.target.is_view)
 
 
 class _Weak:

@@ -65,7 +65,8 @@ def module_source(header: list[str], program: ir.Program, items: list[Item], gm:
            "import triton", "import triton.language as tl"]
     if libdevice:
         out.append("from triton.language.extra import libdevice")
-    out += ["", "aten = torch.ops.aten", f"DEVICE = torch.device({program.device!r})", ""]
+    out += ["", "aten = torch.ops.aten", f"DEVICE = torch.device({program.device!r})",
+            f"LAUNCHES = {launches(items, [c for _, c in codes])}  # kernels and aten calls per call", ""]
     if checks:
         out += ["", extern_strides.HELPER]
     for h in helpers:
@@ -127,6 +128,12 @@ def _stride_checks(program: ir.Program, items: list[Item]) -> dict[str, ir.Layou
         if names <= bound:
             checks[item.name] = item.layout
     return checks
+
+
+def launches(items: list[Item], codes: list[KernelCode]) -> int:
+    """The kernels (with work to do: a zero-size one is a comment) and aten calls of one call."""
+    return (sum(1 for c in codes if sympy.sympify(c.xnumel) != 0)
+            + sum(1 for item in items if isinstance(item, ir.Extern)))
 
 
 def _call(program: ir.Program, items: list[Item], codes: dict[int, KernelCode],

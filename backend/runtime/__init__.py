@@ -40,7 +40,7 @@ def wrap(module: CompiledModule, example_inputs: list[Any], ctx: GraphContext) -
         skip(ctx.name, reason)  # one skip per function, logged once
         _skipped[ctx.name] = reason
         return module.call
-    fn = GraphFunction(module.call, example_inputs, ctx, device, _managers, facts)
+    fn = GraphFunction(module.call, example_inputs, ctx, device, _managers, facts, getattr(module, "launches", None))
     _functions.add(fn)
     return fn
 

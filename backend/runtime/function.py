@@ -13,6 +13,11 @@ Invariants:
     accumulates in the pool;
   * a new input shape: ``max_shapes_per_function`` shapes, then no graphs, with a warning naming
     the dimension that kept changing.
+- A recording whose replays would copy more than ``max_copy_mb_per_launch`` MiB of inputs per
+  kernel launch of the module is not made: the function runs without graphs (logged once, one
+  ``cudagraph_skips``). Each replay copies those inputs on the GPU, while a graph saves only the
+  host's launches; a graph of few kernels over large inputs (a bandwidth-bound layer's forward fed
+  a fresh batch, its backward fed that batch and the output's gradient) is slower replayed.
 - A function that runs without graphs says why once (log) and counts one ``cudagraph_skips``.
 """
 
@@ -32,7 +37,7 @@ from backend.context import GraphContext
 from backend.logs import log_once
 from backend.runtime import compat, skips
 from backend.runtime.manager import Managers, TreeManager
-from backend.runtime.node import Fit, GraphNode
+from backend.runtime.node import Fit, GraphNode, copied_bytes
 
 log = logging.getLogger("backend.runtime")
 
@@ -51,7 +56,7 @@ _record_lock = threading.RLock()
 
 class GraphFunction:
     def __init__(self, call: Callable[[list[Any]], Any], example_inputs: list[Any], ctx: GraphContext,
-                 device: int, managers: Managers, facts: GraphFacts) -> None:
+                 device: int, managers: Managers, facts: GraphFacts, launches: int | None = None) -> None:
         self.call = call
         self.ctx = ctx
         self.name = ctx.name
@@ -62,6 +67,7 @@ class GraphFunction:
         self.device = device
         self.managers = managers
         self.facts = facts
+        self.launches = launches  # kernels and aten calls per call (None: not known)
         self.dynamic = has_symbolic_shapes(example_inputs)
         self.forget()
 
@@ -188,6 +194,9 @@ class GraphFunction:
         # cuBLAS workspace reset must not happen while another thread captures.
         with _record_lock:
             live = manager.prepare_recording()
+            too_costly = self._copies_outweigh_launches(args, {e.key[0] for e in live})
+            if too_costly is not None:
+                return self._give_up(args, too_costly)
             node = GraphNode(self, manager, manager.last_node, frozenset(e.key for e in live), self.copy_out)
             node.key = key
             try:
@@ -201,6 +210,17 @@ class GraphFunction:
         counters.bump("cudagraph_recorded")
         args.clear()
         return outs if node.returns_list else outs[0]
+
+    def _copies_outweigh_launches(self, args: list[Any], live_ptrs: set[int]) -> str | None:
+        """Why recording now would not pay (``max_copy_mb_per_launch``), or None."""
+        limit = self.config.max_copy_mb_per_launch
+        if limit <= 0 or not self.launches:
+            return None
+        copied = copied_bytes(args, self.static, live_ptrs)
+        if copied <= limit * 2**20 * self.launches:
+            return None
+        return (f"its replays would copy {copied / 2**20:.0f} MiB of inputs for {self.launches} launches "
+                f"(more than max_copy_mb_per_launch={limit} MiB each): the copies cost more than the graph saves")
 
     def _give_up(self, args: list[Any], reason: str) -> Any:
         self.disabled = reason

@@ -90,6 +90,24 @@ def _held(args: list[Any], holds: tuple[tuple[int, tuple[int, int]], ...], entry
     return False
 
 
+def read_in_place(i: int, a: torch.Tensor, static: frozenset[int], live_ptrs: set[int]) -> bool:
+    """Whether a recording reads input ``i`` where it is (a static input, a parameter, or a live
+    pool output) rather than copying it into a slot on every replay."""
+    return (i in static or isinstance(a, torch.nn.Parameter)
+            or getattr(a, "_dynamo_static_input_type", None) is not None
+            or a.untyped_storage().data_ptr() in live_ptrs)
+
+
+def copied_bytes(args: list[Any], static: frozenset[int], live_ptrs: set[int]) -> int:
+    """The bytes a replay would copy into input slots, were the graph recorded on ``args`` now."""
+    total = 0
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and not read_in_place(i, a, static, live_ptrs):
+            index = _unexpanded(a)
+            total += (a if index is None else a[index]).numel() * a.element_size()
+    return total
+
+
 def _unexpanded(t: torch.Tensor) -> tuple | None:
     """Index that keeps one element along each broadcast (stride-0) dimension, or None."""
     if all(st != 0 or sz <= 1 for sz, st in zip(t.shape, t.stride())):
@@ -179,10 +197,7 @@ class GraphNode:
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 continue
-            in_place = (i in static or isinstance(a, torch.nn.Parameter)
-                        or getattr(a, "_dynamo_static_input_type", None) is not None
-                        or a.untyped_storage().data_ptr() in live_ptrs)
-            if in_place:
+            if read_in_place(i, a, static, live_ptrs):
                 if a.untyped_storage().data_ptr() not in live_ptrs:
                     self.static_index.append(i)
                     self.static_storages.append(WeakStorage(a.untyped_storage()))
