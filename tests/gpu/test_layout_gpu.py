@@ -59,7 +59,10 @@ class WideNet(nn.Module):
 # 1e2) is 1.31e-4 from cuDNN's where 1.25e-4 is allowed. Measured on the H100 against float64, in
 # this block's batch-norm weight gradients the compiled kernels have 3-6x cuDNN's error, Inductor's
 # as much as ours (bn1.weight: cuDNN 1.6e-5, Inductor 8.8e-5, cgtrees 1.0e-4), while the same math
-# in plain eager float32 ops stays at cuDNN's: the cause is in how compiled kernels evaluate it.
+# in plain eager float32 ops stays at cuDNN's. Measured since (benchmarks/results/check-bn-precision-
+# mobilenet_block-at-88624dc.txt): the sum is not the cause (the same float32 terms summed in float64
+# are as far off); the incoming gradient's float32 rounding, amplified ~450x by the cancellation,
+# is. Triton's FMA contraction off changes nothing, and on the CPU aten's own float32 is as far off.
 _BN_CANCELLATION = pytest.mark.xfail(strict=True, reason=(
     "issue 18, open: batch-norm weight gradients in compiled kernels have 3-6x cuDNN's float32 error "
     "(Inductor's too); mobilenet_block's bn0.weight exceeds 3x eager's error by 5%"))
