@@ -80,7 +80,7 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
     cache.aot.finish(pair)  # level 1: a training graph's entry, its backward compiled or not
     if ddp_piece:  # a piece's first call is fake (distributed.py)
         return compiled
-    return pair.lean or cache.aot.lean_training(pair, backward_compiler(name, pair, config)) or compiled
+    return pair.lean or cache.aot.lean_training(pair) or compiled
 
 
 def backward_compiler(name: str, pair: FunctionPair, config: Config) -> Callable[..., Any]:

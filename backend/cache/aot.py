@@ -211,10 +211,8 @@ class LazyBackward:
     backward, through the driver's steps (its kernel module from level 2 when one is there).
     ``graph``: the entry's record of it, or, on a miss, AOTAutograd's GraphModule itself."""
 
-    def __init__(self, graph: dict[str, Any] | torch.fx.GraphModule, config: Config, name: str, pair: Any,
-                 compiler: Callable[..., Any] | None = None) -> None:
+    def __init__(self, graph: dict[str, Any] | torch.fx.GraphModule, config: Config, name: str, pair: Any) -> None:
         self.graph, self.config, self.name, self.pair = graph, config, name, pair
-        self.compiler = compiler
         self.call: Callable[[list[Any]], Any] | None = None
 
     def __call__(self, args: list[Any]) -> Any:
@@ -228,13 +226,10 @@ class LazyBackward:
         else:
             gm = backward_graph.graph_module(self.graph)
             inputs = backward_graph.example_inputs(gm, self.graph)
-        compiler = self.compiler
-        if compiler is None:
-            from backend.aot import driver  # the driver imports this module: its steps, at first use
+        from backend.aot import driver  # the driver imports this module: its steps, at first use
 
-            compiler = driver.backward_compiler(self.name, self.pair, self.config)
         with torch.no_grad():  # the compiler AOTAutograd would have called (constants lifted, ...)
-            call = compiler(gm, inputs)
+            call = driver.backward_compiler(self.name, self.pair, self.config)(gm, inputs)
         self.graph = None  # compiled: not needed again (kept until then, so a failed compile can retry)
         return call
 
@@ -446,12 +441,12 @@ def recorded_partition(pair: Any, partition: Callable[..., Any]) -> Callable[...
     return partition_and_keep
 
 
-def lean_training(pair: Any, compiler: Callable[..., Any]) -> Callable[..., Any] | None:
+def lean_training(pair: Any) -> Callable[..., Any] | None:
     """On a miss, the function a hit on the entry just written would give: our wrapper around this
-    process's compiled forward and its backward (compiled at the first ``backward()`` by
-    ``compiler``, as AOTAutograd would). It replaces AOTAutograd's, so that a cold process's calls
-    cost what a warm one's do (AOTAutograd's runtime wrappers: about 750 Python calls a
-    mobilenet_v3_small training step). None where AOTAutograd's function stays: no recorder (cache
+    process's compiled forward and its backward (compiled at the first ``backward()`` by the
+    driver's backward compiler, as AOTAutograd would). It replaces AOTAutograd's, so that a cold
+    process's calls cost what a warm one's do (AOTAutograd's runtime wrappers: about 750 Python
+    calls a mobilenet_v3_small training step). None where AOTAutograd's function stays: no recorder (cache
     off), a graph level 1 does not take, or what compiled autograd needs of the entry is missing."""
     recorder = pair.cache_recorder
     if recorder is None or pair.forward_call is None or recorder.bypassed or recorder.plan is None:
@@ -461,7 +456,7 @@ def lean_training(pair: Any, compiler: Callable[..., Any]) -> Callable[..., Any]
     attributes = _aot_attributes(recorder.extras, recorder.plan)
     if attributes is None:
         return None  # compiled autograd would trace our backward instead of AOTAutograd's graph
-    backward = LazyBackward(recorder.bw_graph, recorder.config, recorder.name, pair, compiler)
+    backward = LazyBackward(recorder.bw_graph, recorder.config, recorder.name, pair)
     return wrappers.training_function(pair.forward_call, backward, recorder.plan, recorder.detach, attributes)
 
 
