@@ -201,7 +201,8 @@ def test_replay_outputs_hand_out_the_kept_tensor_and_build_the_rest(monkeypatch)
     every other output is a new tensor over the same memory; each storage handed out is live once."""
     import weakref
 
-    monkeypatch.setattr(compat, "_tensor_from_storage", None)  # a CUDA build's takes CUDA storages only
+    # a CUDA build's C call takes CUDA storages only
+    monkeypatch.setattr(compat, "tensor_from_storage", compat.tensor_set_to_storage)
 
     from backend.runtime.liveness import dead
 
@@ -231,7 +232,8 @@ def test_replay_outputs_of_a_backward_a_copy_out_node_and_the_fast_path(monkeypa
     """The other ways ``GraphNode._outputs`` builds a replay's outputs: a backward tracks every
     storage with weak references to its tensors (R4); a copy-out node hands out copies and tracks
     nothing; outputs that each own a storage take the fast path. Values are the recording's."""
-    monkeypatch.setattr(compat, "_tensor_from_storage", None)  # a CUDA build's takes CUDA storages only
+    # a CUDA build's C call takes CUDA storages only
+    monkeypatch.setattr(compat, "tensor_from_storage", compat.tensor_set_to_storage)
     x, recorded = _recorded_outputs()
     back = _planned_node("backward", None, recorded, x)
     outs = back._outputs([x])

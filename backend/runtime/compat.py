@@ -91,11 +91,14 @@ def restore_checkpoint(device: int, state: Any, give_deleters_to: Sequence[int])
     _set_checkpoint_pool_state(device, state, [], list(give_deleters_to))
 
 
-def tensor_from_storage(meta: dict[str, Any], storage: Any) -> torch.Tensor:
-    if _tensor_from_storage is not None:
-        return _tensor_from_storage(meta, storage)
+def tensor_set_to_storage(meta: dict[str, Any], storage: Any) -> torch.Tensor:
+    """A tensor over ``storage`` as ``meta`` describes it, through public calls."""
     out = torch.empty((0,), dtype=meta["dtype"], device=meta["device"])
     return out.set_(storage, meta["storage_offset"], meta["size"], meta["stride"])
+
+
+# torch's C call itself where it exists (a replay builds hundreds of outputs: no Python frame each)
+tensor_from_storage = _tensor_from_storage if _tensor_from_storage is not None else tensor_set_to_storage
 
 
 def ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -> bool:

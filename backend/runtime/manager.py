@@ -52,22 +52,32 @@ class TreeManager:
         self.generation = 0
         self.mark_seen = compat.mark_step_counter()
         self.backward_ran = False
+        self.last_kind: GraphKind | None = None  # of the last call (a backward after a forward skips the sweep)
         self.closed = False
         self.invalidated = 0
 
     # ------------------------------------------------------------ each call
     def begin_call(self, kind: GraphKind) -> list[LiveOutput]:
-        """End the generation where R3 says so; return the live pool outputs."""
+        """End the generation where R3 says so; return the pool outputs that may be live. Those a
+        backward right after a forward gets are not swept: ``GraphNode.fits`` passes over the dead
+        among them (its test of a live one is the sweep's), and the next forward ends the
+        generation, which sweeps. Any other call gets them swept (a generation's end sweeps)."""
         counter = compat.mark_step_counter()
+        last, self.last_kind = self.last_kind, kind
         if counter != self.mark_seen:
             self.mark_seen = counter
             self.end_generation("torch.compiler.cudagraph_mark_step_begin()")
+            swept = True
         elif kind == "forward" and self.backward_ran:
             self.end_generation("the next forward began after a backward")
+            swept = True
+        else:
+            swept = False
         if kind == "backward":
             self.backward_ran = True
+            swept = swept or last == "forward"
         live = self.live
-        if live:
+        if live and not swept:
             alive = liveness.still_alive(live)
             if len(alive) != len(live):
                 live = self.live = alive
@@ -82,8 +92,14 @@ class TreeManager:
         self.backward_ran = False
 
     def after_replay(self, node: "GraphNode") -> None:
+        """Before ``node`` replays. The storages it consumes (a backward's saved activations, held
+        by the call alone: ``fits``) are dead once it returns: their entries go now, before the
+        replay's own outputs, which may lie at the same addresses, are tracked."""
         self.stale = True
         self.last_node = node
+        consumed = node.consumed
+        if consumed:
+            self.live = [e for e in self.live if e.key not in consumed]
 
     # ------------------------------------------------------------ recording
     def prepare_recording(self) -> list[LiveOutput]:

@@ -64,6 +64,7 @@ class Out(enum.IntEnum):
 _POOL, _INPUT, _CONST = Out.POOL, Out.INPUT, Out.CONST  # module constants: read on the hot path
 _OK, _MOVED, _LIVE = Fit.OK, Fit.MOVED, Fit.LIVE
 _ids = itertools.count()
+dead = liveness.dead
 
 
 def _meta(t: torch.Tensor) -> dict[str, Any]:
@@ -401,6 +402,9 @@ class GraphNode:
 
     # ---------------------------------------------------------------- replay
     def fits(self, args: list[Any], live: list[LiveOutput]) -> Fit:
+        """Whether this graph may replay on ``args`` now. ``live`` may hold dead entries (a
+        backward's call is not swept): a test that fails on one asks whether it is dead, and
+        passes over it if so."""
         if self.check_index and not compat.ptrs_equal(args, self.check_ptrs, self.check_index):
             return _MOVED
         protected = self.protected
@@ -412,13 +416,17 @@ class GraphNode:
             for entry in live:
                 key = entry.key
                 if key not in protected:
+                    if dead(entry):
+                        continue
                     return _LIVE
                 held = consumed.get(key)
                 if held is not None and (use_count(entry.cdata) != held[0] or _held(args, held[1], entry)):
+                    if dead(entry):
+                        continue
                     return _LIVE
             return _OK
         for entry in live:
-            if entry.key not in protected:
+            if entry.key not in protected and not dead(entry):
                 return _LIVE
         return _OK
 

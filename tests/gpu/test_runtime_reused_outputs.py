@@ -13,6 +13,7 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+from torch._dynamo.utils import counters
 
 import backend.runtime as runtime
 
@@ -150,5 +151,55 @@ def test_retain_graph_keeps_saved_tensors_right():
         out.square().sum().backward()
         want.square().sum().backward()
         grads_close(model, ref, f"step {step}")
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+
+
+def _live() -> list:
+    (manager,) = runtime._managers.all()
+    return manager.live
+
+
+def test_steady_loop_sweeps_live_outputs_at_the_forward_only():
+    """A backward right after its forward is not swept (manager.begin_call): the forward's output,
+    dropped before the backward, is dead and passed over, so no step after the recordings records
+    again. What the backward consumed leaves the live list when it replays, so the list does not
+    grow over the steps, and every step's gradients are eager's."""
+    trained = model, ref, opt, ref_opt = pair()
+    f = torch.compile(model, backend="cgtrees")
+    sizes = []
+    for step in range(10):
+        x = torch.randn(16, 32, device=DEV)
+        out, want = f(x), ref(x)
+        close(out, want, f"step {step} output")
+        loss = out.sum()  # saves no tensor: ``out`` dies below, before the backward
+        del out
+        train_step(loss, want.sum(), trained, f"step {step}")
+        live = _live()
+        sizes.append(len(live))
+        backward = [e.node for e in live if e.node.fn.kind == "backward"]
+        consumed = {key for node in backward for key in node.consumed}
+        assert consumed, runtime.describe()
+        assert not [e for e in live if e.key in consumed and e.node.fn.kind == "forward"], runtime.describe()
+    assert counters["cgtrees"]["cudagraph_recorded"] == 2, runtime.describe()
+    assert len(set(sizes[3:])) == 1, sizes
+
+
+def test_repeated_retained_backwards_keep_the_live_list_short():
+    """Backwards with ``retain_graph`` one after another (no forward between them) are swept from
+    the second on: the live list does not grow with each one, and the gradients they accumulate
+    are eager's."""
+    model, ref, _, _ = pair()
+    f = torch.compile(model, backend="cgtrees")
+    for step in range(3):
+        x = torch.randn(16, 32, device=DEV)
+        out, want = f(x), ref(x)
+        sizes = []
+        for _ in range(12):
+            out.square().sum().backward(retain_graph=True)
+            want.square().sum().backward(retain_graph=True)
+            sizes.append(len(_live()))
+        grads_close(model, ref, f"step {step}")
+        assert len(set(sizes[3:])) == 1, sizes
         for m in (model, ref):
             m.zero_grad(set_to_none=True)
