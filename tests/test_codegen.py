@@ -74,6 +74,64 @@ def test_layernorm_forward_is_one_kernel():
     close(run(m, x, w, b)[0], f(x, w, b), atol=1e-5, rtol=1e-5)
 
 
+def _layer_norm_2d(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A channels-first layer norm as timm's ConvNeXt writes it: over C of an (N, C, H, W) tensor,
+    through a permute to channels last and back."""
+    return F.layer_norm(x.permute(0, 2, 3, 1), (x.shape[1],), w, b, 1e-6).permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("channels_last", [True, False], ids=["channels_last", "nchw"])
+def test_channels_first_layernorm_is_one_kernel(channels_last):
+    """The normalisation, over the kernel's dimensions permuted back, joins the statistics'
+    kernel: one kernel, whose output has the input's layout (it was a statistics kernel and a
+    pointwise one reading the input again)."""
+    x, w, b = torch.randn(3, 37, 9, 11), torch.randn(37), torch.randn(37)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    m = compile_fn(_layer_norm_2d, x, w, b)
+    assert kernel_count(m) == 1 and "def red_layernorm_" in m.source, m.source
+    out = run(m, x, w, b)[0]
+    want = _layer_norm_2d(x, w, b)
+    close(out, want, atol=1e-5, rtol=1e-5)
+    assert out.stride() == want.stride()
+
+
+def test_channels_first_layernorm_training():
+    """Forward and backward of a channels-first layer norm between two convolutions: eager's
+    output and every gradient."""
+    torch.manual_seed(0)
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(24, 24, 3, padding=1, groups=24)
+            self.norm = torch.nn.LayerNorm(24)
+            self.fc = torch.nn.Conv2d(24, 48, 1)
+
+        def forward(self, x):
+            x = self.conv(x)
+            return self.fc(_layer_norm_2d(x, self.norm.weight, self.norm.bias)).sin()
+
+    model = Block().to(memory_format=torch.channels_last)
+    comp = Compiler()
+    cmodel = torch.compile(model, backend=comp.backend)
+    x = torch.randn(2, 24, 10, 12).to(memory_format=torch.channels_last).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    out = cmodel(x)
+    (out * out).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = model(x2)
+    (ref * ref).sum().backward()
+    comp.check()
+    close(out, ref, atol=1e-5, rtol=1e-5)
+    close(x.grad, x2.grad, atol=1e-4 * x2.grad.abs().max().item(), rtol=1e-4)
+    for (name, p), got in zip(model.named_parameters(), grads):
+        close(got, p.grad, atol=1e-4 * p.grad.abs().max().item(), rtol=1e-4, msg=name)
+    fw = comp.modules[0]
+    assert kernel_count(fw) == 2 and "def red_layernorm_" in fw.source, fw.source  # the norm, the sin
+
+
 def test_looped_reduction_long_rows():
     x = torch.randn(3, 20011)  # a prime row length: no split into chunks, each row loops in one program
     f = lambda x: (torch.softmax(x, -1), x.sum(-1), x.amax(-1))

@@ -26,11 +26,14 @@ after it never join a kernel opened before it, as for any write into an existing
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import sympy
 
 from backend.codegen import ir
+
+_MAX_PERMUTATIONS = 24  # ways to map a permuted step onto a kernel's dimensions that are tried
 
 
 @dataclass(frozen=True)
@@ -106,34 +109,74 @@ class _Open:
             return "row", subs
         return None
 
+    def permuted(self, step: ir.Compute) -> list[dict]:
+        """A pointwise step over the kernel's dimensions in another order (a channels-first layer
+        norm's output, permuted back after the normalisation) as a ``full`` member of a reduction
+        kernel: each way to map the step's dimensions onto equal-sized ones of the kernel, those
+        that keep equal sizes in order first (``try_add`` keeps the first whose reads line up)."""
+        if step.is_reduction or step.scatter is not None or not self.reduced:
+            return []  # a reduction (a column sum of the permuted output) keeps its own kernel
+        if len(step.ranges) != len(self.ranges) or step.ranges == self.ranges:
+            return []
+        if sorted(map(str, step.ranges)) != sorted(map(str, self.ranges)):
+            return []
+        own = ir.index_symbols(len(step.ranges))
+        kernel = ir.index_symbols(len(self.ranges))
+        found = []
+        for order in itertools.permutations(range(len(self.ranges))):
+            if all(step.ranges[i] == self.ranges[d] for i, d in enumerate(order)):
+                found.append({own[i]: kernel[d] for i, d in enumerate(order)})
+            if len(found) == _MAX_PERMUTATIONS:
+                break
+        return found
+
     def try_add(self, step: ir.Compute) -> bool:
         if self.members and (step.alone or self.members[0].step.alone):
             return False
         fit = self.role_of(step)
-        if fit is None:
-            return False
-        role, subs = fit
-        member = Member(step, role, tuple(subs.items()))
-        by_name = {m.name: m for m in self.members}
-        deferred = {a.name for a in self.deferred}
-        written = {m.name for m in self.members if m.step.writes_input}
-        body = member.body()
-        for load in ir.loads(body):
-            if load.buf in deferred or load.buf in written:
-                return False
-            producer = by_name.get(load.buf)
-            if producer is None:
+        fits = [fit] if fit is not None else [("full", subs) for subs in self.permuted(step)]
+        for role, subs in fits:
+            member = Member(step, role, tuple(subs.items()))
+            if fit is None and not self._stores_along(member):
                 continue
-            if role == "row" and producer.role == "full":
-                return False  # a row value cannot depend on a whole-row computation
-            if sympy.expand(load.index - producer.store_index()) != 0:
-                return False
+            if self._reads_line_up(member):
+                break
+        else:
+            return False
         if step.writes_input and not self._only_aligned_reads(member):
             return False
         if step.is_reduction and not self.reduced:
             self.reduced = step.reduced
         self.members.append(member)
         return True
+
+    def _reads_line_up(self, member: Member) -> bool:
+        """Every value ``member`` reads from a member is read at the element that member computes
+        (so it stays in registers), and nothing it reads is written later in the kernel."""
+        by_name = {m.name: m for m in self.members}
+        deferred = {a.name for a in self.deferred}
+        written = {m.name for m in self.members if m.step.writes_input}
+        for load in ir.loads(member.body()):
+            if load.buf in deferred or load.buf in written:
+                return False
+            producer = by_name.get(load.buf)
+            if producer is None:
+                continue
+            if member.role == "row" and producer.role == "full":
+                return False  # a row value cannot depend on a whole-row computation
+            if sympy.expand(load.index - producer.store_index()) != 0:
+                return False
+        return True
+
+    def _stores_along(self, member: Member) -> bool:
+        """Whether a permuted member writes its output along the kernel's innermost reduced
+        dimension no more spread out than the kernel's first member reads along it (a channels-
+        last output of a channels-last input: both with stride 1), so joining costs no coalescing."""
+        inner = ir.index_symbol(self.reduced[-1])
+        reads = [abs(sympy.diff(load.index, inner)) for load in ir.loads(self.members[0].body())]
+        reads = [r for r in reads if r != 0]
+        step = sympy.diff(member.store_index(), inner)
+        return bool(reads) and step.is_number and abs(step) <= min(reads)
 
     def _only_aligned_reads(self, member: Member) -> bool:
         """An input written in place may only be read at the element being written, by a step of
