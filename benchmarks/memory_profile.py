@@ -1,6 +1,6 @@
-"""Where a steady training step's peak memory lives (on the GPU machine).
+"""Where a steady training (or inference) step's peak memory lives (on the GPU machine).
 
-    python benchmarks/memory_profile.py MODEL BACKEND [BACKEND ...]
+    python benchmarks/memory_profile.py MODEL BACKEND [BACKEND ...] [--mode infer]
 
 Builds each workload as a benchmark worker does (own or real suite names), runs a few steps, then
 one more with the allocator's peak reset before it, and prints: what is allocated between steps,
@@ -53,10 +53,10 @@ def held_blocks(path: str) -> None:
                 f.write(json.dumps({"size": block["size"], "frames": frames}) + "\n")
 
 
-def profile(model: str, backend: str, blocks: str | None) -> None:
+def profile(model: str, backend: str, blocks: str | None, mode: str = "train") -> None:
     if blocks:
         torch.cuda.memory._record_memory_history(enabled="state", stacks="python")
-    spec = {"workload": model, "backend": backend, "mode": "train", "device": "cuda", "smoke": False}
+    spec = {"workload": model, "backend": backend, "mode": mode, "device": "cuda", "smoke": False}
     keep = Kept()
     step = make_step(spec, torch.device("cuda"), keep)
     for _ in range(8):  # compile, record, warm up
@@ -81,12 +81,13 @@ def main() -> None:
     p.add_argument("backends", nargs="+")
     p.add_argument("--blocks", metavar="PREFIX", help="write the blocks allocated between steps, with "
                    "where each was allocated, to PREFIX-MODEL-BACKEND.jsonl")
+    p.add_argument("--mode", default="train", choices=["train", "infer"])
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # a child process
     args = p.parse_args()
     if args.one:
-        profile(args.model, args.backends[0], args.blocks)
+        profile(args.model, args.backends[0], args.blocks, args.mode)
         return
-    more = ["--blocks", args.blocks] if args.blocks else []
+    more = (["--blocks", args.blocks] if args.blocks else []) + ["--mode", args.mode]
     for backend in args.backends:
         subprocess.run([sys.executable, __file__, args.model, backend, "--one", *more], check=False)
 
