@@ -26,7 +26,6 @@ after it never join a kernel opened before it, as for any write into an existing
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import sympy
@@ -118,16 +117,21 @@ class _Open:
             return []  # a reduction (a column sum of the permuted output) keeps its own kernel
         if len(step.ranges) != len(self.ranges) or step.ranges == self.ranges:
             return []
-        if sorted(map(str, step.ranges)) != sorted(map(str, self.ranges)):
-            return []
         own = ir.index_symbols(len(step.ranges))
         kernel = ir.index_symbols(len(self.ranges))
-        found = []
-        for order in itertools.permutations(range(len(self.ranges))):
-            if all(step.ranges[i] == self.ranges[d] for i, d in enumerate(order)):
-                found.append({own[i]: kernel[d] for i, d in enumerate(order)})
+        found: list[dict] = []
+
+        def assign(i: int, taken: tuple[int, ...]) -> None:  # own dimension i onto a free kernel one
             if len(found) == _MAX_PERMUTATIONS:
-                break
+                return
+            if i == len(own):
+                found.append({own[k]: kernel[d] for k, d in enumerate(taken)})
+                return
+            for d, n in enumerate(self.ranges):
+                if d not in taken and n == step.ranges[i]:
+                    assign(i + 1, (*taken, d))
+
+        assign(0, ())
         return found
 
     def try_add(self, step: ir.Compute) -> bool:

@@ -3,10 +3,11 @@
 Invariants:
 - Every graph a manager records is captured into its one pool, so graphs that never hold memory at
   the same time share it: after A, the siblings B and B' take max(A+B, A+B'), not the sum.
-- ``live`` lists every pool output the user may still hold (``liveness.LiveOutput``). A node is
-  replayed only if all of them are in its ``protected`` set (R2); otherwise a new node is recorded
-  around them. The node that ran last has every live output in its checkpoint (each was live when
-  it ran: either protected by it or its own output), so before recording after replays the pool's
+- ``live`` lists every pool output the user may still hold (``liveness.LiveOutput``), and between
+  a forward and its backward also some that died (that call is not swept). A node is replayed only
+  if every live one is in its ``protected`` set (R2); otherwise a new node is recorded around them.
+  The node that ran last has every live output in its checkpoint (each was live when it ran:
+  either protected by it or its own output), so before recording after replays the pool's
   book-keeping is restored to that node's checkpoint (R5): live storages get their blocks back
   (with a deleter), blocks of storages that died since are freed.
 - ``stale`` is True after a replay: the allocator does not know what the replay wrote, and the

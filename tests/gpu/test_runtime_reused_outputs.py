@@ -155,9 +155,9 @@ def test_retain_graph_keeps_saved_tensors_right():
             m.zero_grad(set_to_none=True)
 
 
-def _live() -> list:
+def _manager():
     (manager,) = runtime._managers.all()
-    return manager.live
+    return manager
 
 
 def test_steady_loop_sweeps_live_outputs_at_the_forward_only():
@@ -175,7 +175,7 @@ def test_steady_loop_sweeps_live_outputs_at_the_forward_only():
         loss = out.mean()  # saves no tensor: ``out`` dies below, before the backward
         del out
         train_step(loss, want.mean(), trained, f"step {step}")
-        (manager,) = runtime._managers.all()
+        manager = _manager()
         sizes.append(len(manager.live))
         if step >= 2:  # warm-up, recordings, then replays
             consumed = {key for node in manager.alive_nodes() for key in node.consumed}
@@ -199,7 +199,7 @@ def test_repeated_retained_backwards_keep_the_live_list_short():
         for _ in range(12):
             out.square().sum().backward(retain_graph=True)
             want.square().sum().backward(retain_graph=True)
-            sizes.append(len(_live()))
+            sizes.append(len(_manager().live))
         grads_close(model, ref, f"step {step}")
         assert len(set(sizes[3:])) == 1, sizes
         for m in (model, ref):
