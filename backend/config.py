@@ -45,6 +45,10 @@ class Config:
     layout_opt: str = _field("auto", affects_codegen=True,
                              doc="channels-last convolution graphs (backend.aot.layout): auto (CUDA graphs "
                                  "whose convolutions gain), off (also 0/false), force (any device: tests)")
+    warm_first_calls: bool = _field(True, affects_codegen=False,
+                                    doc="a warm load makes its modules' cuDNN/cuBLAS/attention calls once on "
+                                        "empty tensors, in a background thread, so the first call finds them "
+                                        "loaded (backend.codegen.first_calls)")
     unfuse_addmm: bool = _field(True, affects_codegen=True,
                                 doc="run a float32/float64 addmm whose product feeds only pointwise kernels as "
                                     "mm, its bias added in those kernels (backend.codegen.lower_addmm)")

@@ -42,6 +42,8 @@ from backend.cache import backward_graph, compat, events, modules, wrappers
 from backend.cache.compat import Uncacheable
 from backend.cache.key import CacheKey, make_key
 from backend.cache.store import CorruptEntry, Store
+from backend.codegen import first_calls
+from backend.codegen.module import GraphFacts
 from backend.config import Config
 from backend.context import GraphContext
 from backend.logs import log_once
@@ -184,6 +186,7 @@ def resolve(payload: dict[str, Any], store: Store | None) -> dict[str, Any]:
 def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap: Wrap) -> Callable[..., Any]:
     """The compiled function from a self-contained entry (``resolve``)."""
     plan, parts = payload["plan"], payload["parts"]
+    _start_first_calls(parts, config)
     mode = compat.fake_mode()  # one for all parts: making one costs more than the tensors
     calls = {kind: _load_part(part, kind, config, pair, wrap, mode, name) for kind, part in parts.items()}
     if set(calls) == {"inference"}:
@@ -195,6 +198,16 @@ def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap:
         return wrappers.training_function(calls["forward"], calls["backward"], plan, payload["detach"],
                                           _aot_attributes(payload, plan))
     raise CorruptEntry(f"entry holds graphs {sorted(calls)}")
+
+
+def _start_first_calls(parts: dict[str, Any], config: Config) -> None:
+    """The modules' library calls and Triton's driver, made in a thread beside the load
+    (``codegen.first_calls``)."""
+    if not config.warm_first_calls:
+        return
+    records = [part["module"] for part in parts.values()]
+    calls = [c for r in records for c in GraphFacts.from_record(r.get("facts")).library_calls]
+    first_calls.start(calls, triton_driver=not config.interpret and any(r.get("binaries") for r in records))
 
 
 def _aot_attributes(payload: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any] | None:

@@ -6,6 +6,8 @@
                                                     (``binaries``), given or its own
     compile_graph(gm, example_inputs, ctx)          load(generate(...)); CGTREES_DEBUG_DIR keeps a copy
     prepare(example_inputs, config, remember_key_in)  start what the first kernel will wait for
+    first_calls.start(facts.library_calls)          a warm load: the modules' cuDNN/cuBLAS calls made
+                                                    beforehand in a thread (``LIBRARY_CALLS``)
 
 The steps of ``generate``: lower the FX graph to IR (``graph``), group steps into kernels
 (``scheduler``), write kernels and the ``call`` wrapper (``kernel``, ``wrapper``). CPU graphs
@@ -17,6 +19,7 @@ the aten path (``call_aten``) with the reason and the source path logged.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import itertools
@@ -39,6 +42,7 @@ from backend.codegen.module import (
     KernelModule,
     facts_of,
     has_symbolic_shapes,
+    library_calls,
 )
 from backend.codegen.precompile import precompile
 from backend.context import GraphContext
@@ -190,6 +194,8 @@ def load(source: str, ctx: GraphContext, path: str | None = None, precompile_ker
             ready = precompile(module, ctx.name) == kernels
         installed = _launch_from_binaries(module, binaries, ctx.name)
         ready = ready or installed == kernels
+    if not facts.library_calls:  # a fresh module or a level-2 hit: its own list (a level-1 record keeps it)
+        facts = dataclasses.replace(facts, library_calls=library_calls(getattr(module, "LIBRARY_CALLS", None)))
     return KernelModule(module, source, path, ctx.name, facts, dynamic, kernels_ready=ready)
 
 

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, Collection, Iterator
+from typing import Any, Callable, Collection, Iterator
 
 
 def parallel_compiles_supported() -> bool:
@@ -207,6 +207,18 @@ class _Source:
         self.constants = {(i,): value for i, value in record["constants"]}
 
 
+_driver_lock = threading.Lock()
+
+
+def triton_driver() -> Any:
+    """Triton's active driver, made once when two threads ask for it at the same time (a warm load
+    starts it in the thread of ``first_calls``)."""
+    from triton.runtime.driver import driver
+
+    with _driver_lock:
+        return driver.active
+
+
 class LoadFailed(Exception):
     """A stored binary that this device cannot load or run (too much shared memory, say)."""
 
@@ -218,10 +230,9 @@ class LoadedBinary:
 
     def __init__(self, names: list[str], record: dict) -> None:
         from triton import knobs
-        from triton.runtime.driver import driver
 
         self.names, self.record = names, record
-        self.driver, self.knobs = driver.active, knobs.runtime
+        self.driver, self.knobs = triton_driver(), knobs.runtime
         self.metadata: tuple | None = None
         self.run: Callable | None = None
         self.static: StaticLaunch | None = None

@@ -419,7 +419,8 @@ class GraphLowerer:
         view = any(r.alias_info is not None for r in target._schema.returns)
         layout = meta_layout(val) if isinstance(val, torch.Tensor) else None
         check = not extern_strides.trusted(target)  # aten may return other strides than traced
-        self.steps.append(ir.Extern(name, _target_name(target), args, kwargs, (node.name,), view, layout, check))
+        dtype = val.dtype if isinstance(val, torch.Tensor) else None
+        self.steps.append(ir.Extern(name, _target_name(target), args, kwargs, (node.name,), view, layout, check, dtype))
         if isinstance(val, torch.Tensor):
             self.layouts[name] = layout
             self.meta_offsets[name] = sym(val.storage_offset())

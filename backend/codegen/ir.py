@@ -293,6 +293,7 @@ class Extern:
     returns_view: bool = False  # the result may share memory with an argument (never reuse those)
     layout: Layout | None = None  # the traced layout of a tensor result (None: a tuple, a scalar)
     check_strides: bool = False  # aten may return its tensors with other strides than traced (extern_strides)
+    dtype: torch.dtype | None = None  # a tensor result's dtype (None: a tuple, a scalar)
 
 
 @dataclass(frozen=True)

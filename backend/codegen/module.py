@@ -1,8 +1,9 @@
 """The seam between codegen, the cache and the runtime: what a compiled aten graph is.
 
     GraphFacts      what the runtime must know of the graph, found in the aten graph at compile
-                    time and kept in cache entries: why it cannot be captured (R7) and the op and
-                    user source line behind each output (R1's message)
+                    time and kept in cache entries: why it cannot be captured (R7), the op and
+                    user source line behind each output (R1's message), and the library calls
+                    its module makes (for a warm load to make beforehand: ``first_calls``)
     CompiledModule  the one interface of every compiled graph: ``call(args) -> outputs`` (args
                     boxed: the module clears the list and frees each input at its last use),
                     ``facts``, ``source`` (None where the graph runs through FX code), ``binaries()``
@@ -24,6 +25,7 @@ import torch
 import torch.fx
 
 from backend import counters
+from backend.codegen import first_calls
 from backend.logs import log_once
 
 log = logging.getLogger("backend.codegen")
@@ -40,12 +42,14 @@ _UNCAPTURABLE = frozenset({
 class GraphFacts:
     uncapturable: str | None = None  # why a CUDA graph capture would fail (R7), if it would
     output_ops: tuple[str, ...] = ()  # per output: "aten.op.overload (file:line: source)"
+    library_calls: tuple[str, ...] = ()  # what a warm load makes beforehand (``first_calls.specs``)
 
     def output_op(self, index: int) -> str:
         return self.output_ops[index] if index < len(self.output_ops) else "an unknown op"
 
     def as_record(self) -> dict[str, Any]:
-        return {"uncapturable": self.uncapturable, "output_ops": list(self.output_ops)}
+        return {"uncapturable": self.uncapturable, "output_ops": list(self.output_ops),
+                "library_calls": list(self.library_calls)}
 
     @staticmethod
     def from_record(record: Any) -> "GraphFacts":
@@ -54,10 +58,16 @@ class GraphFacts:
             return UNKNOWN
         reason = record.get("uncapturable")
         outputs = record.get("output_ops", [])
-        return GraphFacts(reason if isinstance(reason, str) else None, tuple(str(o) for o in outputs))
+        return GraphFacts(reason if isinstance(reason, str) else None, tuple(str(o) for o in outputs),
+                          library_calls(record.get("library_calls")))
 
 
 UNKNOWN = GraphFacts()
+
+
+def library_calls(record: Any) -> tuple[str, ...]:
+    """The ``library_calls`` of an entry (none from one written before they existed)."""
+    return tuple(c for c in record if isinstance(c, str)) if isinstance(record, list) else ()
 
 
 def facts_of(gm: torch.fx.GraphModule | None) -> GraphFacts:
@@ -187,7 +197,10 @@ class KernelModule:
         if self._verified:
             return self._run(args)
         saved = [_Weak(a) for a in args] if self._hold_weakly else list(args)
-        before = self._before_writes(args) if not self._ran_once else []
+        before = []
+        if not self._ran_once:
+            first_calls.wait()  # a warm load's library calls, made beforehand, are done
+            before = self._before_writes(args)
         try:
             out = self._run(args)
         except Exception as exc:  # noqa: BLE001  (a kernel failure must not reach the user)

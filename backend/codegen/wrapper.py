@@ -14,7 +14,7 @@ import sympy
 import torch
 import torch.fx
 
-from backend.codegen import extern_strides, ir, printer
+from backend.codegen import extern_strides, first_calls, ir, printer
 from backend.codegen.kernel import HELPERS, KernelCode, write_kernel
 from backend.codegen.scheduler import Item, Kernel, reads
 
@@ -67,6 +67,7 @@ def module_source(header: list[str], program: ir.Program, items: list[Item], gm:
         out.append("from triton.language.extra import libdevice")
     out += ["", "aten = torch.ops.aten", f"DEVICE = torch.device({program.device!r})",
             f"LAUNCHES = {launches(items, [c for _, c in codes])}  # kernels and aten calls per call", ""]
+    out += _library_calls(program)
     if checks:
         out += ["", extern_strides.HELPER]
     for h in helpers:
@@ -79,6 +80,16 @@ def module_source(header: list[str], program: ir.Program, items: list[Item], gm:
             "def run(*args):", '    """Call the graph with positional arguments (for experiments)."""',
             "    return call(list(args))", ""]
     return "\n".join(out), len(codes)
+
+
+def _library_calls(program: ir.Program) -> list[str]:
+    """``LIBRARY_CALLS``: the library calls of ``call``, for a warm load to make beforehand."""
+    calls = first_calls.specs(program)
+    if not calls:
+        return []
+    return ["# The library calls of call(), which a warm load makes once on empty tensors before the first",
+            "# call (backend.codegen.first_calls)", "LIBRARY_CALLS = [",
+            *(f"    {c!r}," for c in calls), "]", ""]
 
 
 def _precompile_list(codes: list[KernelCode]) -> list[str]:

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from backend.codegen import first_calls
 from backend.runtime import compat, liveness
 from backend.runtime.liveness import LiveOutput, WeakStorage
 
@@ -313,6 +314,7 @@ class GraphNode:
 
     def _capture(self, call: Any, args: list[Any]) -> list[Any]:
         manager = self.manager
+        first_calls.wait()  # a warm load's thread of library calls, done before any capture
         torch.cuda.synchronize(manager.device)
         # cuBLAS keeps a workspace per stream; allocated inside the capture, it is graph scratch
         if compat.clear_cublas_workspaces is not None:

@@ -1,0 +1,203 @@
+"""first_calls: a warm load makes its kernel modules' library calls once, on empty tensors, in a
+background thread, so that the first real call finds cuDNN, cuBLAS and their kernels loaded.
+
+In a fresh process the first call of each convolution or matmul configuration is slow: the
+library's handle and its own loading, then CUDA's lazy loading of each kernel it picks (about
+0.5 s of a small ResNet's first training step on an H100, and 0.25 s of a transformer layer's).
+Which calls a module makes is known when it is generated (``specs``: the op, and the size, strides,
+offset and dtype of each tensor argument, as its ``call`` passes them). A warm load (a level-1
+hit, a precompiled function, Dynamo's cache) hands them to ``start`` before it loads the modules:
+one thread makes them, and starts Triton's driver first, while the main thread runs the
+GIL-holding Python of our load and of Dynamo's guards (torch's ops let go of the GIL). ``wait``
+joins it: before a module's first call and before a CUDA graph capture.
+
+Only calls that are safe on uninitialised memory and change no state are kept: matmuls,
+convolutions and attention without dropout (a random op, or dropout, would advance the generator),
+floating-point tensor arguments only (an index tensor of garbage could read out of bounds), static
+sizes, at most ``MAX_BYTES`` of arguments per call. The thread only saves time: whatever fails in it
+is logged at debug level and left to the real call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any, Iterable, Sequence
+
+import sympy
+import torch
+
+from backend import counters
+from backend.codegen import ir
+
+log = logging.getLogger("backend.codegen")
+
+MAX_BYTES = 256 << 20  # a call's tensor arguments; larger calls are left to the first real call
+_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.convolution.",
+        "aten.convolution_backward.", "aten._convolution.", "aten._scaled_dot_product_flash_attention.",
+        "aten._scaled_dot_product_efficient_attention.", "aten._scaled_dot_product_cudnn_attention.")
+
+
+class _Skip(Exception):
+    """An argument a warm-up call cannot stand in for (a symbolic size, an unknown buffer)."""
+
+
+def specs(program: ir.Program) -> tuple[str, ...]:
+    """The library calls of ``program`` that a warm load may make beforehand, each as JSON text."""
+    known = _buffers(program)
+    out = []
+    for step in program.steps:
+        if not isinstance(step, ir.Extern) or not step.target.startswith(_OPS):
+            continue
+        try:
+            spec = {"op": step.target, "device": program.device,
+                    "args": [_encode(a, known) for a in step.args],
+                    "kwargs": {k: _encode(v, known) for k, v in step.kwargs}}
+            if _safe(spec):
+                out.append(json.dumps(spec, separators=(",", ":")))
+        except (_Skip, AttributeError, ValueError):  # AttributeError: an op this torch lacks
+            continue
+    return tuple(dict.fromkeys(out))  # a configuration once
+
+
+def _buffers(program: ir.Program) -> dict[str, tuple[ir.Layout, torch.dtype]]:
+    known = {i.name: (i.layout, i.dtype) for i in program.inputs if i.kind == "tensor" and i.dtype is not None}
+    for step in program.steps:
+        if isinstance(step, ir.Compute):
+            known[step.name] = (step.layout, step.dtype)
+        elif isinstance(step, ir.Extern) and step.layout is not None and step.dtype is not None:
+            known[step.name] = (step.layout, step.dtype)
+        elif isinstance(step, ir.Alias) and step.item is None and step.base in known:
+            known[step.name] = (step.layout, known[step.base][1])
+    return known
+
+
+def _encode(value: Any, known: dict[str, tuple[ir.Layout, torch.dtype]]) -> Any:
+    if isinstance(value, ir.BufRef):
+        if value.name not in known:
+            raise _Skip(value.name)
+        layout, dtype = known[value.name]
+        return {"tensor": [[_int(n) for n in layout.size], [_int(s) for s in layout.stride],
+                           _int(layout.offset), str(dtype).removeprefix("torch.")]}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v, known) for v in value]
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, sympy.Basic):
+        return _int(value)
+    raise _Skip(type(value).__name__)
+
+
+def _int(value: Any) -> int:
+    value = sympy.sympify(value)
+    if not value.is_Integer:
+        raise _Skip(str(value))
+    return int(value)
+
+
+def _safe(spec: dict[str, Any]) -> bool:
+    tensors = list(_tensors([spec["args"], list(spec["kwargs"].values())]))
+    if not tensors or any(not getattr(torch, t[3]).is_floating_point for t in tensors):
+        return False
+    if sum(_numel(t) * getattr(torch, t[3]).itemsize for t in tensors) > MAX_BYTES:
+        return False
+    op = _op(spec["op"])
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" in names:
+        i = names.index("dropout_p")
+        p = spec["args"][i] if i < len(spec["args"]) else spec["kwargs"].get("dropout_p", 0.0)
+        return p == 0
+    return True
+
+
+def _tensors(value: Any) -> Iterable[list]:
+    if isinstance(value, dict) and "tensor" in value:
+        yield value["tensor"]
+    elif isinstance(value, list):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _numel(tensor: list) -> int:
+    size, stride, offset, _ = tensor
+    if any(n == 0 for n in size):
+        return 0
+    return offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
+
+
+def _op(name: str) -> Any:
+    _, op, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, op), overload)
+
+
+# ------------------------------------------------------------------------------------------ making
+def call(spec_text: str) -> Any:
+    """Make one call of ``specs`` on empty tensors (on its device), and return its result."""
+    spec = json.loads(spec_text)
+    device = torch.device(spec["device"])
+    args = [_decode(a, device) for a in spec["args"]]
+    kwargs = {k: _decode(v, device) for k, v in spec["kwargs"].items()}
+    return _op(spec["op"])(*args, **kwargs)
+
+
+def _decode(value: Any, device: torch.device) -> Any:
+    if isinstance(value, dict) and "tensor" in value:
+        size, stride, offset, dtype = value["tensor"]
+        storage = torch.empty(_numel(value["tensor"]), dtype=getattr(torch, dtype), device=device)
+        return storage.as_strided(size, stride, offset)
+    if isinstance(value, list):
+        return [_decode(v, device) for v in value]
+    return value
+
+
+_pending: list[threading.Thread] = []
+_made: list[int] = []  # calls each finished thread made, counted when it is joined
+
+
+def start(spec_texts: Sequence[str], triton_driver: bool = False) -> None:
+    """Make the CUDA calls among ``spec_texts`` in a thread of their own (Triton's driver started
+    first, if ``triton_driver``); nothing when there is nothing to do or no CUDA."""
+    calls = [s for s in dict.fromkeys(spec_texts) if json.loads(s).get("device", "").startswith("cuda")]
+    if not (calls or triton_driver) or not torch.cuda.is_available():
+        return
+    thread = threading.Thread(target=_run, args=(calls, triton_driver), name="cgtrees-first-calls", daemon=True)
+    thread.start()
+    _pending.append(thread)
+
+
+def wait() -> None:
+    """Join the threads ``start`` began (their calls done): nothing once they are."""
+    if not _pending:
+        return
+    for thread in list(_pending):
+        thread.join()
+        if thread in _pending:
+            _pending.remove(thread)
+    while _made:
+        counters.bump("first_calls_made", _made.pop())
+
+
+def _run(calls: list[str], triton_driver: bool) -> None:
+    if triton_driver:
+        try:
+            from backend.codegen.compat import triton_driver as driver
+
+            driver()
+        except Exception as exc:  # noqa: BLE001 - the first launch starts it and reports
+            log.debug("cgtrees codegen: Triton's driver did not start beforehand (%s: %s)", type(exc).__name__, exc)
+    made, devices = 0, set()
+    with torch.no_grad():
+        for spec in calls:
+            try:
+                device = torch.device(json.loads(spec)["device"])
+                with torch.cuda.device(device):
+                    call(spec)
+                devices.add(device)
+                made += 1
+            except Exception as exc:  # noqa: BLE001 - the real call meets it and reports
+                log.debug("cgtrees codegen: a library call made beforehand failed (%s: %s): %s",
+                          type(exc).__name__, exc, spec[:200])
+        for device in devices:  # joined means done, on the device too
+            torch.cuda.current_stream(device).synchronize()
+    _made.append(made)

@@ -1,0 +1,109 @@
+"""The library calls a kernel module makes, listed when it is generated (``LIBRARY_CALLS``, the
+module's facts), for a warm load to make beforehand (``backend.codegen.first_calls``): each with the
+sizes, strides and dtype its ``call`` passes, so the call made on empty tensors is the same
+configuration; only calls that are safe on uninitialised memory and draw no random numbers. The
+thread itself runs on CUDA (tests/gpu/test_first_calls_gpu.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from codegen_helpers import INTERPRET, compile_fn, config, trace
+
+from backend.cache.modules import load_record, module_record
+from backend.codegen import first_calls
+from backend.codegen.module import GraphFacts
+from backend.context import GraphContext
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
+
+
+def _specs(module) -> list[dict]:
+    return [json.loads(c) for c in module.facts.library_calls]
+
+
+def _conv_mm(x, w, a, b):
+    return F.conv2d(x, w, padding=1).relu(), (a @ b).sin()
+
+
+def _conv_mm_inputs():
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    return x, torch.randn(4, 3, 3, 3), torch.randn(5, 6), torch.randn(6, 7).t().contiguous().t()
+
+
+def test_a_module_lists_its_library_calls_with_the_layouts_it_passes():
+    inputs = _conv_mm_inputs()
+    module = compile_fn(_conv_mm, *inputs)
+    specs = _specs(module)
+    assert [s["op"] for s in specs] == ["aten.convolution.default", "aten.mm.default"], specs
+    conv, mm = specs
+    assert conv["args"][0]["tensor"] == [[2, 3, 8, 8], list(inputs[0].stride()), 0, "float32"]
+    assert conv["args"][3:] == [[1, 1], [1, 1], [1, 1], False, [0, 0], 1]  # stride, padding, ... groups
+    assert mm["args"][1]["tensor"] == [[6, 7], [1, 6], 0, "float32"]  # the column-major input as it is
+    assert "LIBRARY_CALLS = [" in module.source
+    # made on empty tensors, each call gives a result of the real one's size and strides
+    expected = [F.conv2d(inputs[0], inputs[1], padding=1), inputs[2] @ inputs[3]]
+    for text, want in zip(module.facts.library_calls, expected, strict=True):
+        got = first_calls.call(text)
+        assert got.shape == want.shape and got.stride() == want.stride(), (got.stride(), want.stride())
+
+
+def test_level_1_records_keep_the_library_calls():
+    inputs = _conv_mm_inputs()
+    gm = trace(_conv_mm, *inputs)
+    ctx = GraphContext(config=config(), kind="inference", name="g0_inference")
+    module = compile_fn(_conv_mm, *inputs)
+    record = json.loads(json.dumps(module_record(gm, module)))  # as an entry stores it
+    assert GraphFacts.from_record(record["facts"]).library_calls == module.facts.library_calls
+    assert load_record(record, ctx).facts.library_calls == module.facts.library_calls
+    del record["facts"]["library_calls"]  # an entry written before they existed: none made beforehand,
+    assert GraphFacts.from_record(record["facts"]).library_calls == ()  # but the module still lists its own
+    assert load_record(record, ctx).facts.library_calls == module.facts.library_calls
+
+
+def test_a_module_without_library_calls_lists_none():
+    module = compile_fn(lambda t: t.sin() * 2, torch.randn(8))
+    assert module.facts.library_calls == () and "LIBRARY_CALLS" not in module.source
+
+
+def _spec(op: str, *args, **kwargs) -> dict:
+    return {"op": op, "device": "cuda:0", "args": list(args), "kwargs": kwargs}
+
+
+def _t(*size, dtype="float32"):
+    stride, acc = [], 1
+    for n in reversed(size):
+        stride.insert(0, acc)
+        acc *= n
+    return {"tensor": [list(size), stride, 0, dtype]}
+
+
+def test_only_calls_safe_on_empty_memory_and_without_randomness_are_kept():
+    q = _t(1, 2, 16, 8, dtype="float16")
+    flash = "aten._scaled_dot_product_flash_attention.default"
+    assert first_calls._safe(_spec(flash, q, q, q, 0.0, True))
+    assert not first_calls._safe(_spec(flash, q, q, q, 0.1, True))  # dropout draws random numbers
+    assert not first_calls._safe(_spec(flash, q, q, q, dropout_p=0.5))
+    assert first_calls._safe(_spec("aten.mm.default", _t(4, 4), _t(4, 4)))
+    assert not first_calls._safe(_spec("aten.mm.default", _t(4, 4, dtype="int64"), _t(4, 4, dtype="int64")))
+    big = _t(first_calls.MAX_BYTES // 4, 2)
+    assert not first_calls._safe(_spec("aten.mm.default", big, _t(2, 2)))
+    assert not first_calls._safe(_spec("aten.mm.default", 1, 2))  # no tensor at all
+
+
+def test_random_ops_and_symbolic_sizes_are_never_listed():
+    x = torch.randn(16, 32)
+    w = torch.randn(32, 32)
+    module = compile_fn(lambda t, m: (F.dropout(t @ m, 0.5, training=True), torch.rand_like(t)), x, w)
+    assert [s["op"] for s in _specs(module)] == ["aten.mm.default"], module.facts.library_calls
+    dynamic = compile_fn(lambda t, m: t @ m, x, w, dynamic=True)
+    assert dynamic.facts.library_calls == ()  # sizes known only at the call
+
+
+def test_start_without_cuda_calls_makes_no_thread():
+    first_calls.start([json.dumps(_spec("aten.mm.default", _t(2, 2), _t(2, 2)) | {"device": "cpu"})])
+    assert first_calls._pending == []
+    first_calls.wait()  # nothing to join
