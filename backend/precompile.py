@@ -168,6 +168,7 @@ class CachedArtifact(compat.BackendArtifact):
 
 def _restore_artifact(key: str, content: bytes, names_used: int) -> CachedArtifact:
     record = check(content)
+    _start_first_calls(record)  # as Dynamo reads its cache, before it installs what it read
     compat.reserve_dynamo_names(names_used)
     artifact = CachedArtifact(key=key, content=content)
     artifact.names_used, artifact.checked = names_used, record
@@ -199,6 +200,16 @@ def check(data: bytes) -> dict[str, Any]:
         raise PrecompileError(f"cgtrees: cannot load the saved function {record.get('name')}: {mismatch}; "
                               "compile and save it again with this installation")
     return record
+
+
+def _start_first_calls(record: dict[str, Any]) -> None:
+    """The saved modules' library calls, begun in a thread (``codegen.first_calls``); best effort."""
+    from backend.cache.aot import start_first_calls
+
+    try:
+        start_first_calls(record["entry"], Config.resolve(options=record["config"]))
+    except Exception as exc:  # noqa: BLE001 - only time is lost; ``load`` meets what is wrong
+        log.debug("cgtrees: no library calls made beforehand (%s: %s)", type(exc).__name__, exc)
 
 
 def _mismatch(key: dict[str, Any]) -> str | None:

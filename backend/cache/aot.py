@@ -186,7 +186,7 @@ def resolve(payload: dict[str, Any], store: Store | None) -> dict[str, Any]:
 def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap: Wrap) -> Callable[..., Any]:
     """The compiled function from a self-contained entry (``resolve``)."""
     plan, parts = payload["plan"], payload["parts"]
-    _start_first_calls(parts, config)
+    start_first_calls(payload, config)
     mode = compat.fake_mode()  # one for all parts: making one costs more than the tensors
     calls = {kind: _load_part(part, kind, config, pair, wrap, mode, name) for kind, part in parts.items()}
     if set(calls) == {"inference"}:
@@ -200,12 +200,12 @@ def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap:
     raise CorruptEntry(f"entry holds graphs {sorted(calls)}")
 
 
-def _start_first_calls(parts: dict[str, Any], config: Config) -> None:
-    """The modules' library calls and Triton's driver, made in a thread beside the load
-    (``codegen.first_calls``)."""
+def start_first_calls(payload: dict[str, Any], config: Config) -> None:
+    """The entry's library calls and Triton's driver, made in a thread beside the load
+    (``codegen.first_calls``; each once per process: precompile starts them as it reads its file)."""
     if not config.warm_first_calls:
         return
-    records = [part["module"] for part in parts.values()]
+    records = [part["module"] for part in payload["parts"].values()]
     calls = [c for r in records for c in GraphFacts.from_record(r.get("facts")).library_calls]
     first_calls.start(calls, triton_driver=not config.interpret and any(r.get("binaries") for r in records))
 

@@ -226,13 +226,16 @@ class LoadFailed(Exception):
 class LoadedBinary:
     """One stored specialisation, loaded onto each device it is launched on (at its first launch
     there: loading needs the device current). ``launch(grid, args)`` takes every parameter's value,
-    constexprs too; it launches nothing and answers False while a profiler hooks Triton's launches."""
+    constexprs too; it launches nothing and answers False while a profiler hooks Triton's launches.
+    Triton's driver is taken at the first launch, not when the module loads (a warm load starts it
+    in another thread meanwhile: ``first_calls``)."""
 
     def __init__(self, names: list[str], record: dict) -> None:
         from triton import knobs
 
         self.names, self.record = names, record
-        self.driver, self.knobs = triton_driver(), knobs.runtime
+        self.driver: Any = None
+        self.knobs = knobs.runtime
         self.metadata: tuple | None = None
         self.run: Callable | None = None
         self.static: StaticLaunch | None = None
@@ -241,13 +244,14 @@ class LoadedBinary:
     def launch(self, grid: tuple, args: tuple) -> bool:
         if _hooked(self.knobs.launch_enter_hook) or _hooked(self.knobs.launch_exit_hook):
             return False
-        device = self.driver.get_current_device()
+        driver = self.driver or self._take_driver()
+        device = driver.get_current_device()
         function = self.functions.get(device)
         if function is None:
             function = self.functions[device] = self._load(device)
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        stream = self.driver.get_current_stream(device)
+        stream = driver.get_current_stream(device)
         static = self.static
         if static is not None:
             static.launch(function, grid[0], g1, g2, static.num_warps, static.shared, static.types,
@@ -255,6 +259,10 @@ class LoadedBinary:
             return True
         self.run(grid[0], g1, g2, stream, function, self.packed, None, None, None, *args)  # type: ignore[misc]
         return True
+
+    def _take_driver(self) -> Any:
+        self.driver = triton_driver()
+        return self.driver
 
     def _load(self, device: int) -> object:
         from triton.compiler.compiler import max_shared_mem

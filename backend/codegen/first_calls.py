@@ -153,14 +153,22 @@ def _decode(value: Any, device: torch.device) -> Any:
 
 _pending: list[threading.Thread] = []
 _made: list[int] = []  # calls each finished thread made, counted when it is joined
+_started: set[str] = set()  # each configuration once per process, and Triton's driver (``DRIVER``)
+DRIVER = "triton-driver"
 
 
 def start(spec_texts: Sequence[str], triton_driver: bool = False) -> None:
     """Make the CUDA calls among ``spec_texts`` in a thread of their own (Triton's driver started
-    first, if ``triton_driver``); nothing when there is nothing to do or no CUDA."""
-    calls = [s for s in dict.fromkeys(spec_texts) if json.loads(s).get("device", "").startswith("cuda")]
+    first, if ``triton_driver``), those this process has not made before; nothing when there is
+    nothing to do or no CUDA."""
+    calls = [s for s in dict.fromkeys(spec_texts)
+             if s not in _started and json.loads(s).get("device", "").startswith("cuda")]
+    triton_driver = triton_driver and DRIVER not in _started
     if not (calls or triton_driver) or not torch.cuda.is_available():
         return
+    _started.update(calls)
+    if triton_driver:
+        _started.add(DRIVER)
     thread = threading.Thread(target=_run, args=(calls, triton_driver), name="cgtrees-first-calls", daemon=True)
     thread.start()
     _pending.append(thread)
