@@ -180,14 +180,17 @@ class FxModule:
 def module_record(gm: torch.fx.GraphModule, module: Any, level_2: str | None = None) -> dict[str, Any]:
     """What level 1 keeps of one compiled graph (Uncacheable if it cannot be kept): a generated
     module by the digest of its level-2 entry (``level_2``: the store holds it), else by its
-    source and binaries; a graph that runs through aten by its FX code."""
+    source, binaries and compiled code (what a warm load runs, as a level-2 entry keeps it); a
+    graph that runs through aten by its FX code."""
     facts = getattr(module, "facts", None) or codegen.facts_of(gm)
     source = getattr(module, "source", None)
     if source is not None:
         common = {"facts": facts.as_record(), "dynamic": codegen.has_symbolic_shapes(_placeholder_values(gm))}
         if level_2 is not None:
             return {"format": "level-2", "digest": level_2, **common}
-        return {"format": "codegen", "source": source, "binaries": kernel_binaries(module), **common}
+        binaries = kernel_binaries(module)
+        code = code_record(source, binaries) if binaries else None
+        return {"format": "codegen", "source": source, "binaries": binaries, "code": code, **common}
     if not isinstance(module, codegen.AtenModule):
         raise Uncacheable(f"kernel module {type(module).__name__} has no source")
     return {"format": "fx-boxed", "source": fx_code(gm), "facts": facts.as_record()}
