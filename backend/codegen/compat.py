@@ -9,6 +9,9 @@ thread pool instead of compiling on the spot (Triton's ``AsyncCompileMode``, in
 ``triton.runtime._async_compile`` since Triton 3.4); leaving the context waits for every compile.
 None where this Triton has no such mode: the caller then compiles one kernel after the other.
 
+``triton_driver()``: Triton's active driver, made once when two threads ask at the same time;
+``clear_cublas_workspaces()``: drops cuBLAS's workspaces (``torch._C._cuda_clearCublasWorkspaces``).
+
 ``hash_triton_in_background(remember_in)``: starts Triton's hash of its own sources and library
 (``triton.runtime.cache.triton_key``, part of every compiled kernel's cache key) on a thread, after
 putting ``SharedKey`` in its place: computed once, and remembered across processes in our cache.
@@ -38,6 +41,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Collection, Iterator
+
+from torch import _C as _torch_c
 
 
 def parallel_compiles_supported() -> bool:
@@ -206,6 +211,9 @@ class _Source:
         self.signature = dict(zip(names, record["signature"]))
         self.constants = {(i,): value for i, value in record["constants"]}
 
+
+# cuBLAS's workspaces, one per handle and stream, dropped (``first_calls.wait``); None: this torch has no such call
+clear_cublas_workspaces = getattr(_torch_c, "_cuda_clearCublasWorkspaces", None)
 
 _driver_lock = threading.Lock()
 
