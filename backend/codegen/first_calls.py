@@ -15,7 +15,10 @@ Only calls that are safe on uninitialised memory and change no state are kept: m
 convolutions and attention without dropout (a random op, or dropout, would advance the generator),
 floating-point tensor arguments only (an index tensor of garbage could read out of bounds), static
 sizes, at most ``MAX_BYTES`` of arguments per call. The thread only saves time: whatever fails in it
-is logged at debug level and left to the real call.
+is logged at debug level and left to the real call. A program that captures CUDA graphs of its own
+around a loaded function (with our ``cudagraphs`` off) should call it once before capturing, as it
+would to warm it up: a capture in torch's default (global) mode fails if another thread allocates
+device memory meanwhile, and the thread runs until that first call joins it.
 """
 
 from __future__ import annotations
@@ -188,16 +191,14 @@ def wait() -> None:
     while _made:
         made = _made.pop()
         counters.bump("first_calls_made", made)
-        if made and compat.clear_cublas_workspaces is not None:
+        if made and compat.clear_cublas_workspaces is not None and not torch.cuda.is_current_stream_capturing():
             compat.clear_cublas_workspaces()
 
 
 def _run(calls: list[str], triton_driver: bool) -> None:
     if triton_driver:
         try:
-            from backend.codegen.compat import triton_driver as driver
-
-            driver()
+            compat.triton_driver()
         except Exception as exc:  # noqa: BLE001 - the first launch starts it and reports
             log.debug("cgtrees codegen: Triton's driver did not start beforehand (%s: %s)", type(exc).__name__, exc)
     made, devices = 0, set()
