@@ -107,3 +107,22 @@ def test_start_without_cuda_calls_makes_no_thread():
     first_calls.start([json.dumps(_spec("aten.mm.default", _t(2, 2), _t(2, 2)) | {"device": "cpu"})])
     assert first_calls._pending == []
     first_calls.wait()  # nothing to join
+
+
+
+def test_the_thread_makes_each_call_and_only_logs_a_failure(monkeypatch, caplog):
+    """The thread's body (``_run``), CUDA's device context and stream stood in for on the CPU: a
+    good call is made and counted, one that fails is logged at debug level and not counted."""
+    import contextlib
+    import logging
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(synchronize=lambda: None))
+    monkeypatch.setattr(first_calls, "_made", [])
+    good = _spec("aten.mm.default", _t(3, 4), _t(4, 5)) | {"device": "cpu"}
+    bad = _spec("aten.mm.default", _t(3, 4), _t(5, 5)) | {"device": "cpu"}  # sizes that do not multiply
+    with caplog.at_level(logging.DEBUG, logger="backend.codegen"):
+        first_calls._run([good, bad], triton_driver=False)
+    assert first_calls._made == [1]
+    assert "a library call made beforehand failed" in caplog.text and "aten.mm.default" in caplog.text

@@ -30,6 +30,7 @@ warm, takes the same path. A binary is launched by torch's static CUDA launcher 
 from __future__ import annotations
 
 import base64
+import functools
 import importlib.util
 import logging
 import marshal
@@ -97,8 +98,14 @@ def deferred_text(source: str, records: dict[str, list[dict]]) -> str:
 def code_record(source: str, records: dict[str, list[dict]]) -> dict[str, str]:
     """The compiled code of ``deferred_text``, to keep beside an entry's source: marshal's bytes
     (base64), tagged with this interpreter's byte-code magic, which another Python version does
-    not read (it compiles the source instead)."""
-    code = compile(deferred_text(source, records), "<cgtrees kernel module>", "exec")
+    not read (it compiles the source instead). Made once per text: a cold process that stores a module
+    in level 2 and keeps it for precompile asks twice."""
+    return dict(_compiled_record(deferred_text(source, records)))  # a copy: the cached one stays as made
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_record(text: str) -> dict[str, str]:
+    code = compile(text, "<cgtrees kernel module>", "exec")
     return {"python": importlib.util.MAGIC_NUMBER.hex(), "marshal": base64.b64encode(marshal.dumps(code)).decode()}
 
 

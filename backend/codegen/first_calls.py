@@ -137,7 +137,10 @@ def _op(name: str) -> Any:
 # ------------------------------------------------------------------------------------------ making
 def call(spec_text: str) -> Any:
     """Make one call of ``specs`` on empty tensors (on its device), and return its result."""
-    spec = json.loads(spec_text)
+    return _make(json.loads(spec_text))
+
+
+def _make(spec: dict[str, Any]) -> Any:
     device = torch.device(spec["device"])
     args = [_decode(a, device) for a in spec["args"]]
     kwargs = {k: _decode(v, device) for k, v in spec["kwargs"].items()}
@@ -164,12 +167,12 @@ def start(spec_texts: Sequence[str], triton_driver: bool = False) -> None:
     """Make the CUDA calls among ``spec_texts`` in a thread of their own (Triton's driver started
     first, if ``triton_driver``), those this process has not made before; nothing when there is
     nothing to do or no CUDA."""
-    calls = [s for s in dict.fromkeys(spec_texts)
-             if s not in _started and json.loads(s).get("device", "").startswith("cuda")]
+    texts = [s for s in dict.fromkeys(spec_texts) if s not in _started]
+    calls = [c for c in map(json.loads, texts) if c.get("device", "").startswith("cuda")]
     triton_driver = triton_driver and DRIVER not in _started
     if not (calls or triton_driver) or not torch.cuda.is_available():
         return
-    _started.update(calls)
+    _started.update(texts)
     if triton_driver:
         _started.add(DRIVER)
     thread = threading.Thread(target=_run, args=(calls, triton_driver), name="cgtrees-first-calls", daemon=True)
@@ -195,7 +198,7 @@ def wait() -> None:
             compat.clear_cublas_workspaces()
 
 
-def _run(calls: list[str], triton_driver: bool) -> None:
+def _run(calls: list[dict[str, Any]], triton_driver: bool) -> None:
     if triton_driver:
         try:
             compat.triton_driver()
@@ -205,14 +208,14 @@ def _run(calls: list[str], triton_driver: bool) -> None:
     with torch.no_grad():
         for spec in calls:
             try:
-                device = torch.device(json.loads(spec)["device"])
+                device = torch.device(spec["device"])
                 with torch.cuda.device(device):
-                    call(spec)
+                    _make(spec)
                 devices.add(device)
                 made += 1
             except Exception as exc:  # noqa: BLE001 - the real call meets it and reports
                 log.debug("cgtrees codegen: a library call made beforehand failed (%s: %s): %s",
-                          type(exc).__name__, exc, spec[:200])
+                          type(exc).__name__, exc, spec["op"])
         for device in devices:  # joined means done, on the device too
             torch.cuda.current_stream(device).synchronize()
     _made.append(made)
