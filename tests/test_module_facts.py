@@ -15,6 +15,7 @@ from backend.cache.modules import FxModule, fx_code, load_record, module_record
 from backend.codegen.module import UNKNOWN, AtenModule, GraphFacts, facts_of
 from backend.context import GraphContext
 from backend.runtime import skips
+from backend.runtime.examples import Examples
 
 
 def test_generated_module_has_facts():
@@ -33,9 +34,9 @@ def test_uncapturable_op_is_a_reason_to_skip():
     assert AtenModule(gm).facts == facts
     ctx = GraphContext(config=config(), kind="inference", name="g0_inference")
     meta = torch.empty(6, device="meta")  # no CPU input: only the facts can give a reason
-    reason, _ = skips.reason_to_skip([meta], ctx, facts)
+    reason, _ = skips.reason_to_skip(Examples.of([meta]), ctx, facts)
     assert reason == "inputs on meta"  # the device check comes first
-    assert skips.reason_to_skip([meta], ctx, UNKNOWN)[0] == "inputs on meta"
+    assert skips.reason_to_skip(Examples.of([meta]), ctx, UNKNOWN)[0] == "inputs on meta"
 
 
 def test_level1_records_keep_facts_for_both_formats():

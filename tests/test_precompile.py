@@ -375,3 +375,28 @@ def test_dynamo_cache_loading_mends_torch_errors(monkeypatch):
     assert loaded.shape == (2, 3) and loaded.grad is None
     compat._mend_dynamo_cache_loading()  # a second call wraps nothing twice
     assert package.CompilePackage.install.__wrapped__ is broken_install
+
+
+def test_guard_state_tensors_share_one_fake_mode(monkeypatch):
+    """The mended ``_unpickle_tensor`` gives the tensors Dynamo's own would (size, strides, dtype,
+    device, type, grad), all in one fake mode instead of a new mode each."""
+    from torch._dynamo import guards
+
+    from backend.cache import compat
+
+    pickler = guards.GuardsStatePickler
+    original = pickler.__dict__["_unpickle_tensor"]
+    monkeypatch.setattr(pickler, "_unpickle_tensor", original)
+    compat._mend_dynamo_cache_loading()
+    args = []
+    for real in (torch.empty(4, 6).t(), torch.nn.Parameter(torch.empty(3, dtype=torch.float64))):
+        meta = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="meta",
+                                   requires_grad=real.requires_grad)
+        args.append((meta, real.device, type(real), torch._C._dispatch_keys(real).raw_repr(), None))
+    ours = [pickler._unpickle_tensor(*a) for a in args]
+    theirs = [original.__func__(pickler, *a) for a in args]
+    assert ours[0].fake_mode is ours[1].fake_mode
+    assert theirs[0].fake_mode is not theirs[1].fake_mode  # what the mending saves
+    for a, b in zip(ours, theirs):
+        assert (a.shape, a.stride(), a.dtype, a.device, type(a), a.requires_grad, a.grad) == \
+               (b.shape, b.stride(), b.dtype, b.device, type(b), b.requires_grad, b.grad)

@@ -69,6 +69,20 @@ def test_wrap_returns_call_for_cpu_inputs(cgtrees_counters):
     assert runtime.wrap(module, [torch.ones(2)], off) is call
 
 
+def test_examples_read_what_wrapping_needs():
+    """``Examples``: devices, a mutated input sharing storage with another (a reason to skip, R6's
+    copy into its own slot would break the aliasing), and a cache entry's records without tensors."""
+    from backend.runtime.examples import Examples
+
+    base = torch.zeros(4)
+    seen = Examples.of([base, base[:2], torch.ones(3)], mutated=[1])
+    assert seen.devices == {torch.device("cpu")} and seen.aliased == (1, 0) and not seen.symbolic
+    assert Examples.of([base, base[:2]], mutated=[1], static=[1]).aliased is None  # static: never copied
+    assert Examples.of([base, torch.ones(2)], mutated=[1]).aliased is None
+    records = [{"size": [2], "stride": [1], "dtype": "float32", "device": "cuda:0"}]
+    assert Examples.of_records(records) == Examples(devices=frozenset({torch.device("cuda", 0)}))
+
+
 def test_compat_on_a_cpu_build():
     report = compat.report()
     assert "_cuda_getCheckpointState" in report

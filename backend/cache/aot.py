@@ -47,11 +47,12 @@ from backend.codegen.module import GraphFacts
 from backend.config import Config
 from backend.context import GraphContext
 from backend.logs import log_once
+from backend.runtime.examples import Examples
 
 log = logging.getLogger("backend.cache")
 
 LEVEL = "aot"
-Wrap = Callable[[Any, list[Any], GraphContext], Callable[[list[Any]], Any]]
+Wrap = Callable[[Any, "list[Any] | Examples", GraphContext], Callable[[list[Any]], Any]]
 
 
 KEEP = "cgtrees_keep_aot_entry"
@@ -187,8 +188,7 @@ def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap:
     """The compiled function from a self-contained entry (``resolve``)."""
     plan, parts = payload["plan"], payload["parts"]
     start_first_calls(payload, config)
-    mode = compat.fake_mode()  # one for all parts: making one costs more than the tensors
-    calls = {kind: _load_part(part, kind, config, pair, wrap, mode, name) for kind, part in parts.items()}
+    calls = {kind: _load_part(part, kind, config, pair, wrap, name) for kind, part in parts.items()}
     if set(calls) == {"inference"}:
         return wrappers.inference_function(calls["inference"], plan)
     graph = payload.get("backward_graph")
@@ -248,7 +248,7 @@ class LazyBackward:
 
 
 def _load_part(part: dict[str, Any], kind: str, config: Config, pair: Any, wrap: Wrap,
-               mode: Any, name: str) -> Callable[[list[Any]], Any]:
+               name: str) -> Callable[[list[Any]], Any]:
     consts = load_constants(part.get("constants", []))
     # The entry's names are those of the process that wrote it ("g3_forward"): this process
     # names its graphs itself, so two functions never share a name in the runtime.
@@ -260,7 +260,7 @@ def _load_part(part: dict[str, Any], kind: str, config: Config, pair: Any, wrap:
     module = modules.load_record(part["module"], ctx)
     if not part["wrapped"]:
         return consts.append(module.call) if consts else module.call
-    return wrap(module, compat.fake_tensors(part["inputs"], mode), ctx)
+    return wrap(module, Examples.of_records(part["inputs"]), ctx)  # no fake tensors: they cost ms
 
 
 MAX_CONSTANT_BYTES = 1 << 20  # an entry keeps its graphs' constants; larger ones are not kept

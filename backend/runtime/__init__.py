@@ -8,7 +8,8 @@
 
 Files: ``compat`` (every private torch API), ``liveness`` (live outputs, generation end),
 ``node`` (one recorded graph and its replay path), ``manager`` (pool, checkpoints, generations),
-``function`` (one wrapped graph: node choice and limits), ``skips`` (reasons known at wrap time).
+``function`` (one wrapped graph: node choice and limits), ``skips`` (reasons known at wrap time),
+``examples`` (what wrapping reads of the example inputs).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from backend.codegen.module import UNKNOWN, CompiledModule
 from backend.context import GraphContext
 from backend.logs import log_once
 from backend.runtime import skips
+from backend.runtime.examples import Examples
 from backend.runtime.function import GraphFunction, log, skip
 from backend.runtime.manager import Managers
 
@@ -29,23 +31,27 @@ _functions: "weakref.WeakSet[GraphFunction]" = weakref.WeakSet()
 _skipped: dict[str, str] = {}  # function name -> reason, for describe()
 
 
-def wrap(module: CompiledModule, example_inputs: list[Any], ctx: GraphContext) -> Callable[[list[Any]], Any]:
+def wrap(module: CompiledModule, example_inputs: list[Any] | Examples, ctx: GraphContext) -> Callable[[list[Any]], Any]:
     """Return the module's ``call`` wrapped in CUDA graph trees, or the ``call`` itself where
-    graphs cannot help (the reason counted and logged once)."""
+    graphs cannot help (the reason counted and logged once). ``example_inputs``: the graph's
+    (fake) example inputs, or what a cache entry recorded of them (``Examples.of_records``)."""
     if not ctx.config.cudagraphs:
         return module.call
     facts = getattr(module, "facts", None) or UNKNOWN
-    reason, device = skips.reason_to_skip(example_inputs, ctx, facts)
+    examples = example_inputs if isinstance(example_inputs, Examples) else \
+        Examples.of(example_inputs, ctx.mutated_input_indices, ctx.static_input_indices)
+    reason, device = skips.reason_to_skip(examples, ctx, facts)
     if reason is not None:
         skip(ctx.name, reason)  # one skip per function, logged once
         _skipped[ctx.name] = reason
         return module.call
-    fn = GraphFunction(module.call, example_inputs, ctx, device, _managers, facts, getattr(module, "launches", None))
+    fn = GraphFunction(module.call, examples.symbolic, ctx, device, _managers, facts, getattr(module, "launches", None))
     _functions.add(fn)
     return fn
 
 
-def wrap_module(module: CompiledModule, example_inputs: list[Any], ctx: GraphContext) -> Callable[[list[Any]], Any]:
+def wrap_module(module: CompiledModule, example_inputs: list[Any] | Examples,
+                ctx: GraphContext) -> Callable[[list[Any]], Any]:
     """The module in the runtime, the graph's lifted constants appended to each call; the module
     alone (counted in ``graph_fallbacks``, logged once) if the runtime fails on it. Shared by the
     driver, level-1 hits and loaded precompiled functions (imports nothing of AOTAutograd)."""

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from backend import counters
-from backend.codegen.module import GraphFacts, has_symbolic_shapes
+from backend.codegen.module import GraphFacts
 from backend.context import GraphContext
 from backend.logs import log_once
 from backend.runtime import compat, skips
@@ -55,7 +55,7 @@ _record_lock = threading.RLock()
 
 
 class GraphFunction:
-    def __init__(self, call: Callable[[list[Any]], Any], example_inputs: list[Any], ctx: GraphContext,
+    def __init__(self, call: Callable[[list[Any]], Any], dynamic: bool, ctx: GraphContext,
                  device: int, managers: Managers, facts: GraphFacts, launches: int | None = None) -> None:
         self.call = call
         self.ctx = ctx
@@ -68,7 +68,7 @@ class GraphFunction:
         self.managers = managers
         self.facts = facts
         self.launches = launches  # kernels and aten calls per call (None: not known)
-        self.dynamic = has_symbolic_shapes(example_inputs)
+        self.dynamic = dynamic  # symbolic sizes: each new size may compile new kernel specializations
         self.forget()
 
     def forget(self) -> None:
