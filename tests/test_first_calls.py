@@ -126,3 +126,64 @@ def test_the_thread_makes_each_call_and_only_logs_a_failure(monkeypatch, caplog)
         first_calls._run([good, bad], triton_driver=False)
     assert first_calls._made == [1]
     assert "a library call made beforehand failed" in caplog.text and "aten.mm.default" in caplog.text
+
+
+def _cpu_cuda(monkeypatch):
+    """CUDA's device context and stream stood in for, so the threads' bodies run on the CPU."""
+    import contextlib
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: SimpleNamespace(synchronize=lambda: None))
+    monkeypatch.setattr(first_calls, "_made", [])
+
+
+def test_forward_calls_keep_one_convolution_per_device():
+    """cuDNN's plans are per thread: the forward thread makes one convolution (the library's load),
+    every matmul, and leaves the other convolutions to the real calls."""
+    conv = [_spec("aten.convolution.default", _t(1, 3, 8, 8), _t(4, 3, 3, 3)) | {"device": d}
+            for d in ("cuda:0", "cuda:0", "cuda:1")]
+    conv[1]["args"][0]["tensor"][0][0] = 2  # another configuration
+    mm = _spec("aten.mm.default", _t(3, 4), _t(4, 5)) | {"device": "cuda:0"}
+    assert first_calls._first_convolution_only([conv[0], mm, conv[1], conv[2]]) == [conv[0], mm, conv[2]]
+
+
+def test_backward_calls_run_inside_a_backward(monkeypatch):
+    """``_run_in_backward`` makes its calls in the backward of a small autograd graph, so that on
+    CUDA they run on autograd's device thread, where the real backward's calls run."""
+    _cpu_cuda(monkeypatch)
+    seen = []
+    monkeypatch.setattr(first_calls, "_make", lambda spec: seen.append(first_calls.compat.in_backward()))
+    calls = [_spec("aten.mm.default", _t(3, 4), _t(4, 5)) | {"device": "cpu"}] * 2
+    first_calls._run_in_backward(calls)
+    assert seen == [True, True] and first_calls._made == [2]
+
+
+def test_wait_inside_a_backward_does_not_join_the_backward_thread(monkeypatch):
+    """The thread of backward calls waits for autograd's device thread; a backward on that thread
+    that joined it would wait for itself. ``wait`` there joins the other threads only."""
+    import threading
+
+    monkeypatch.setattr(first_calls, "_made", [])
+    release = threading.Event()
+    blocked = threading.Thread(target=release.wait, name=first_calls.BACKWARD_THREAD, daemon=True)
+    plain = threading.Thread(target=lambda: None, name="cgtrees-first-calls", daemon=True)
+    blocked.start()
+    plain.start()
+    monkeypatch.setattr(first_calls, "_pending", [blocked, plain])
+
+    class Waits(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            first_calls.wait()  # returns: the blocked thread is left
+            return grad
+
+    Waits.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert first_calls._pending == [blocked]
+    release.set()
+    first_calls.wait()  # outside a backward: joined
+    assert first_calls._pending == []

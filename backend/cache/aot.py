@@ -205,9 +205,12 @@ def start_first_calls(payload: dict[str, Any], config: Config) -> None:
     (``codegen.first_calls``; each once per process: precompile starts them as it reads its file)."""
     if not config.warm_first_calls:
         return
-    records = [part["module"] for part in payload["parts"].values()]
-    calls = [c for r in records for c in GraphFacts.from_record(r.get("facts")).library_calls]
-    first_calls.start(calls, triton_driver=not config.interpret and any(r.get("binaries") for r in records))
+    calls: dict[bool, list[str]] = {False: [], True: []}  # by whether the module runs as a backward
+    for kind, part in payload["parts"].items():
+        backward = part.get("runtime_kind", kind) == "backward"
+        calls[backward] += GraphFacts.from_record(part["module"].get("facts")).library_calls
+    binaries = any(part["module"].get("binaries") for part in payload["parts"].values())
+    first_calls.start(calls[False], calls[True], triton_driver=not config.interpret and binaries)
 
 
 def _aot_attributes(payload: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any] | None:

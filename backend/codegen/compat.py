@@ -10,7 +10,8 @@ thread pool instead of compiling on the spot (Triton's ``AsyncCompileMode``, in
 None where this Triton has no such mode: the caller then compiles one kernel after the other.
 
 ``triton_driver()``: Triton's active driver, made once when two threads ask at the same time;
-``clear_cublas_workspaces()``: drops cuBLAS's workspaces (``torch._C._cuda_clearCublasWorkspaces``).
+``clear_cublas_workspaces()``: drops cuBLAS's workspaces (``torch._C._cuda_clearCublasWorkspaces``);
+``in_backward()``: whether this thread runs an autograd graph task (``torch._C._current_graph_task_id``).
 
 ``hash_triton_in_background(remember_in)``: starts Triton's hash of its own sources and library
 (``triton.runtime.cache.triton_key``, part of every compiled kernel's cache key) on a thread, after
@@ -214,6 +215,14 @@ class _Source:
 
 # cuBLAS's workspaces, one per handle and stream, dropped (``first_calls.wait``); None: this torch has no such call
 clear_cublas_workspaces = getattr(_torch_c, "_cuda_clearCublasWorkspaces", None)
+
+_graph_task_id = getattr(_torch_c, "_current_graph_task_id", None)
+
+
+def in_backward() -> bool:
+    """Whether this thread is running a backward (an autograd graph task); False where torch cannot tell."""
+    return _graph_task_id is not None and _graph_task_id() != -1
+
 
 _driver_lock = threading.Lock()
 

@@ -88,3 +88,36 @@ def test_warm_process_makes_its_library_calls_beforehand_and_changes_nothing(tmp
     _same(tmp_path, "cold", "off")
     print(f"\nfirst three training steps: cold {cold['first_steps_s']:.3f} s, warm {warm['first_steps_s']:.3f} s, "
           f"warm without first calls {off['first_steps_s']:.3f} s")
+
+
+def test_backward_calls_run_on_autograds_device_thread(monkeypatch):
+    """cuDNN's plans and cuBLAS's handles are per thread: the calls of a module that runs as a
+    backward are made on the thread where autograd runs a CUDA backward, not on the loading one."""
+    import threading
+
+    from backend.codegen import first_calls
+
+    for name in ("_pending", "_made"):
+        monkeypatch.setattr(first_calls, name, [])
+    monkeypatch.setattr(first_calls, "_started", set())
+    where, make = [], first_calls._make
+    monkeypatch.setattr(first_calls, "_make", lambda spec: (where.append(threading.get_ident()), make(spec))[1])
+    spec = {"op": "aten.mm.default", "device": "cuda:0", "kwargs": {},
+            "args": [{"tensor": [[7, 13], [13, 1], 0, "float32"]}, {"tensor": [[13, 5], [5, 1], 0, "float32"]}]}
+    first_calls.start([], [json.dumps(spec)])
+    first_calls.wait()
+    assert first_calls._pending == []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            where.append(("real", threading.get_ident()))
+            return grad
+
+    Probe.apply(torch.ones(2, device="cuda", requires_grad=True)).sum().backward()
+    made, (_, real) = where
+    assert made == real and made != threading.get_ident(), where
