@@ -154,9 +154,13 @@ def test_backward_calls_run_inside_a_backward(monkeypatch):
     _cpu_cuda(monkeypatch)
     seen = []
     monkeypatch.setattr(first_calls, "_make", lambda spec: seen.append(first_calls.compat.in_backward()))
+    import threading
+
     calls = [_spec("aten.mm.default", _t(3, 4), _t(4, 5)) | {"device": "cpu"}] * 2
-    first_calls._run_in_backward(calls)
-    assert seen == [True, True] and first_calls._made == [2]
+    forward = threading.Thread(target=lambda: seen.append("forward"))
+    forward.start()
+    first_calls._run_in_backward(calls, after=forward)  # after the forward thread: tensors never add up
+    assert seen == ["forward", True, True] and first_calls._made == [2]
 
 
 def test_wait_inside_a_backward_does_not_join_the_backward_thread(monkeypatch):

@@ -14,10 +14,11 @@ guards (torch's ops let go of the GIL):
   a library keeps per process (cuDNN's and cuBLAS's loading, CUDA's lazily loaded kernels) is then
   ready for the real call; what it keeps per thread is not: cuDNN's execution plans (torch caches
   them thread-locally), so only one convolution per device is made here;
-- the calls of modules that run as a backward, in the backward of a small autograd graph of their
-  own, which autograd runs on its device thread: where the real backward will run and find the
-  plans and handles made for it (mobilenet_v3_small's warm training start on an H200: 3.9 s
-  instead of 6.8-7.3 s with every call made in one thread).
+- then the calls of modules that run as a backward, in the backward of a small autograd graph of
+  their own, which autograd runs on its device thread: where the real backward will run and find the
+  plans and handles made for it (mobilenet_v3_small's warm training start on an H200: 3.5-3.9 s
+  instead of 6.8-7.3 s with every call made in one thread). The two run one after the other, so
+  that their empty tensors never add up in a warm process's peak.
 
 ``wait`` joins both: before a module's first call and before a CUDA graph capture; inside a
 backward it leaves the second, which may be waiting for this very thread.
@@ -187,9 +188,9 @@ def start(forward: Sequence[str], backward: Sequence[str] = (), triton_driver: b
         return
     if triton_driver:
         _started.add(DRIVER)
-    _begin(_run, (_first_convolution_only(forward_calls), triton_driver), "cgtrees-first-calls")
-    if backward_calls:
-        _begin(_run_in_backward, (backward_calls,), BACKWARD_THREAD)
+    first = _begin(_run, (_first_convolution_only(forward_calls), triton_driver), "cgtrees-first-calls")
+    if backward_calls:  # after the first thread: their tensors never add up (a warm step peaks as a cold one)
+        _begin(_run_in_backward, (backward_calls, first), BACKWARD_THREAD)
 
 
 def _new(spec_texts: Sequence[str]) -> list[dict[str, Any]]:
@@ -214,10 +215,11 @@ def _first_convolution_only(calls: list[dict[str, Any]]) -> list[dict[str, Any]]
     return kept
 
 
-def _begin(target: Any, args: tuple, name: str) -> None:
+def _begin(target: Any, args: tuple, name: str) -> threading.Thread:
     thread = threading.Thread(target=target, args=args, name=name, daemon=True)
     thread.start()
     _pending.append(thread)
+    return thread
 
 
 def wait() -> None:
@@ -286,7 +288,9 @@ class _InBackward(torch.autograd.Function):
         return grad, None
 
 
-def _run_in_backward(calls: list[dict[str, Any]]) -> None:
+def _run_in_backward(calls: list[dict[str, Any]], after: threading.Thread | None = None) -> None:
+    if after is not None:
+        after.join()
     by_device: dict[str, list[dict[str, Any]]] = {}
     for call in calls:
         by_device.setdefault(call["device"], []).append(call)
