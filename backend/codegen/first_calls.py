@@ -269,6 +269,10 @@ def _make_all(calls: list[dict[str, Any]]) -> int:
                           type(exc).__name__, exc, spec["op"])
         for device in devices:  # joined means done, on the device too
             torch.cuda.current_stream(device).synchronize()
+    if made and compat.clear_cublas_workspaces is not None and not torch.cuda.is_current_stream_capturing():
+        # this thread's cuBLAS workspaces (torch keeps them per thread in some versions): autograd's
+        # device thread lives on, and its real backward may run on another stream than these calls
+        compat.clear_cublas_workspaces()
     return made
 
 
