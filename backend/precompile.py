@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 from typing import Any, Callable, Iterator
 
 import torch
@@ -207,7 +208,7 @@ def _start_first_calls(record: dict[str, Any]) -> None:
     from backend.cache.aot import start_first_calls
 
     try:
-        start_first_calls(record["entry"], Config.resolve(options=record["config"]))
+        start_first_calls(record["entry"], loaded_config(record["config"]))
     except Exception as exc:  # noqa: BLE001 - only time is lost; ``load`` meets what is wrong
         log.debug("cgtrees: no library calls made beforehand (%s: %s)", type(exc).__name__, exc)
 
@@ -229,7 +230,7 @@ def load(record: dict[str, Any]) -> PrecompiledFunction:
     from backend import cache, codegen
     from backend.cache.aot import rebuild
 
-    config = Config.resolve(options=record["config"])
+    config = loaded_config(record["config"])
     name = f"p{next(_loaded)}"
     entry = record["entry"]
     if "cuda" in entry["key"]["device"]:  # compiled kernels wait on Triton's hash of itself
@@ -262,6 +263,16 @@ class _LoadedPair:
 
     def __init__(self, name: str) -> None:
         self.name = name
+
+
+def loaded_config(saved: dict[str, Any], environ: dict[str, str] | None = None) -> Config:
+    """The config a saved function runs under here: as saved (its ``options=`` were given in the
+    process that compiled it), except the fields that do not shape generated code and that this
+    process sets itself (``CGTREES_<NAME>``), such as ``cudagraphs`` or ``warm_first_calls``."""
+    environ = os.environ if environ is None else environ
+    mine = {f.name for f in dataclasses.fields(Config)
+            if not f.metadata["affects_codegen"] and environ.get(f"CGTREES_{f.name.upper()}", "") != ""}
+    return Config.resolve(options={k: v for k, v in saved.items() if k not in mine}, environ=environ)
 
 
 def _saved_config(config: Config) -> dict[str, Any]:

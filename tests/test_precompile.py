@@ -400,3 +400,20 @@ def test_guard_state_tensors_share_one_fake_mode(monkeypatch):
     for a, b in zip(ours, theirs):
         assert (a.shape, a.stride(), a.dtype, a.device, type(a), a.requires_grad, a.grad) == \
                (b.shape, b.stride(), b.dtype, b.device, type(b), b.requires_grad, b.grad)
+
+
+def test_a_loaded_function_takes_this_processs_runtime_settings():
+    """A saved function keeps the options it was compiled with, except those that do not shape its
+    code where the loading process sets them (``CGTREES_WARM_FIRST_CALLS=0`` turns the first calls
+    off there); one that shapes the code stays as saved, whatever the environment says."""
+    from backend.config import Config
+    from backend.precompile import _saved_config, loaded_config
+
+    saved = _saved_config(Config.resolve(options={"cudagraphs": False, "max_shapes_per_function": 3},
+                                         environ={}))
+    environ = {"CGTREES_WARM_FIRST_CALLS": "0", "CGTREES_LAYOUT_OPT": "force", "CGTREES_UNFUSE_ADDMM": "0"}
+    here = loaded_config(saved, environ)
+    assert here.warm_first_calls is False  # set here: this process's
+    assert here.layout_opt == "auto" and here.unfuse_addmm is True  # shape the code: as saved
+    assert here.cudagraphs is False and here.max_shapes_per_function == 3  # not set here: as saved
+    assert loaded_config(saved, {}) == Config.resolve(options=saved, environ={})
