@@ -6,8 +6,9 @@
                                                     (``binaries``), given or its own
     compile_graph(gm, example_inputs, ctx)          load(generate(...)); CGTREES_DEBUG_DIR keeps a copy
     prepare(example_inputs, config, remember_key_in)  start what the first kernel will wait for
-    first_calls.start(facts.library_calls)          a warm load: the modules' cuDNN/cuBLAS calls made
-                                                    beforehand in a thread (``LIBRARY_CALLS``)
+    first_calls.start(forward, backward)            a warm load: the modules' cuDNN/cuBLAS calls
+                                                    (``LIBRARY_CALLS``) made beforehand, a backward
+                                                    module's on autograd's device thread
 
 The steps of ``generate``: lower the FX graph to IR (``graph``), group steps into kernels
 (``scheduler``), write kernels and the ``call`` wrapper (``kernel``, ``wrapper``). CPU graphs
