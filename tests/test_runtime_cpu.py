@@ -16,6 +16,7 @@ from backend.codegen.module import GraphFacts
 from backend.config import Config
 from backend.context import GraphContext
 from backend.runtime import compat
+from backend.runtime.examples import Examples
 from backend.runtime.function import _changing_dims
 
 
@@ -63,17 +64,15 @@ def test_wrap_returns_call_for_cpu_inputs(cgtrees_counters):
 
     module = SimpleNamespace(call=call, facts=GraphFacts(), source=None)  # a hand-made CompiledModule
     ctx = GraphContext(config=Config.resolve(), kind="inference", name="hand_made")
-    assert runtime.wrap(module, [torch.ones(2)], ctx) is call
+    assert runtime.wrap(module, Examples.of([torch.ones(2)]), ctx) is call
     assert cgtrees_counters["cudagraph_skips"] == 1
     off = GraphContext(config=Config.resolve(options={"cudagraphs": False}), kind="inference", name="off")
-    assert runtime.wrap(module, [torch.ones(2)], off) is call
+    assert runtime.wrap(module, Examples.of([torch.ones(2)]), off) is call
 
 
 def test_examples_read_what_wrapping_needs():
     """``Examples``: devices, a mutated input sharing storage with another (a reason to skip, R6's
     copy into its own slot would break the aliasing), and a cache entry's records without tensors."""
-    from backend.runtime.examples import Examples
-
     base = torch.zeros(4)
     seen = Examples.of([base, base[:2], torch.ones(3)], mutated=[1])
     assert seen.devices == {torch.device("cpu")} and seen.aliased == (1, 0) and not seen.symbolic

@@ -26,6 +26,7 @@ from backend.cache.backward_graph import SAVED_STATIC
 from backend.config import Config
 from backend.context import SAVED_FROM, GraphContext
 from backend.logs import log, log_once
+from backend.runtime.examples import Examples
 
 
 class FunctionPair:
@@ -140,7 +141,7 @@ def compile_aten_graph(gm: torch.fx.GraphModule, example_inputs: list[Any],
     """One aten graph: its kernel module, recorded for level 1, wrapped in the runtime."""
     module, level_2 = kernel_module(gm, example_inputs, ctx)  # key, look up, codegen, store
     cache.record_module(gm, example_inputs, ctx, module, wrapped=True, level_2=level_2)  # for level 1's entry
-    return _wrap(module, example_inputs, ctx)
+    return _wrap(module, Examples.of(example_inputs, ctx.mutated_input_indices, ctx.static_input_indices), ctx)
 
 
 def kernel_module(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: GraphContext) -> tuple[Any, str | None]:

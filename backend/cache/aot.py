@@ -52,7 +52,7 @@ from backend.runtime.examples import Examples
 log = logging.getLogger("backend.cache")
 
 LEVEL = "aot"
-Wrap = Callable[[Any, "list[Any] | Examples", GraphContext], Callable[[list[Any]], Any]]
+Wrap = Callable[[Any, Examples, GraphContext], Callable[[list[Any]], Any]]
 
 
 KEEP = "cgtrees_keep_aot_entry"

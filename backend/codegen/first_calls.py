@@ -188,7 +188,9 @@ def start(forward: Sequence[str], backward: Sequence[str] = (), triton_driver: b
         return
     if triton_driver:
         _started.add(DRIVER)
-    first = _begin(_run, (_first_convolution_only(forward_calls), triton_driver), "cgtrees-first-calls")
+    first = None
+    if forward_calls or triton_driver:
+        first = _begin(_run, (_first_convolution_only(forward_calls), triton_driver), "cgtrees-first-calls")
     if backward_calls:  # after the first thread: their tensors never add up (a warm step peaks as a cold one)
         _begin(_run_in_backward, (backward_calls, first), BACKWARD_THREAD)
 

@@ -31,15 +31,13 @@ _functions: "weakref.WeakSet[GraphFunction]" = weakref.WeakSet()
 _skipped: dict[str, str] = {}  # function name -> reason, for describe()
 
 
-def wrap(module: CompiledModule, example_inputs: list[Any] | Examples, ctx: GraphContext) -> Callable[[list[Any]], Any]:
+def wrap(module: CompiledModule, examples: Examples, ctx: GraphContext) -> Callable[[list[Any]], Any]:
     """Return the module's ``call`` wrapped in CUDA graph trees, or the ``call`` itself where
-    graphs cannot help (the reason counted and logged once). ``example_inputs``: the graph's
-    (fake) example inputs, or what a cache entry recorded of them (``Examples.of_records``)."""
+    graphs cannot help (the reason counted and logged once). ``examples``: what the graph's example
+    inputs say (``Examples.of``), or what a cache entry recorded of them (``Examples.of_records``)."""
     if not ctx.config.cudagraphs:
         return module.call
     facts = getattr(module, "facts", None) or UNKNOWN
-    examples = example_inputs if isinstance(example_inputs, Examples) else \
-        Examples.of(example_inputs, ctx.mutated_input_indices, ctx.static_input_indices)
     reason, device = skips.reason_to_skip(examples, ctx, facts)
     if reason is not None:
         skip(ctx.name, reason)  # one skip per function, logged once
@@ -50,13 +48,12 @@ def wrap(module: CompiledModule, example_inputs: list[Any] | Examples, ctx: Grap
     return fn
 
 
-def wrap_module(module: CompiledModule, example_inputs: list[Any] | Examples,
-                ctx: GraphContext) -> Callable[[list[Any]], Any]:
+def wrap_module(module: CompiledModule, examples: Examples, ctx: GraphContext) -> Callable[[list[Any]], Any]:
     """The module in the runtime, the graph's lifted constants appended to each call; the module
     alone (counted in ``graph_fallbacks``, logged once) if the runtime fails on it. Shared by the
     driver, level-1 hits and loaded precompiled functions (imports nothing of AOTAutograd)."""
     try:
-        call = wrap(module, example_inputs, ctx)
+        call = wrap(module, examples, ctx)
     except Exception as exc:  # noqa: BLE001 - the module still runs, without the runtime
         counters.bump("graph_fallbacks")
         log_once(log, f"fallback:{ctx.name}:runtime", "cgtrees: %s: runtime failed (%s: %s); this graph "
