@@ -138,14 +138,20 @@ def _cpu_cuda(monkeypatch):
     monkeypatch.setattr(first_calls, "_made", [])
 
 
-def test_forward_calls_keep_one_convolution_per_device():
-    """cuDNN's plans are per thread: the forward thread makes one convolution (the library's load),
-    every matmul, and leaves the other convolutions to the real calls."""
-    conv = [_spec("aten.convolution.default", _t(1, 3, 8, 8), _t(4, 3, 3, 3)) | {"device": d}
-            for d in ("cuda:0", "cuda:0", "cuda:1")]
-    conv[1]["args"][0]["tensor"][0][0] = 2  # another configuration
+def _conv(n: int, groups: int, device: str) -> dict:
+    return _spec("aten.convolution.default", _t(n, 4, 8, 8), _t(4, 4 // groups, 3, 3), None, [1, 1], [1, 1],
+                 [1, 1], False, [0, 0], groups) | {"device": device}
+
+
+def test_forward_calls_leave_grouped_convolutions_to_the_real_call():
+    """cuDNN's plans are per thread, costly for grouped convolutions: the forward thread makes every
+    matmul and ungrouped convolution, and a grouped one only on a device with no other (the
+    library's load)."""
     mm = _spec("aten.mm.default", _t(3, 4), _t(4, 5)) | {"device": "cuda:0"}
-    assert first_calls._first_convolution_only([conv[0], mm, conv[1], conv[2]]) == [conv[0], mm, conv[2]]
+    calls = [_conv(1, 4, "cuda:0"), mm, _conv(1, 1, "cuda:0"), _conv(2, 1, "cuda:0"),
+             _conv(1, 4, "cuda:1"), _conv(2, 4, "cuda:1"), _conv(3, 2, "cuda:1")]
+    assert first_calls._ungrouped_convolutions(calls) == [mm, calls[2], calls[3], calls[4]]
+    assert first_calls._groups(_spec("aten.convolution.default", groups=3)) == 3
 
 
 def test_backward_calls_run_inside_a_backward(monkeypatch):

@@ -108,6 +108,13 @@ elif args["role"] == "load":
 elif args["role"] == "dynamo":  # plain torch.compile, Dynamo's cache on (CGTREES_PRECOMPILE_CACHE=1)
     from torch._dynamo.utils import counters as torch_counters
 
+    if args.get("break_guards"):  # as torch 2.11 unpickling BERT's guards (DefaultsSource)
+        import torch._dynamo.package as package
+
+        def load_guards_state(data):
+            raise TypeError("DefaultsSource.__init__() takes from 3 to 4 positional arguments but 6 were given")
+
+        package.load_guards_state = load_guards_state
     compiled = torch.compile(model, backend="cgtrees")
     result["batches"] = []
     for batch in args["batches"]:
@@ -276,7 +283,8 @@ def _triton_version() -> str:
 def test_dynamo_cache_skips_the_trace_in_a_warm_process(snapshot, tmp_path):
     """``CGTREES_PRECOMPILE_CACHE=1``: a plain torch.compile saves Dynamo's cache (guards, bytecode,
     our artifact) at the first call; a later process installs it without tracing or compiling; a
-    guard that fails there compiles afresh; a damaged or foreign artifact is a miss."""
+    guard that fails there compiles afresh; a damaged or foreign artifact is a miss; guards that
+    torch fails to load compile afresh."""
     env = {"CGTREES_PRECOMPILE_CACHE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     cold = _run(snapshot, tmp_path / "cache", False, env=env, role="dynamo", batches=[8])["batches"]
     assert cold[0]["graphs_compiled"] == 1 and cold[0]["dynamo_cache"] == {"dynamo_cache_miss": 1}
@@ -300,6 +308,11 @@ def test_dynamo_cache_skips_the_trace_in_a_warm_process(snapshot, tmp_path):
         again = _run(snapshot, tmp_path / f"cache_{damage}", False, env=env, role="dynamo", batches=[8])["batches"]
         assert again[0]["dynamo_cache"] == {"dynamo_cache_error": 1}, damage  # Dynamo's miss, counted
         assert again[0]["graphs_compiled"] == 1 and again[0]["error_vs_eager"] < 1e-5, damage
+    # Saved guards that torch cannot load (an error inside its install): compiled afresh, no crash.
+    entries[0].write_bytes(good)
+    broken = _run(snapshot, tmp_path / "cache_broken", False, env=env, role="dynamo", batches=[8],
+                  break_guards=True)["batches"]
+    assert broken[0]["graphs_compiled"] == 1 and broken[0]["error_vs_eager"] < 1e-5
 
 
 LEAN = r'''
@@ -375,6 +388,33 @@ def test_dynamo_cache_loading_mends_torch_errors(monkeypatch):
     assert loaded.shape == (2, 3) and loaded.grad is None
     compat._mend_dynamo_cache_loading()  # a second call wraps nothing twice
     assert package.CompilePackage.install.__wrapped__ is broken_install
+
+
+def test_guard_sources_pickle_their_constructor_fields_only(monkeypatch):
+    """torch 2.11's sources pickle every dataclass field, ``DefaultsSource``'s computed ``field`` and
+    ``_name`` too, and fail to unpickle (a saved entry guarding a default never loaded): mended."""
+    import dataclasses
+    import pickle
+
+    from torch import _guards
+    from torch._dynamo.source import DefaultsSource, LocalSource
+
+    from backend.cache import compat
+
+    def every_field(self):  # torch 2.11's reduce
+        return (self.__class__, tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
+    every_field.__module__ = _guards.__name__
+    monkeypatch.setattr(_guards.Source, "__reduce__", every_field)
+    if "__reduce__" in DefaultsSource.__dict__:
+        monkeypatch.setattr(DefaultsSource, "__reduce__", every_field)
+    source = DefaultsSource(LocalSource("f"), 1)
+    with pytest.raises(TypeError, match="positional arguments"):
+        pickle.loads(pickle.dumps(source))
+    compat._mend_source_pickling()
+    loaded = pickle.loads(pickle.dumps(source))
+    assert loaded == source and loaded._name == source._name
+    assert pickle.loads(pickle.dumps(LocalSource("x"))) == LocalSource("x")
 
 
 def test_guard_state_tensors_share_one_fake_mode(monkeypatch):

@@ -10,12 +10,18 @@ an older torch read as their neutral value.
 from __future__ import annotations
 
 import base64
+import dataclasses
+import inspect
 import itertools
+import logging
 import pickle
+import types
 from typing import Any, Callable, Iterable
 
 import torch
 import torch.fx
+
+log = logging.getLogger("backend.cache")
 
 __all__ = [
     "Uncacheable", "fw_metadata", "runtime_plan", "fake_mode", "fake_tensors", "storage_id",
@@ -363,12 +369,16 @@ def _mend_dynamo_cache_loading() -> None:
       on, so it is loaded as no grad.
     - ``install`` recovers from a RuntimeError (it logs "Failed to load entry from dynamo cache"
       and traces afresh) but from nothing else: any other error while installing a saved entry
-      becomes a RuntimeError, so that a bad entry costs a trace, never the program.
+      becomes a RuntimeError, so that a bad entry costs a trace, never the program. And the
+      recovery only works on a fresh package (``_fresh_package``).
 
-    And the guarded tensors are unpickled in one fake mode, not one each (``_guard_state_tensor``)."""
+    And the guarded tensors are unpickled in one fake mode, not one each (``_guard_state_tensor``),
+    and guard sources pickle only their constructor's fields (``_mend_source_pickling``)."""
     import functools
 
     from torch._dynamo import guards, package
+
+    _mend_source_pickling()
 
     pickler = getattr(guards, "GuardsStatePickler", None)
     unpickle = getattr(pickler, "_unpickle_tensor", None)
@@ -392,14 +402,52 @@ def _mend_dynamo_cache_loading() -> None:
         def install_or_runtime_error(self: Any, backends: Any) -> None:
             try:
                 install(self, backends)
-            except RuntimeError:
-                raise
             except Exception as exc:
+                _fresh_package(self)
+                if isinstance(exc, RuntimeError):
+                    raise
                 raise RuntimeError(f"cgtrees: a saved Dynamo cache entry could not be installed "
                                    f"({type(exc).__name__}: {exc}); compiling afresh") from exc
 
         install_or_runtime_error._cgtrees = True
         package.CompilePackage.install = install_or_runtime_error
+
+
+def _init_fields_reduce(self: Any) -> tuple:
+    return (type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self) if f.init))
+
+
+def _mend_source_pickling() -> None:
+    """torch 2.11 pickles a guard source with every dataclass field, those its ``__post_init__``
+    computes too (``DefaultsSource``'s ``field`` and ``_name``), and its unpickling then calls the
+    constructor with too many arguments: a saved entry guarding a function's default (BERT's) never
+    loads. torch 2.13 pickles only the constructor's fields; so do the sources here (the same
+    pickle on 2.13)."""
+    from torch import _guards
+
+    pending, seen = [_guards.Source], set()
+    while pending:
+        cls = pending.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        pending.extend(cls.__subclasses__())
+        reduce = inspect.getattr_static(cls, "__reduce__", None)  # torch's own (or inherited)
+        if (isinstance(reduce, types.FunctionType) and reduce.__module__ == _guards.__name__
+                and dataclasses.is_dataclass(cls) and any(not f.init for f in dataclasses.fields(cls))):
+            cls.__reduce__ = _init_fields_reduce
+
+
+def _fresh_package(package: Any) -> None:
+    """A package whose install failed, made new: torch's recovery initializes it again, which
+    asserts that it is not yet (torch 2.11 and 2.13: BERT's saved guards failed to unpickle, and
+    the recovery's AssertionError crashed the ``torch.compile`` call). What the install put in
+    place (globals, precompiled entries) is taken out first."""
+    try:
+        package.uninstall()
+    except Exception as exc:  # noqa: BLE001 - nothing installed yet
+        log.debug("cgtrees: uninstalling a failed Dynamo cache entry: %s: %s", type(exc).__name__, exc)
+    package.__init__(None)
 
 
 _GUARD_STATE_TENSOR_ARGS = ("meta_tensor", "device", "pytype", "dispatch_keys_raw", "grad")

@@ -13,7 +13,8 @@ guards (torch's ops let go of the GIL):
 - the calls of forward and inference modules, in a thread that starts Triton's driver first. What
   a library keeps per process (cuDNN's and cuBLAS's loading, CUDA's lazily loaded kernels) is then
   ready for the real call; what it keeps per thread is not: cuDNN's execution plans (torch caches
-  them thread-locally), so only one convolution per device is made here;
+  them thread-locally), costly for grouped convolutions, which are left to the real call (depthwise
+  ones are generated kernels, ``lower_conv``);
 - then the calls of modules that run as a backward, in the backward of a small autograd graph of
   their own, which autograd runs on its device thread: where the real backward will run and find the
   plans and handles made for it (mobilenet_v3_small's warm training start on an H200: 3.5-3.9 s
@@ -190,7 +191,7 @@ def start(forward: Sequence[str], backward: Sequence[str] = (), triton_driver: b
         _started.add(DRIVER)
     first = None
     if forward_calls or triton_driver:
-        first = _begin(_run, (_first_convolution_only(forward_calls), triton_driver), "cgtrees-first-calls")
+        first = _begin(_run, (_ungrouped_convolutions(forward_calls), triton_driver), "cgtrees-first-calls")
     if backward_calls:  # after the first thread: their tensors never add up (a warm step peaks as a cold one)
         _begin(_run_in_backward, (backward_calls, first), BACKWARD_THREAD)
 
@@ -201,20 +202,31 @@ def _new(spec_texts: Sequence[str]) -> list[dict[str, Any]]:
     return [c for c in map(json.loads, texts) if c.get("device", "").startswith("cuda")]
 
 
-def _first_convolution_only(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _ungrouped_convolutions(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """cuDNN's execution plans are cached per thread (torch's ``Conv_v8.cpp``): a plan built here
-    is built again by the thread that makes the real call. One convolution loads cuDNN and its
-    heuristics for the process; the rest would only keep the caller waiting at the join (for
-    mobilenet_v3_small's 20 forward configurations, longer than the whole load)."""
+    is built again by the thread that makes the real call. For an ordinary convolution that plan is
+    cheap and what this thread saves is the process's share (cuDNN's load, its kernels' lazy
+    loading: 0.15 s of a channels-last 1x1 convolution's first call on an H200, 3 ms left to the
+    caller). A grouped one's plan is most of its cost (0.15-0.2 s on either thread): made here it
+    only keeps the caller waiting at the join, so only when a device has no other convolution (one
+    loads cuDNN for the process)."""
+    ungrouped = {call["device"] for call in calls if call["op"].startswith(_CONVOLUTIONS) and _groups(call) == 1}
     seen: set[str] = set()
     kept = []
     for call in calls:
-        if call["op"].startswith(_CONVOLUTIONS):
-            if call["device"] in seen:
+        if call["op"].startswith(_CONVOLUTIONS) and _groups(call) != 1:
+            if call["device"] in ungrouped or call["device"] in seen:
                 continue
             seen.add(call["device"])
         kept.append(call)
     return kept
+
+
+def _groups(call: dict[str, Any]) -> Any:
+    """A convolution call's ``groups`` argument (by schema position or keyword)."""
+    names = [a.name for a in _op(call["op"])._schema.arguments]
+    i = names.index("groups")
+    return call["args"][i] if i < len(call["args"]) else call["kwargs"].get("groups", 1)
 
 
 def _begin(target: Any, args: tuple, name: str) -> threading.Thread:

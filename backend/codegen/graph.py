@@ -20,6 +20,7 @@ from backend.codegen import (  # noqa: F401  (register lowerings)
     extern_strides,
     ir,
     lower_addmm,
+    lower_conv,
     lower_indexing,
     lower_pointwise,
     lower_pool,

@@ -135,3 +135,14 @@ def recover_generator(device: int) -> None:
         gen.graphsafe_set_state(gen.clone_state())
     except Exception:  # noqa: BLE001 - best effort: older builds lack graph-safe states
         pass
+
+
+def outside_dispatch_modes() -> Any:
+    """A context where no Python dispatch mode (a fake tensor mode the importer holds) intercepts:
+    our import-time probes make real tensors."""
+    import contextlib
+
+    from torch.utils import _python_dispatch
+
+    disable = getattr(_python_dispatch, "_disable_current_modes", None)
+    return disable() if disable is not None else contextlib.nullcontext()

@@ -54,10 +54,12 @@ class _Holder:
 
 def _idle_refcounts() -> tuple[int, int]:
     """What ``sys.getrefcount`` reads in ``idle`` for a kept tensor and its storage's Python object
-    that only an entry holds (torch 2.13's storage holds its Python object once it has one)."""
+    that only an entry holds (torch 2.13's storage holds its Python object once it has one). Real
+    tensors even when this module is first imported under a fake mode (a compile's)."""
     probe = _Holder()
-    storage = torch.UntypedStorage(16)
-    probe.cached = torch.empty(0, dtype=torch.uint8).set_(storage)
+    with compat.outside_dispatch_modes():
+        storage = torch.UntypedStorage(16)
+        probe.cached = torch.empty(0, dtype=torch.uint8).set_(storage)
     probe.cached_storage = storage
     del storage
     t, s = probe.cached, probe.cached_storage
