@@ -81,7 +81,8 @@ def test_depthwise_convolution_dtypes(dtype):
 
 
 def test_consumers_fuse_into_the_convolution():
-    """Depthwise conv -> batch norm (inference) -> hardswish: one kernel, nothing written between."""
+    """Depthwise conv -> batch norm (inference) -> hardswish: one kernel, nothing written between
+    (and, channels-last, a small one before it that lays the weights out channels-innermost)."""
     config = CONFIGS[1]
     stats = (torch.randn(4), torch.rand(4) + 0.5, torch.randn(4), torch.randn(4))
 
@@ -90,8 +91,38 @@ def test_consumers_fuse_into_the_convolution():
         return F.hardswish(F.batch_norm(y, mean, var, gamma, beta, False, 0.1, 1e-5))
 
     module = _check(fn, (*_inputs(config), *stats), 10)
-    assert module.source.count("@triton.jit") == 1, module.source
-    assert re.search(r"def pw_fused_convolution_\w+\(", module.source), module.source
+    assert module.source.count("@triton.jit") == 2, module.source
+    assert "convolution_weights_ptr + (x0*4 + x1)" in module.source, module.source  # (KH*KW, C)
+    assert re.search(r"def pw_fused_convolution_\w+\(\w+, convolution_weights_ptr, ", module.source), module.source
+
+
+def _kernels(source: str) -> dict[str, str]:
+    """Each kernel's name -> the aten nodes listed above it (its origins)."""
+    found = re.finditer(r"^# (?:pointwise|reduction)[^\n]*\n((?:#[^\n]*\n)*)@triton.jit\ndef (\w+)\(", source, re.M)
+    return {m.group(2): m.group(1) for m in found}
+
+
+def test_a_reduction_across_the_channels_stride_leaves_the_window_out():
+    """Squeeze-excite's mean over (H, W) of a channels-last convolution reads each row across the
+    channels' stride: the convolution stays in a pointwise kernel (memory order) and the mean reads
+    its output. A sum over the channels reads along them and takes it in."""
+    x, w = _inputs(CONFIGS[1])
+
+    def excite(x, w):
+        y = F.relu(F.conv2d(x, w, None, 2, 1, 1, 4))
+        return y * y.mean((2, 3), keepdim=True).sigmoid()
+
+    kernels = _kernels(_check(excite, (x, w), 10).source)
+    mean = [k for k, origins in kernels.items() if "aten.mean" in origins]
+    assert len(mean) == 1 and "aten.convolution" not in kernels[mean[0]], kernels
+    assert any("aten.convolution" in o and k.startswith("pw_") for k, o in kernels.items()), kernels
+
+    def across_channels(x, w):
+        y = F.conv2d(x, w, None, 2, 1, 1, 4)
+        return y * y.sum(1, keepdim=True)
+
+    kernels = _kernels(_check(across_channels, (x, w), 40).source)
+    assert [k for k, o in kernels.items() if "aten.convolution" in o and k.startswith("red_")], kernels
 
 
 @pytest.mark.parametrize("case", ["ordinary", "grouped", "transposed", "1d", "window_9x9"])
@@ -152,5 +183,5 @@ def test_mobilenet_block_trains(channels_last):
     forward = compiler.modules[0]
     assert len([c for c in aten_calls(forward) if "convolution" in c]) == 4, aten_calls(forward)  # the 1x1s
     # the two depthwise ones are in kernels (the first in batch norm's statistics, which it feeds)
-    in_kernels = re.findall(r"^#   \w+ = aten\.convolution\.default\(.*, (\d+)\)$", forward.source, re.M)
-    assert sorted(in_kernels) == ["12", "6"], forward.source
+    in_kernels = set(re.findall(r"^#   (\w+) = aten\.convolution\.default\(.*, (\d+)\)$", forward.source, re.M))
+    assert sorted(groups for _, groups in in_kernels) == ["12", "6"], forward.source

@@ -4,6 +4,8 @@ gradient against eager."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -86,7 +88,10 @@ def test_channels_first_layernorm_training():
     for (name, p), got in zip(model.named_parameters(), grads):
         close(got, p.grad, atol=1e-4 * p.grad.abs().max().item(), rtol=1e-4, msg=name)
     fw = comp.modules[0]
-    assert kernel_count(fw) == 2 and "def red_layernorm_" in fw.source, fw.source  # the norm, the sin
+    # the depthwise convolution (its channels-last weights, then the convolution: a saved
+    # activation, written where computed), the norm, the sin
+    assert kernel_count(fw) == 4 and "def red_layernorm_" in fw.source, fw.source
+    assert len(re.findall(r"def pw_fused_convolution_\d+\(", fw.source)) == 2, fw.source
 
 
 def test_training_layernorm_gelu_forward_and_backward():

@@ -12,7 +12,8 @@ Why generate them: cuDNN builds an execution plan for each configuration at its 
 thread, and for channels-last depthwise convolutions that takes 0.15-0.4 s each on an H200 (torch
 2.11, cuDNN 9.19; ``benchmarks/probe_conv_first_calls.py``): about 2 s of mobilenet_v3_small's
 first inference call, in a warm process as in a cold one. A generated kernel is a stored binary
-in a warm process, and its consumers (batch norm's affine, the activation) fuse into it.
+in a warm process, and its consumers (batch norm's affine, the activation) fuse into it. On
+channels-last tensors the weights are first copied channels-innermost (``_weights``).
 
 Everything else (ordinary and grouped convolutions, transposed ones, 1-d and 3-d, windows of more
 than ``UNROLL_LIMIT`` elements) stays a library call. The backward (``convolution_backward``) is
@@ -85,14 +86,30 @@ def _depthwise(ctx: LowerCtx, x: TensorValue, w: TensorValue, bias: TensorValue 
     if multiplier != 1:  # output channel c reads input channel c // m
         channel = {s[1]: FloorDiv(s[1], sympy.Integer(multiplier))}
         x = TensorValue(meta_size(meta), x.dtype, ir.map_indices(x.body, channel))
+    w = _weights(ctx, w, meta, geometry)
     terms = []
     for kh in range(geometry.h.kernel):
         for kw in range(geometry.w.kernel):
             e = _element(x, geometry, kh, kw, acc)
-            weight = cast(ir.map_indices(w.body, {s[0]: s[1], s[1]: sympy.Integer(0),
-                                                     s[2]: sympy.Integer(kh), s[3]: sympy.Integer(kw)}), acc)
+            weight = cast(ir.map_indices(w.body, {s[0]: s[1], s[1]: sympy.Integer(kh), s[2]: sympy.Integer(kw)}), acc)
             terms.append(_where(e.inside, Op("mul", (e.value, weight), acc), Const(0, acc), acc))
     total = _fold("add", terms, acc)
     if bias is not None:
         total = Op("add", (total, cast(ir.map_indices(bias.body, {s[0]: s[1]}), acc)), acc)
     return TensorValue(meta_size(meta), meta.dtype, cast(total, meta.dtype))
+
+
+def _weights(ctx: LowerCtx, w: TensorValue, meta: torch.Tensor, geometry: Pool) -> TensorValue:
+    """The weights as ``(C, KH, KW)``: where the output is channels-last, copied to a buffer whose
+    channels are adjacent, so that each window element's weights, read by neighbouring threads
+    (neighbouring channels), are one coalesced load rather than one transaction per channel (the
+    weight tensor keeps a channel's window together). A small kernel of its own, per call."""
+    s = ir.index_symbols(4)
+    t = ir.index_symbols(3)
+    by_channel = ir.map_indices(w.body, {s[0]: t[0], s[1]: sympy.Integer(0), s[2]: t[1], s[3]: t[2]})
+    channels, kh, kw = sym(meta.shape[1]), geometry.h.kernel, geometry.w.kernel
+    if meta.dim() != 4 or meta.stride(1) != 1 or channels == 1:
+        return TensorValue((channels, sympy.Integer(kh), sympy.Integer(kw)), w.dtype, by_channel)
+    size = (channels, sympy.Integer(kh), sympy.Integer(kw))
+    layout = ir.Layout(size, (sympy.Integer(1), kw * channels, channels), sympy.Integer(0))
+    return ctx.add_reduction(ctx.node.name + "_weights", layout, w.dtype, size, (), None, by_channel)
