@@ -130,3 +130,18 @@ class Compiler:
 def kernel_count(module: Any) -> int:
     return module.source.count("@triton.jit") - sum(module.source.count(f"def {h}(") for h in
                                                    ("_max_nan", "_min_nan", "_prod"))
+
+
+def trained_against_eager(model: torch.nn.Module, x: torch.Tensor, x2: torch.Tensor | None = None) -> tuple:
+    """One compiled step on ``x`` (AOTAutograd with our codegen) and one eager step on ``x2`` (``x``
+    by default) with the loss (out * out).sum(): the compiler (its modules, checked), both outputs
+    and the compiled step's parameter gradients (the model's ``.grad`` then holds eager's)."""
+    comp = Compiler()
+    out = torch.compile(model, backend=comp.backend)(x)
+    (out * out).sum().backward()
+    comp.check()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    ref = model(x if x2 is None else x2)
+    (ref * ref).sum().backward()
+    return comp, out, ref, grads

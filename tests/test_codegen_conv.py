@@ -15,7 +15,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from codegen_helpers import HALF_TOL, INTERPRET, Compiler, aten_calls, compile_fn, run, sum_tolerance
+from codegen_helpers import (
+    HALF_TOL,
+    INTERPRET,
+    aten_calls,
+    compile_fn,
+    run,
+    sum_tolerance,
+    trained_against_eager,
+)
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: interpreted kernels only with CGTREES_INTERPRET=1")
 
@@ -168,15 +176,7 @@ def test_mobilenet_block_trains(channels_last):
     x = torch.randn(4, 3, 15, 15)
     if channels_last:
         model, x = model.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
-    compiler = Compiler()
-    compiled = torch.compile(model, backend=compiler.backend)
-    out = compiled(x)
-    out.square().sum().backward()
-    compiler.check()
-    grads = [p.grad for p in model.parameters()]
-    model.zero_grad()
-    expected = model(x)
-    expected.square().sum().backward()
+    compiler, out, expected, grads = trained_against_eager(model, x)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
     for (name, p), g in zip(model.named_parameters(), grads):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-4 * max(p.grad.abs().max().item(), 1.0), msg=name)

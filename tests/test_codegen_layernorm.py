@@ -9,27 +9,13 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from codegen_helpers import INTERPRET, Compiler, compile_fn, kernel_count, run
+from codegen_helpers import INTERPRET, Compiler, compile_fn, kernel_count, run, trained_against_eager
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 
 
 def close(a, b, **kw):
     torch.testing.assert_close(a, b, **kw)
-
-
-def _trained_against_eager(model: torch.nn.Module, x: torch.Tensor, x2: torch.Tensor) -> tuple:
-    """One compiled step on ``x`` and one eager step on ``x2`` with the loss (out * out).sum():
-    the compiler (its modules), both outputs and the compiled step's parameter gradients (the
-    model's ``.grad`` then holds eager's)."""
-    comp = Compiler()
-    out = torch.compile(model, backend=comp.backend)(x)
-    (out * out).sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    ref = model(x2)
-    (ref * ref).sum().backward()
-    return comp, out, ref, grads
 
 
 def test_layernorm_forward_is_one_kernel():
@@ -81,7 +67,7 @@ def test_channels_first_layernorm_training():
     model = Block().to(memory_format=torch.channels_last)
     x = torch.randn(2, 24, 10, 12).to(memory_format=torch.channels_last).requires_grad_()
     x2 = x.detach().clone().requires_grad_()
-    comp, out, ref, grads = _trained_against_eager(model, x, x2)
+    comp, out, ref, grads = trained_against_eager(model, x, x2)
     comp.check()
     close(out, ref, atol=1e-5, rtol=1e-5)
     close(x.grad, x2.grad, atol=1e-4 * x2.grad.abs().max().item(), rtol=1e-4)
@@ -121,7 +107,7 @@ def test_weight_gradients_do_not_split_the_row_kernel():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.LayerNorm(32))
     x = torch.randn(8192, 32)
-    comp, out, ref, grads = _trained_against_eager(model, x, x)
+    comp, out, ref, grads = trained_against_eager(model, x, x)
     close(out, ref, atol=1e-5, rtol=1e-5)
     for got, p in zip(grads, model.parameters()):
         close(got, p.grad, atol=1e-3, rtol=1e-4)

@@ -17,7 +17,15 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from codegen_helpers import HALF_TOL, INTERPRET, Compiler, aten_calls, compile_fn, run, sum_tolerance
+from codegen_helpers import (
+    HALF_TOL,
+    INTERPRET,
+    aten_calls,
+    compile_fn,
+    run,
+    sum_tolerance,
+    trained_against_eager,
+)
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: interpreted kernels only with CGTREES_INTERPRET=1")
 
@@ -208,15 +216,7 @@ def test_conv_net_trains_with_generated_pooling():
     torch.manual_seed(0)
     model = PoolNet()
     x = torch.randn(4, 3, 11, 11)
-    compiler = Compiler()
-    compiled = torch.compile(model, backend=compiler.backend)
-    out = compiled(x)
-    out.square().sum().backward()
-    compiler.check()
-    grads = [p.grad for p in model.parameters()]
-    model.zero_grad()
-    expected = model(x)
-    expected.square().sum().backward()
+    compiler, out, expected, grads = trained_against_eager(model, x)
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-4 * max(p.grad.abs().max().item(), 1.0))
