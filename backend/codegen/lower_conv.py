@@ -30,7 +30,7 @@ from torch.utils._sympy.functions import FloorDiv
 
 from backend.codegen import ir
 from backend.codegen.ir import Const, Op
-from backend.codegen.lower_pool import FUSE_INPUT_LIMIT, Pool, Window, _element, _fold, _where
+from backend.codegen.lower_pool import FUSE_INPUT_LIMIT, Pool, Window, element, fold, where
 from backend.codegen.lowering import LowerCtx, TensorValue, cast, compute_dtype, lowering, meta_size, sym
 
 aten = torch.ops.aten
@@ -50,10 +50,10 @@ def _why_not(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
         return "a transposed convolution (the library's)"
     if x.dim() != 4:
         return f"a {x.dim() - 2}-d convolution (only 2-d depthwise ones are generated)"
+    if not all(isinstance(c, int) for c in (x.shape[1], out.shape[1], w.shape[1])):
+        return "a symbolic number of channels"
     if not isinstance(groups, int) or groups == 1 or w.shape[1] != 1 or groups != x.shape[1]:
         return "not a depthwise convolution (the library's)"
-    if not all(isinstance(c, int) for c in (x.shape[1], out.shape[1])):
-        return "a symbolic number of channels"
     if not x.dtype.is_floating_point:
         return f"a {x.dtype} convolution"
     if not all(isinstance(v, int) for v in (*stride, *padding, *dilation, *w.shape[2:])):
@@ -90,10 +90,10 @@ def _depthwise(ctx: LowerCtx, x: TensorValue, w: TensorValue, bias: TensorValue 
     terms = []
     for kh in range(geometry.h.kernel):
         for kw in range(geometry.w.kernel):
-            e = _element(x, geometry, kh, kw, acc)
+            e = element(x, geometry, kh, kw, acc)
             weight = cast(ir.map_indices(w.body, {s[0]: s[1], s[1]: sympy.Integer(kh), s[2]: sympy.Integer(kw)}), acc)
-            terms.append(_where(e.inside, Op("mul", (e.value, weight), acc), Const(0, acc), acc))
-    total = _fold("add", terms, acc)
+            terms.append(where(e.inside, Op("mul", (e.value, weight), acc), Const(0, acc), acc))
+    total = fold("add", terms, acc)
     if bias is not None:
         total = Op("add", (total, cast(ir.map_indices(bias.body, {s[0]: s[1]}), acc)), acc)
     return TensorValue(meta_size(meta), meta.dtype, cast(total, meta.dtype))
@@ -108,8 +108,8 @@ def _weights(ctx: LowerCtx, w: TensorValue, meta: torch.Tensor, geometry: Pool) 
     t = ir.index_symbols(3)
     by_channel = ir.map_indices(w.body, {s[0]: t[0], s[1]: sympy.Integer(0), s[2]: t[1], s[3]: t[2]})
     channels, kh, kw = sym(meta.shape[1]), geometry.h.kernel, geometry.w.kernel
-    if meta.dim() != 4 or meta.stride(1) != 1 or channels == 1:
-        return TensorValue((channels, sympy.Integer(kh), sympy.Integer(kw)), w.dtype, by_channel)
     size = (channels, sympy.Integer(kh), sympy.Integer(kw))
+    if sym(meta.stride(1)) != 1 or channels == 1:  # NCHW: a warp's threads share a channel's weights
+        return TensorValue(size, w.dtype, by_channel)
     layout = ir.Layout(size, (sympy.Integer(1), kw * channels, channels), sympy.Integer(0))
     return ctx.add_reduction(ctx.node.name + "_weights", layout, w.dtype, size, (), None, by_channel)

@@ -203,7 +203,7 @@ def _cmp(name: str, a: ir.Expr, b: ir.Expr) -> ir.Expr:
     return Op(name, (a, b), torch.bool)
 
 
-def _fold(op: str, terms: list[ir.Expr], dtype: torch.dtype) -> ir.Expr | None:
+def fold(op: str, terms: list[ir.Expr], dtype: torch.dtype) -> ir.Expr | None:
     """``((t0 op t1) op t2) ...`` in the order given (None for no terms)."""
     out = None
     for t in terms:
@@ -212,7 +212,7 @@ def _fold(op: str, terms: list[ir.Expr], dtype: torch.dtype) -> ir.Expr | None:
 
 
 def _all(conds: list[ir.Expr]) -> ir.Expr | None:
-    return _fold("and", conds, torch.bool)
+    return fold("and", conds, torch.bool)
 
 
 def _inside(pos: sympy.Expr, checks: tuple[bool, bool], end: sympy.Expr) -> list[ir.Expr]:
@@ -237,7 +237,7 @@ class Element:
     flat: sympy.Expr
 
 
-def _element(x: TensorValue, pool: Pool, kh: int | sympy.Expr, kw: int | sympy.Expr, dtype: torch.dtype) -> Element:
+def element(x: TensorValue, pool: Pool, kh: int | sympy.Expr, kw: int | sympy.Expr, dtype: torch.dtype) -> Element:
     """Over ``(*lead, OH, OW)`` (and the window's dimensions where ``kh``, ``kw`` are symbols):
     one window element of ``x`` as ``dtype``."""
     n = pool.lead
@@ -266,7 +266,7 @@ def _mask_positional_loads(expr: ir.Expr, spatial: set[sympy.Symbol], cond: ir.E
 
 def _elements(x: TensorValue, pool: Pool, dtype: torch.dtype) -> list[Element]:
     """Every element of the window, in eager's order (``kh`` outer, ``kw`` inner)."""
-    return [_element(x, pool, kh, kw, dtype) for kh in range(pool.h.kernel) for kw in range(pool.w.kernel)]
+    return [element(x, pool, kh, kw, dtype) for kh in range(pool.h.kernel) for kw in range(pool.w.kernel)]
 
 
 def _unrolled(pool: Pool) -> bool:
@@ -277,7 +277,7 @@ def _lowest(dtype: torch.dtype) -> ir.Expr:
     return Const(float("-inf"), dtype) if dtype.is_floating_point else Const(torch.iinfo(dtype).min, dtype)
 
 
-def _where(cond: ir.Expr | None, a: ir.Expr, b: ir.Expr, dtype: torch.dtype) -> ir.Expr:
+def where(cond: ir.Expr | None, a: ir.Expr, b: ir.Expr, dtype: torch.dtype) -> ir.Expr:
     return a if cond is None else Op("where", (cond, a, b), dtype)
 
 
@@ -298,8 +298,8 @@ def _max_pool2d_unrolled(ctx: LowerCtx, x: TensorValue, pool: Pool,
     lazy (an inference graph never computes them), read where the values are written."""
     acc = compute_dtype(meta.dtype)
     elements = _elements(x, pool, acc)
-    best = _fold("fmax" if acc.is_floating_point else "imax",
-                 [_where(e.inside, e.value, _lowest(acc), acc) for e in elements], acc)
+    best = fold("fmax" if acc.is_floating_point else "imax",
+                [where(e.inside, e.value, _lowest(acc), acc) for e in elements], acc)
     size = meta_size(meta)
     # a step with nothing reduced is a pointwise one; add_reduction is the context's one way to
     # write a value with a given layout (``realize`` lays a tuple-valued node's out contiguously)
@@ -329,18 +329,18 @@ def _max_pool2d_reduction(ctx: LowerCtx, x: TensorValue, pool: Pool, values_meta
     acc = compute_dtype(values_meta.dtype)
     n = pool.lead
     s = ir.index_symbols(n + 4)
-    e = _element(x, pool, s[n + 2], s[n + 3], acc)
+    e = element(x, pool, s[n + 2], s[n + 3], acc)
     ranges = (*meta_size(values_meta), pool.h.kernel, pool.w.kernel)
     reduced = (n + 2, n + 3)
     name = ctx.node.name
     best = ctx.add_reduction(name, meta_layout(values_meta), values_meta.dtype, ranges, reduced, ir.Reduce.MAX,
-                             _where(e.inside, e.value, _lowest(acc), acc))
+                             where(e.inside, e.value, _lowest(acc), acc))
     best_acc = cast(best.body, acc)  # its row's max, over the kernel's kept dims (the same symbols)
     hit = _cmp("eq", e.value, best_acc)
     key: ir.Expr = _index(e.flat)
     if acc.is_floating_point:  # a NaN max: the last NaN, the smallest of the negated positions
         hit = Op("or", (hit, Op("isnan", (e.value,), torch.bool)), torch.bool)
-        key = _where(Op("isnan", (best_acc,), torch.bool), _index(-e.flat), key, torch.int64)
+        key = where(Op("isnan", (best_acc,), torch.bool), _index(-e.flat), key, torch.int64)
     if e.inside is not None:
         hit = Op("and", (e.inside, hit), torch.bool)
     first = ctx.add_reduction(name + "_indices", meta_layout(indices_meta), torch.int64, ranges, reduced,
@@ -363,7 +363,7 @@ def _max_pool2d_backward(ctx: LowerCtx, grad: TensorValue, x: TensorValue, *args
         index = _masked(ir.map_indices(indices.body, c.at), c.inside)
         here = _cmp("eq", cast(index, torch.int64), _index(s[n] * pool.w.size + s[n + 1]))
         value = _masked(cast(ir.map_indices(grad.body, c.at), acc), c.inside)
-        return _where(_and(c.inside, here), value, Const(0, acc), acc)
+        return where(_and(c.inside, here), value, Const(0, acc), acc)
 
     return _gather(ctx, pool, meta, term)
 
@@ -392,7 +392,7 @@ def _gather(ctx: LowerCtx, pool: Pool, meta: torch.Tensor, term: Any) -> TensorV
         ranges = (*meta_size(meta), pool.h.covering(), pool.w.covering())
         return ctx.add_reduction(ctx.node.name, meta_layout(meta), meta.dtype, ranges, (n + 2, n + 3),
                                  ir.Reduce.SUM, body)
-    total = _fold("add", [term(_candidate(pool, a, b), acc)
+    total = fold("add", [term(_candidate(pool, a, b), acc)
                           for a in reversed(range(pool.h.covering())) for b in reversed(range(pool.w.covering()))], acc)
     return TensorValue(meta_size(meta), meta.dtype, cast(total, meta.dtype))
 
@@ -446,14 +446,14 @@ def _avg_pool2d(ctx: LowerCtx, x: TensorValue, *args: Any, **kwargs: Any) -> Ten
     x = _input_value(ctx, x)
     n = pool.lead
     if _unrolled(pool):  # the window's sum in eager's order
-        total = _fold("add", [_where(e.inside, e.value, Const(0, acc), acc) for e in _elements(x, pool, acc)], acc)
+        total = fold("add", [where(e.inside, e.value, Const(0, acc), acc) for e in _elements(x, pool, acc)], acc)
     else:
         s = ir.index_symbols(n + 4)
-        e = _element(x, pool, s[n + 2], s[n + 3], acc)
+        e = element(x, pool, s[n + 2], s[n + 3], acc)
         ranges = (*meta_size(meta), pool.h.kernel, pool.w.kernel)
         layout = ir.Layout(meta_size(meta), ir.contiguous_strides(meta_size(meta)))
         total = ctx.add_reduction(ctx.node.name + "_sum", layout, acc, ranges, (n + 2, n + 3), ir.Reduce.SUM,
-                                  _where(e.inside, e.value, Const(0, acc), acc)).body
+                                  where(e.inside, e.value, Const(0, acc), acc)).body
     s = ir.index_symbols(n + 2)
     mean = _divide(total, _divisor(ctx.node, pool, s[n], s[n + 1]), acc)
     return TensorValue(meta_size(meta), meta.dtype, cast(mean, meta.dtype))
@@ -472,9 +472,9 @@ def _avg_pool2d_backward(ctx: LowerCtx, grad: TensorValue, x: TensorValue, *args
         covers = [_cmp("lt", _index(s[n]), _index(pool.h.at(oh, 0) + pool.h.kernel)),
                   _cmp("lt", _index(s[n + 1]), _index(pool.w.at(ow, 0) + pool.w.kernel))]
         kept = [test for test, window, k in zip(covers, (pool.h, pool.w), (c.a, c.b)) if not window.covers(k)]
-        where = _all(([c.inside] if c.inside is not None else []) + kept)
-        value = _masked(cast(ir.map_indices(grad.body, c.at), acc), where)
+        valid = _all(([c.inside] if c.inside is not None else []) + kept)
+        value = _masked(cast(ir.map_indices(grad.body, c.at), acc), valid)
         share = _divide(value, _divisor(ctx.node, pool, oh, ow), acc)
-        return _where(where, share, Const(0, acc), acc)
+        return where(valid, share, Const(0, acc), acc)
 
     return _gather(ctx, pool, meta, term)
