@@ -152,7 +152,8 @@ class _Open:
         if step.writes_input and not self._only_aligned_reads(member):
             return False
         reduced = self.reduced or (step.reduced if step.is_reduction else ())
-        if reduced and not all(_window_runs_along(m, reduced) for m in [*self.members, member]):
+        checked = self.members if not self.reduced else []  # the others were, when they joined
+        if reduced and not all(_window_runs_along(m, reduced) for m in [*checked, member]):
             return False
         if step.is_reduction and not self.reduced:
             self.reduced = step.reduced
