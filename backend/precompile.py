@@ -233,8 +233,8 @@ def load(record: dict[str, Any]) -> PrecompiledFunction:
     config = loaded_config(record["config"])
     name = f"p{next(_loaded)}"
     entry = record["entry"]
-    if "cuda" in entry["key"]["device"]:  # compiled kernels wait on Triton's hash of itself
-        codegen.prepare([torch.empty(0, device="cuda")], config, cache.triton_key_file(config))
+    if "cuda" in entry["key"]["device"]:  # a kernel that goes through the JIT after all reads Triton's hash back
+        codegen.prepare([torch.empty(0, device="cuda")], config, cache.triton_key_file(config), compiles=False)
     try:
         fn = rebuild(entry, config, name, _LoadedPair(name), runtime.wrap_module)
     except Exception as exc:

@@ -521,3 +521,34 @@ def test_module_counts_its_launches():
     assert externs == 1, m.source  # the product
     assert m.launches == kernel_count(m) + externs, m.source
     assert f"LAUNCHES = {m.launches} " in m.source
+
+
+def test_a_window_of_many_loads_takes_smaller_blocks():
+    """An unrolled 5x5 or 7x7 depthwise convolution (a window and a weight per tap) is launched with
+    ``HEAVY_XBLOCK`` elements per program, where Triton compiles it in half the time; a 3x3 one and
+    the weights' small layout kernel keep the usual blocks (the GPU test times them against cuDNN)."""
+    import functools
+    import re
+
+    import torch.nn.functional as F
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from backend.aot.decompositions import decomposition_table
+    from backend.codegen import _ensure_meta, heuristics, scheduler, wrapper
+    from backend.codegen.graph import GraphLowerer
+    from backend.config import Config
+
+    for kernel, conv_block in ((3, 1024), (5, heuristics.HEAVY_XBLOCK), (7, heuristics.HEAVY_XBLOCK)):
+        x = torch.randn(8, 40, 28, 28).to(memory_format=torch.channels_last)
+        w, b = torch.randn(40, 1, kernel, kernel), torch.randn(40)
+        def fn(x, w, b, pad=kernel // 2):
+            return F.gelu(F.conv2d(x, w, b, 1, pad, 1, 40))
+
+        gm = make_fx(functools.partial(fn, pad=kernel // 2), decomposition_table())(x, w, b)
+        _ensure_meta(gm, [x, w, b])
+        program = GraphLowerer(gm, Config()).run()
+        source, _ = wrapper.module_source([], program, scheduler.schedule(program), gm, False)
+        launches = dict(re.findall(r"^    (\w+)\[\(\d+,\)\]\(.*XBLOCK=(\d+)", source, re.M))
+        conv = [name for name in launches if "convolution_mul_erf" in name]
+        assert len(conv) == 1 and int(launches[conv[0]]) == conv_block, launches
+        assert all(int(b) >= 512 for name, b in launches.items() if name not in conv), launches

@@ -54,10 +54,12 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
     as a backward."""
     name = f"g{graph_id}"
     pair = FunctionPair(name, len(example_inputs))
-    codegen.prepare(example_inputs, config, cache.triton_key_file(config))  # start what kernels wait for
+    key_file = cache.triton_key_file(config)
+    codegen.prepare(example_inputs, config, key_file, compiles=False)  # a hit's kernels are compiled
     cached = cache.load_aot(gm, example_inputs, config, name, pair, _wrap, backward)  # level 1: a hit skips AOT
     if cached is not None:
         return cached
+    codegen.prepare(example_inputs, config, key_file)  # start what compiled kernels wait for
     from backend import distributed
     from backend.aot.decompositions import decomposition_table  # a warm start never needs these
     from backend.aot.partition import partition
@@ -157,6 +159,7 @@ def kernel_module(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: Grap
 
 
 def _generate(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: GraphContext) -> Any:
+    codegen.prepare(example_inputs, ctx.config, cache.triton_key_file(ctx.config))  # a warm load's lazy backward too
     try:
         return codegen.compile_graph(gm, example_inputs, ctx)
     except Exception as exc:  # noqa: BLE001

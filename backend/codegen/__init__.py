@@ -5,7 +5,8 @@
                                                     its kernels launch from compiled binaries
                                                     (``binaries``), given or its own
     compile_graph(gm, example_inputs, ctx)          load(generate(...)); CGTREES_DEBUG_DIR keeps a copy
-    prepare(example_inputs, config, remember_key_in)  start what the first kernel will wait for
+    prepare(example_inputs, config, remember_key_in, compiles)  start what the first kernel will
+                                                    wait for (Triton's hash of itself, when it compiles)
     first_calls.start(forward, backward)            a warm load: the modules' cuDNN/cuBLAS calls
                                                     (``LIBRARY_CALLS``) made beforehand, a backward
                                                     module's on autograd's device thread
@@ -55,15 +56,22 @@ __all__ = ["generate", "load", "compile_graph", "prepare", "CompiledModule", "Ke
            "GraphFacts", "facts_of", "has_symbolic_shapes", "graph_hash", "debug_path", "UNKNOWN"]
 
 
-def prepare(example_inputs: list, config: Any, remember_key_in: Path | None = None) -> None:
-    """Called as a Dynamo graph arrives, before the cache or AOTAutograd: a graph with CUDA inputs
-    will launch compiled Triton kernels, whose first launch waits for Triton's hash of itself
-    (remembered in ``remember_key_in``, a file of our cache, for later processes)."""
+def prepare(example_inputs: list, config: Any, remember_key_in: Path | None = None, compiles: bool = True) -> None:
+    """Called as a Dynamo graph arrives, before AOTAutograd (``compiles``: a level-1 miss) or before a
+    warm load: a graph with CUDA inputs launches Triton kernels. A compiled kernel's first launch
+    waits for Triton's hash of itself (remembered in ``remember_key_in``, a file of our cache, for
+    later processes), started here in the background when the graph ``compiles``. A warm load's
+    kernels launch stored binaries, which need no hash: it is only put where a kernel that goes
+    through the JIT after all reads it back (no thread walking Triton's files beside Dynamo's guard
+    building, whose GIL it would share)."""
     if config.interpret or not any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
         return
-    from backend.codegen.compat import hash_triton_in_background
+    from backend.codegen.compat import hash_triton_in_background, share_triton_key
 
-    hash_triton_in_background(remember_key_in)
+    if compiles:
+        hash_triton_in_background(remember_key_in)
+    else:
+        share_triton_key(remember_key_in)
 
 
 # ----------------------------------------------------------------------------------------- generate

@@ -15,7 +15,8 @@ None where this Triton has no such mode: the caller then compiles one kernel aft
 
 ``hash_triton_in_background(remember_in)``: starts Triton's hash of its own sources and library
 (``triton.runtime.cache.triton_key``, part of every compiled kernel's cache key) on a thread, after
-putting ``SharedKey`` in its place: computed once, and remembered across processes in our cache.
+putting ``SharedKey`` in its place: computed once, and remembered across processes in our cache;
+``share_triton_key(remember_in)`` puts it in place without computing it (a warm load).
 
 ``compiled_specialisations(jit)`` and ``LoadedBinary``: a kernel's compiled binaries taken from
 Triton's in-process cache as JSON-able records, and one such record loaded and launched without
@@ -82,13 +83,9 @@ def hash_triton_in_background(remember_in: Path | None = None) -> None:
     global _key_thread
     if _key_thread is not None:
         return
-    try:
-        import triton.runtime.cache as triton_cache
-    except ImportError:
+    current = share_triton_key(remember_in)
+    if current is None:
         return
-    current = triton_cache.triton_key
-    if not isinstance(current, SharedKey):
-        current = triton_cache.triton_key = SharedKey(current, remember_in)
 
     def run() -> None:
         try:
@@ -98,6 +95,20 @@ def hash_triton_in_background(remember_in: Path | None = None) -> None:
 
     _key_thread = threading.Thread(target=run, name="cgtrees-triton-key", daemon=True)
     _key_thread.start()
+
+
+def share_triton_key(remember_in: Path | None = None) -> SharedKey | None:
+    """Triton's ``triton_key`` replaced by a ``SharedKey`` (once per process), without computing it:
+    what a warm load does, whose kernels launch stored binaries and need no key (a kernel that goes
+    through the JIT after all reads it back from ``remember_in``). None without Triton."""
+    try:
+        import triton.runtime.cache as triton_cache
+    except ImportError:
+        return None
+    current = triton_cache.triton_key
+    if not isinstance(current, SharedKey):
+        current = triton_cache.triton_key = SharedKey(current, remember_in)
+    return current
 
 
 class SharedKey:

@@ -4,6 +4,12 @@ Pointwise kernels: 1024 elements per program and 4 warps (8 elements per thread)
 loads wide and is within a few percent of copy bandwidth on H100-class GPUs for large tensors;
 small tensors use one block of the next power of two.
 
+A pointwise kernel of ``HEAVY_LOADS`` loads or more per element (an unrolled 5x5 or 7x7 depthwise
+convolution: a window and a weight per tap) takes ``HEAVY_XBLOCK`` elements per program: Triton's
+compile time grows with the unrolled loads times the elements each thread holds (a 7x7 window with a
+fused GELU, sm_90: 2.4 s at 1024 elements, 1.2 s at 256; ``benchmarks/probe_compile_time.py``), and
+such a kernel has loads enough in flight at 2 elements a thread.
+
 Reductions: a row of at most ``PERSISTENT_LIMIT`` elements is reduced in registers ("persistent",
 one block of ``RBLOCK = next_pow2(row)`` columns; rows per program so that a block holds about 4096
 elements, but fewer while that leaves under ``MIN_PROGRAMS`` programs: 16 rows of 256 were one
@@ -60,6 +66,8 @@ from dataclasses import dataclass
 import sympy
 
 PERSISTENT_LIMIT = 8192
+HEAVY_LOADS = 48  # loads per element of a pointwise kernel that take HEAVY_XBLOCK (a 5x5 convolution's 50)
+HEAVY_XBLOCK = 256
 MIN_PROGRAMS = 128  # a persistent reduction's blocks shrink until this many programs (H100: 132 SMs)
 LOOP_RBLOCK = 1024
 COLUMN_XBLOCK = 32  # adjacent outputs per column block: 32 float32, a 128-byte line per reduced row
@@ -110,8 +118,8 @@ def _concrete(n: sympy.Expr) -> int | None:
     return int(n) if n.is_number else None
 
 
-def pointwise(numel: sympy.Expr, interpret: bool) -> Config:
-    block = 4096 if interpret else 1024
+def pointwise(numel: sympy.Expr, interpret: bool, loads: int = 1) -> Config:
+    block = 4096 if interpret else 1024 if loads < HEAVY_LOADS else HEAVY_XBLOCK
     n = _concrete(numel)
     if n is not None:
         block = max(16, min(block, next_pow2(n)))

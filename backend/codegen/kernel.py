@@ -101,7 +101,7 @@ class KernelWriter:
         elif self.two_d:
             cfg = heuristics.reduction(xnumel, rnumel, inner, self.interpret)
         else:
-            cfg = heuristics.pointwise(xnumel, self.interpret)
+            cfg = heuristics.pointwise(xnumel, self.interpret, len({x for b in bodies.values() for x in ir.loads(b)}))
         self.cfg = cfg
         self.int64 = self._needs_int64(bodies, stores, dims)
         outer = _Scope(None, "    ")

@@ -144,6 +144,32 @@ def test_triton_hashes_itself_while_a_cuda_graph_compiles(tmp_path, monkeypatch)
     assert json.loads(path.read_text())["key"] == shared()
 
 
+def test_a_warm_load_shares_the_key_without_hashing(tmp_path, monkeypatch):
+    """A warm load (``compiles=False``) starts no thread: its kernels launch stored binaries. The
+    key it puts in place is read back from the file a cold process kept, at a kernel that goes
+    through the JIT after all; a later compile starts the hash as a cold process does."""
+    import triton.runtime.cache as triton_cache
+
+    from backend import codegen
+    from backend.codegen import compat
+    from backend.config import Config
+
+    original = getattr(triton_cache.triton_key, "compute", triton_cache.triton_key)
+    monkeypatch.setattr(triton_cache, "triton_key", original)
+    monkeypatch.setattr(compat, "_key_thread", None)
+    path = tmp_path / "key.json"
+    path.write_text(json.dumps({"stamp": compat.installed_stamp(), "key": "kept by a cold process"}))
+    codegen.prepare([torch.randn(3, device=DEV)], Config(), path, compiles=False)
+    assert compat._key_thread is None
+    shared = triton_cache.triton_key
+    assert isinstance(shared, compat.SharedKey) and shared.value is None  # nothing computed yet
+    assert shared() == "kept by a cold process"
+    codegen.prepare([torch.randn(3, device=DEV)], Config(), path)  # a miss: the thread, the same key
+    assert compat._key_thread is not None
+    compat._key_thread.join(timeout=60)
+    assert triton_cache.triton_key is shared and shared() == "kept by a cold process"
+
+
 def test_dynamic_shapes():
     h = _helpers()
     comp = h.Compiler()
