@@ -202,8 +202,9 @@ def section(rows: list[dict], meta: dict) -> str:
         body += ["No results yet: the suite runs on the GPU machine.", END]
         return "\n".join(body) + "\n"
     env = next((r for r in rows if r.get("torch")), {})
-    body += [f"- Device: {env.get('device_name', '?')}; torch {env.get('torch', '?')}, Triton "
-             f"{env.get('triton', '?')}, Python {env.get('python', '?')}",
+    devices = ", ".join(dict.fromkeys(r["device_name"] for r in rows if r.get("torch") and r.get("device_name")))
+    body += [f"- Device: {devices or '?'} (each file's rows from one run on one device); "
+             f"torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}, Python {env.get('python', '?')}",
              f"- Date: {meta.get('date', '?')}", f"- Command: `{meta.get('command', '?')}`",
              *([f"- Note: {meta['note']}"] if meta.get("note") else []), "",
              "### Summary", "", "```", screen(rows), "```", "",

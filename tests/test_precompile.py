@@ -390,6 +390,39 @@ def test_dynamo_cache_loading_mends_torch_errors(monkeypatch):
     assert package.CompilePackage.install.__wrapped__ is broken_install
 
 
+def test_the_collector_is_paused_while_a_saved_entry_installs(monkeypatch):
+    """Dynamo's install of a saved entry runs with Python's cyclic collector off (what it makes all
+    lives on; a full collection there walked GPT-2's whole process, 0.2 s), and the collector is on
+    again after, a failed install too; a program that turned it off keeps it off."""
+    import gc
+
+    from torch._dynamo import package
+
+    from backend.cache import compat
+
+    seen = []
+
+    def install(self, backends):
+        seen.append(gc.isenabled())
+        if backends.get("fail"):
+            raise ValueError("a bad entry")
+
+    monkeypatch.setattr(package.CompilePackage, "install", install)
+    compat._mend_dynamo_cache_loading()
+    assert gc.isenabled()
+    package.CompilePackage.install(None, {})
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(RuntimeError, match="a bad entry"):
+        package.CompilePackage.install(None, {"fail": True})
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        package.CompilePackage.install(None, {})
+        assert seen == [False] * 3 and not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_guard_sources_pickle_their_constructor_fields_only(monkeypatch):
     """torch 2.11's sources pickle every dataclass field, ``DefaultsSource``'s computed ``field`` and
     ``_name`` too, and fail to unpickle (a saved entry guarding a default never loaded): mended."""
