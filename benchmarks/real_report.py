@@ -1,9 +1,11 @@
-"""The real-model suite's report: the "Real models" section of docs/benchmarks.md and a one-screen summary.
+"""The real-model suite's report: the "Real models" section of a page, its details and a one-screen summary.
 
 The rows are the worker's (``worker.run_row``); ``flatten`` reads the counters each backend keeps
 into flat keys, so the tables are ``report.table`` with this suite's figures and a ratio column of
-cgtrees to reduce-overhead. The section sits between two markers: rewriting it leaves the rest of
-the file alone, and the own-suite report (``report.markdown``) keeps it when it rewrites the file.
+cgtrees to reduce-overhead. The section (the suite's table and the reading of its misses) sits
+between two markers: rewriting it leaves the rest of the file alone, and the own-suite report
+(``report.markdown``) keeps it when it rewrites the file. ``details`` holds the full tables per model,
+written beside the result files.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import overview
 import real_models
 import report
 from backend_names import base
@@ -47,51 +50,57 @@ FIGURES = (
     *report.START_FIGURES,
 )
 
+SUITE = """\
+HF GPT-2, Llama (grouped-query attention) and BERT (masked LM), 4 layers at d=512, batch 8 x 128 tokens;
+timm `vit_tiny_patch16_224` and `convnext_atto`, torchvision `resnet18` and `mobilenet_v3_small`, batch 32
+at 224x224: random weights, fp32, no dropout (`benchmarks/real_models.py`). Inference runs under
+`no_grad`; training is forward, cross-entropy, backward and an SGD step."""
+
 ABOUT = """\
-The real-model suite (issue 16): library models with random weights built from configs, fp32, sizes
-fixed in `benchmarks/real_models.py`: HF GPT-2, HF Llama (grouped-query attention: 8 heads, 2 kv heads)
-and HF BERT (masked LM), each 4 layers, d=512, 8 heads, vocabulary 8192, batch 8 x seq 128, `sdpa`
-attention, no dropout; timm `vit_tiny_patch16_224` and `convnext_atto`, torchvision `resnet18` and
-`mobilenet_v3_small` (its classifier dropout off), batch 32 at 224x224. cuDNN's TF32 is left on
-(torch's default), so the conv nets' gradient errors are TF32 rounding on every backend.
-Backends side by side: eager, Inductor (default mode), Inductor `reduce-overhead` and cgtrees; inference
-(`no_grad`) and training (forward, cross-entropy against fixed labels, backward, SGD step). Every row is
-a fresh process, as above: cold with empty cache directories, warm in later processes reusing them.
-Training rows may add the compiled-autograd backends of issue 20 (`cgtrees-ca`, `inductor-ca`,
-`reduce-overhead-ca`: the backward captured by compiled autograd and compiled by the same backend and
-mode); the summary then checks cgtrees-ca's per call against inductor-ca's and cgtrees's. Warm-start
-rows may add the backends of issue 19 (`cgtrees-pc`, `inductor-pc`: Dynamo's caching precompile, so a
-warm process installs the saved guards and bytecode instead of tracing); the summary then checks, for
-cgtrees and cgtrees-pc, first 3 outputs warm at most 0.5x the best Inductor warm start (inductor or
-inductor-pc) and at most 0.15x our best cold start, and that a cgtrees-pc warm process compiled no graph.
+The real-model suite: library models with random weights built from configs, fp32, sizes fixed in
+`benchmarks/real_models.py`: HF GPT-2, HF Llama (grouped-query attention: 8 heads, 2 kv heads) and HF
+BERT (masked LM), each 4 layers, d=512, 8 heads, vocabulary 8192, batch 8 x seq 128, `sdpa` attention, no
+dropout; timm `vit_tiny_patch16_224` and `convnext_atto`, torchvision `resnet18` and `mobilenet_v3_small`
+(its classifier dropout off), batch 32 at 224x224. cuDNN's TF32 is left on (torch's default), so the conv
+nets' gradient errors are TF32 rounding on every backend. Backends side by side: eager, Inductor (default
+mode), Inductor `reduce-overhead` and cgtrees; inference (`no_grad`) and training (forward, cross-entropy
+against fixed labels, backward, SGD step). Every row is a fresh process: cold with empty cache
+directories, warm in later processes reusing them. Training rows may add the compiled-autograd backends
+(`cgtrees-ca`, `inductor-ca`, `reduce-overhead-ca`: the backward captured by compiled autograd and
+compiled by the same backend and mode); the summary then checks cgtrees-ca's per call against
+inductor-ca's and cgtrees's. Warm-start rows may add `cgtrees-pc` and `inductor-pc` (Dynamo's caching
+precompile: a warm process installs the saved guards and bytecode instead of tracing); the summary then
+checks, for cgtrees and cgtrees-pc, first 3 outputs warm at most 0.5x the best Inductor warm start
+(inductor or inductor-pc) and at most 0.15x our best cold start, and that a cgtrees-pc warm process
+compiled no graph.
 
 Figures: per call is the median over windows of CUDA-event-timed calls; first 3 outputs include
-compilation; peak memory as above. Relative error vs eager is, per tensor, the largest absolute
-difference over the largest magnitude of eager's tensor, that magnitude taken as at least 1e-3 of the
-largest in its group (a gradient ~0 in eager, such as attention's key bias, is rounding noise). Outputs
-are the model's output (and the loss, for training); gradients, the worst parameter's (named under
-"Worst gradients"). Graph breaks and Dynamo graphs are Dynamo's counters; `graph_fallbacks`,
-`aten_fallbacks` (every aten call in our kernel modules: matmuls, convolutions, attention, and ops we
-do not lower) and `aten_gaps` (those aten calls that are gaps in our lowering, not deliberate) are
-cgtrees's. Cache figures are cgtrees's `cache_hit`, `cache_hit_aot` and `cache_bypass`; in Inductor's
-rows, its FX-graph plus AOTAutograd cache hits, the AOTAutograd hits, and both caches' bypasses. The
-last column is cgtrees over reduce-overhead.
+compilation; peak memory is `torch.cuda.max_memory_allocated` (and `max_memory_reserved`) over the steady
+calls. Relative error vs eager is, per tensor, the largest absolute difference over the largest magnitude
+of eager's tensor, that magnitude taken as at least 1e-3 of the largest in its group (a gradient ~0 in
+eager, such as attention's key bias, is rounding noise). Outputs are the model's output (and the loss, for
+training); gradients, the worst parameter's (named under "Worst gradients"). Graph breaks and Dynamo graphs
+are Dynamo's counters; `graph_fallbacks`, `aten_fallbacks` (every aten call in our kernel modules:
+matmuls, convolutions, attention, and ops we do not lower) and `aten_gaps` (those aten calls that are gaps
+in our lowering, not deliberate) are cgtrees's. Cache figures are cgtrees's `cache_hit`, `cache_hit_aot` and
+`cache_bypass`; in Inductor's rows, its FX-graph plus AOTAutograd cache hits, the AOTAutograd hits, and
+both caches' bypasses. The last column is cgtrees over reduce-overhead.
 
-How to run: on the GPU machine, one model and mode per call of at most 9 minutes, each writing one file
-under `--out-dir` (`--budget`: no row starts after that many seconds, and none runs past them; rows
-not run are listed); the files go to `benchmarks/results/real/`, and the merge runs on any machine:
+How to run: on a GPU machine, one model and mode per call of at most 9 minutes, each writing one file
+under `--out-dir` (`--budget`: no row starts after that many seconds, and none runs past them; rows not
+run are listed); the files go to `benchmarks/results/real/`, and the merge runs on any machine:
 
 ```
 python benchmarks/run.py --suite real --models gpt2 --modes train --cold-warm --budget 480 --out-dir OUT
 python benchmarks/run.py --suite real --models gpt2 --modes train --cold-warm --warm-runs 1 --budget 540 \\
     --backends eager,cgtrees,cgtrees-ca,inductor,inductor-ca,reduce-overhead,reduce-overhead-ca \\
-    --out OUT/real-gpt2-train-ca.json     # compiled autograd (issue 20); merged with the file listed last:
+    --out OUT/real-gpt2-train-ca.json     # compiled autograd
 python benchmarks/run.py --suite real --models gpt2 --modes train --cold-warm --budget 540 \\
-    --backends inductor,inductor-pc,cgtrees,cgtrees-pc --out OUT/real-gpt2-train-pc.json   # warm starts (issue 19)
-python benchmarks/run.py --suite real --markdown docs/benchmarks.md --analysis benchmarks/results/real/analysis.md \\
-    --from-json benchmarks/results/real,benchmarks/results/real/real-gpt2-train-ca.json
-python benchmarks/run.py --suite real --from-json benchmarks/results/real --markdown docs/benchmarks.md
-python benchmarks/run.py --suite real --smoke --out-dir /tmp/real   # CPU: the HF models tiny, eager and cgtrees
+    --backends inductor,inductor-pc,cgtrees,cgtrees-pc --out OUT/real-gpt2-train-pc.json   # warm starts
+python benchmarks/run.py --suite real --from-json benchmarks/results/real,benchmarks/results/real-h200-pc \\
+    --markdown docs/benchmarks.md --details benchmarks/results/real/details.md \\
+    --analysis benchmarks/results/real/misses.md
+python benchmarks/run.py --suite real --smoke --out-dir OUT   # CPU: the HF models tiny, eager and cgtrees
 ```
 """
 
@@ -194,32 +203,55 @@ def break_reasons(rows: list[dict]) -> list[str]:
     return [f"- {w} / {m}: " + "; ".join(f"`{x[:200]}`" for x in reasons) for (w, m), reasons in seen.items()]
 
 
+OVERVIEW = (PER_CALL, FIGURES[0], FIGURES[1], FIGURES[4])  # per call, first 3 cold and warm, peak allocated
+
+
+def checks(rows: list[dict]) -> list[report.Check]:
+    """This suite's targets: warm starts, and compiled autograd's per call, per (model, mode)."""
+    return [c for workload, mode in report.groups(rows)
+            for c in (*report.warm_checks(rows, workload, mode), *report.ca_checks(rows, workload, mode, PER_CALL))]
+
+
 def section(rows: list[dict], meta: dict) -> str:
-    """The "Real models" section, markers included; without rows it says how to run the suite."""
+    """The "Real models" section of a page, markers included: the suite's table, the reading of its
+    misses (``meta["analysis"]``), and where the rest is (``details``); without rows it says how to run
+    the suite."""
     rows = real_rows(rows)
-    body = [BEGIN, "## Real models", "", ABOUT]
+    body = [BEGIN, "## Real models", "", SUITE, ""]
     if not rows:
-        body += ["No results yet: the suite runs on the GPU machine.", END]
+        body += ["No results yet: the suite runs on a GPU machine (`benchmarks/run.py --suite real`).", END]
         return "\n".join(body) + "\n"
-    env = next((r for r in rows if r.get("torch")), {})
-    devices = ", ".join(dict.fromkeys(r["device_name"] for r in rows if r.get("torch") and r.get("device_name")))
-    body += [f"- Device: {devices or '?'} (each file's rows from one run on one device); "
-             f"torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}, Python {env.get('python', '?')}",
-             f"- Date: {meta.get('date', '?')}", f"- Command: `{meta.get('command', '?')}`",
-             *([f"- Note: {meta['note']}"] if meta.get("note") else []), "",
-             "### Summary", "", "```", screen(rows), "```", "",
-             *([meta["analysis"].rstrip("\n"), ""] if meta.get("analysis") else [])]
+    found = checks(rows)
+    met, fails = sum(c.ok is True for c in found), report.failures(rows)
+    where = f"`{meta['details']}`" if meta.get("details") else "the result files' `meta`"
+    body += [overview.table(rows, OVERVIEW, report.ORDER, found, against=AGAINST, shown_with=report.SHOWN_WITH),
+             "", f"Targets met: {met} of {len(found)} (warm starts; compiled autograd's per call). Rows: "
+             f"{len(rows)}, failed: {len(fails)}.", "",
+             *([meta["analysis"].rstrip("\n"), ""] if meta.get("analysis") else []),
+             "Figures as under \"How to read the tables\". Every figure per model (errors against eager, graph "
+             "breaks, aten calls and gaps, cache hits), the worst gradients, start-up phases, and the runs and "
+             f"commands behind this table: {where}. Each call of `benchmarks/run.py --suite real` runs one model "
+             "and mode (`--models gpt2 --modes train --cold-warm --out-dir OUT`).", END]
+    return "\n".join(body) + "\n"
+
+
+def details(rows: list[dict], meta: dict) -> str:
+    """What the section leaves out: the runs behind it, the one-screen summary, every figure per model,
+    failed rows, worst gradients, graph breaks and where start-up time goes."""
+    rows = real_rows(rows)
+    body = [*report.provenance(meta, meta.get("title") or "Real models"), ABOUT, "## Summary", "", "```",
+            screen(rows), "```", ""]
     for workload, mode in report.groups(rows):
         body += [f"### {workload} / {mode}", "",
                  report.table(rows, workload, mode, None, figures=FIGURES, against=AGAINST), ""]
     for title, lines in (("Failed rows", [f"- {f[:500]}" for f in report.failures(rows)]),
                          ("Worst gradients", worst_gradients(rows)), ("Graph breaks", break_reasons(rows))):
         if lines:
-            body += [f"### {title}", "", *lines, ""]
+            body += [f"## {title}", "", *lines, ""]
     startup = report.startup_table(rows)
     if startup:
-        body += ["### Where start-up time goes", "", report.OUTSIDE_DYNAMO, "", startup, ""]
-    return "\n".join([*body, END]) + "\n"
+        body += ["## Where start-up time goes", "", report.OUTSIDE_DYNAMO, "", startup, ""]
+    return "\n".join(body).rstrip() + "\n"
 
 
 def splice(text: str, new_section: str) -> str:
@@ -227,7 +259,8 @@ def splice(text: str, new_section: str) -> str:
     start, stop = text.find(BEGIN), text.find(END)
     if start < 0 or stop < start:
         return text.rstrip("\n") + "\n\n" + new_section
-    return text[:start] + new_section + text[stop + len(END):].lstrip("\n")
+    rest = text[stop + len(END):].lstrip("\n")
+    return text[:start] + new_section + ("\n" + rest if rest else "")
 
 
 def existing(text: str) -> str:

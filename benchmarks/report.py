@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import overview
 from backend_names import base, is_ca, is_pc
 
 ORDER = ("eager", "inductor", "inductor-ca", "inductor-pc", "reduce-overhead", "reduce-overhead-ca", "cudagraphs",
@@ -75,6 +76,7 @@ class Check:
     figure: str  # Figure.label it is shown beside
     text: str  # e.g. "<= 0.5x inductor: 0.31x ok"
     ok: bool | None  # None: could not be checked (a row missing or failed)
+    brief: str = ""  # the overview's cell, e.g. "0.31x inductor ok" (the target is stated above the table)
 
 
 def groups(rows: list[dict]) -> list[tuple[str, str]]:
@@ -108,15 +110,19 @@ def best_of(rows: list[dict], workload: str, mode: str, backends: list[str] | tu
 
 
 def _ratio_check(workload: str, mode: str, fig: Figure, num: float | None, den: float | None,
-                 limit: float, against: str, mine: str = "cgtrees") -> Check:
+                 limit: float, against: str, mine: str = "cgtrees", short: str | None = None) -> Check:
+    """``mine`` over ``against``, at most ``limit``; ``short`` names ``against`` in the brief form."""
     want = f"{'' if mine == 'cgtrees' else mine + ' '}<= {limit:g}x {against}"
+    name = mine.removesuffix(" warm")
+    who = "" if name == "cgtrees" else f"{name}: "
     if num is None or den is None or den <= 0:
         missing = mine if num is None else against
-        return Check(workload, mode, fig.label, f"{want}: n/a ({missing} missing or failed)", None)
+        return Check(workload, mode, fig.label, f"{want}: n/a ({missing} missing or failed)", None, f"{who}n/a")
     ratio = num / den
     ok = ratio <= limit
     verdict = "ok" if ok else f"MISS by {ratio / limit:.2f}x"
-    return Check(workload, mode, fig.label, f"{want}: {ratio:.2f}x {verdict}", ok)
+    brief = f"{who}{ratio:.2f}x {short or against} {'ok' if ok else 'MISS'}"
+    return Check(workload, mode, fig.label, f"{want}: {ratio:.2f}x {verdict}", ok, brief)
 
 
 def ran(rows: list[dict], workload: str, mode: str, backend: str, phase: str = "cold") -> bool:
@@ -146,7 +152,8 @@ def _group_checks(rows: list[dict], workload: str, mode: str) -> list[Check]:
     best = best_other(rows, workload, mode, step)
     if ran(rows, workload, mode, "cgtrees"):
         out.append(_ratio_check(workload, mode, step, value(rows, workload, mode, "cgtrees", step),
-                                best and best[1], 1.0, f"best other ({best[0]})" if best else "best other"))
+                                best and best[1], 1.0, f"best other ({best[0]})" if best else "best other",
+                                short=best[0] if best else "best other"))
     if (workload, mode) == ("mlp_small", "infer"):
         out += compare("step_s", "cold", 1.25, FLOOR)
     out += warm_checks(rows, workload, mode)
@@ -195,9 +202,10 @@ def _warm_ratio(rows: list[dict], workload: str, mode: str, mine: str, backends:
     if not present:
         return []
     best = best_of(rows, workload, mode, present, FIG[("first3_s", phase)])
-    against = f"{what} ({best[0] if best else ' or '.join(present)})"
+    named = best[0] if best else " or ".join(present)
+    short = "own cold" if phase == "cold" else named
     return [_ratio_check(workload, mode, warm, value(rows, workload, mode, mine, warm), best and best[1], limit,
-                         against, f"{mine} warm")]
+                         f"{what} ({named})", f"{mine} warm", short)]
 
 
 def no_compile_check(rows: list[dict], workload: str, mode: str, backend: str) -> Check:
@@ -210,14 +218,16 @@ def no_compile_check(rows: list[dict], workload: str, mode: str, backend: str) -
     compiled, loaded = row.get("graphs_compiled"), row.get("precompile_loaded")
     want = f"{backend} warm compiles no graph"
     if not row.get("ok") or compiled is None or loaded is None:
-        return Check(workload, mode, label, f"{want}: n/a ({backend} warm failed or has no counters)", None)
+        return Check(workload, mode, label, f"{want}: n/a ({backend} warm failed or has no counters)", None,
+                     f"{backend}: n/a")
     every = [c for c in row.get("graphs_compiled_runs") or [] if c is not None] or [compiled]  # each process
     ok = max(every) == 0 and loaded > 0
     runs = f" (per process: {', '.join(map(str, every))})" if len(every) > 1 and max(every) else ""
     counts = (f"graphs_compiled {compiled}{runs}, precompile_loaded {loaded}, "
               f"dynamo_cache_hit {row.get('dynamo_cache_hit')}, _miss {row.get('dynamo_cache_miss')}, "
               f"_error {row.get('dynamo_cache_error')}")
-    return Check(workload, mode, label, f"{want}: {counts} {'ok' if ok else 'MISS'}", ok)
+    return Check(workload, mode, label, f"{want}: {counts} {'ok' if ok else 'MISS'}", ok,
+                 f"{backend}: compiled {max(every)} {'ok' if ok else 'MISS'}")
 
 
 def precompile_notes(rows: list[dict]) -> list[str]:
@@ -243,9 +253,10 @@ MARKED = re.compile(r"<!-- ([\w-]+):begin -->.*?<!-- \1:end -->", re.S)
 
 def marked_blocks(text: str) -> str:
     """Every block of ``text`` from ``<!-- name:begin -->`` to ``<!-- name:end -->``, verbatim, in
-    order, each ending in a newline ("" if none): the real-model section and hand-written ones (such
-    as docs/warm_start.md's precompile section), which rewriting the own suite's report keeps."""
-    return "".join(m.group(0) + "\n" for m in MARKED.finditer(text))
+    order, each ending in a newline, a blank line between them ("" if none): the real-model section
+    and hand-written ones (such as docs/warm_start.md's precompile section), which rewriting the own
+    suite's report keeps."""
+    return "\n".join(m.group(0) + "\n" for m in MARKED.finditer(text))
 
 
 def _fmt(fig: Figure, v: float | None) -> str:
@@ -383,88 +394,140 @@ def _warm_method(rows: list[dict]) -> str:
     text = "a second process reusing them"
     if any(len(r.get("first3_runs") or []) > 1 for r in rows):
         text = ("later processes reusing them, the median of their first outputs (each run listed under "
-                "'Where start-up time goes')")
+                "'Where start-up time goes' in the details)")
     if rows and all(r.get("bytecode_primed") for r in rows):
         text += "; every process read Python byte code compiled beforehand, as an installed package has it"
     return text
 
 
-def markdown(rows: list[dict], kernels: dict | None, meta: dict) -> str:
-    env = next((r for r in rows if r.get("torch")), kernels or {})
+OVERVIEW = tuple(FIG[k] for k in (("step_s", "cold"), ("first3_s", "cold"), ("first3_s", "warm"),
+                                  ("peak_alloc_mb", "cold"), ("peak_reserved_mb", "cold")))
+SHOWN_WITH = {START_FIGURES[0].label: FIG[("first3_s", "warm")].label}  # compiles-no-graph beside warm starts
+
+SUITE = ("The workloads of `benchmarks/workloads.py`, fp32, fixed sizes: mlp_small (8 Linear-GELU-LayerNorm "
+         "layers of width 256, batch 16: launch-bound), norm_act (LayerNorm, GELU, softmax over 8192 x 4096: "
+         "bandwidth-bound), gpt_block (two GPT-2 blocks, 8 x 256 x 768, attention written out), convnet (a small "
+         "ResNet, batch 32 at 64x64) and decode (one token through a 4-layer decoder with a static KV cache; "
+         "inference only). Inference runs under `no_grad`; training is forward, loss, backward.")
+
+
+def how_to_read(rows: list[dict]) -> str:
+    """What the figures, backends and targets of the own suite's tables mean."""
+    return "\n".join([
+        "## How to read the tables",
+        "",
+        f"- *first 3 outputs*: seconds from {_start_point(rows)} to the third output, in a fresh process, "
+        f"compilation included: *cold* with empty cache directories, *warm* in {_warm_method(rows)}.",
+        "- *per call*: the median over windows of many calls, timed with CUDA events.",
+        "- *peak allocated*: `torch.cuda.max_memory_allocated` over the steady-state calls. It leaves out what a "
+        "CUDA-graph replay writes in its pool, so *peak reserved* (`max_memory_reserved`, pools included) stands "
+        "beside it. *error*: the largest absolute difference from eager (outputs for inference; loss and "
+        "gradients for training).",
+        "- Backends: `inductor` is torch.compile's default, `reduce-overhead` Inductor with CUDA graphs, "
+        "`cudagraphs` torch's CUDA-graph backend without compilation, `raw_graph` the per-call floor (the "
+        "model captured as one `torch.cuda.CUDAGraph` and replayed). A `-pc` backend runs with Dynamo's caching "
+        "precompile (`torch._dynamo.config.caching_precompile`; for cgtrees `CGTREES_PRECOMPILE_CACHE=1`): a "
+        "warm process installs the saved guards and bytecode instead of tracing. A `-ca` backend runs the "
+        "training step's backward under compiled autograd, compiled by the same backend and mode.",
+        "- Targets (\"against target\": the ratio, what it is taken against, ok or MISS): per call no slower "
+        "than the best other backend (compiled autograd and precompile rows left out; mlp_small inference "
+        "also within 1.25x of raw_graph); first 3 outputs cold at most 0.5x Inductor's; peak allocated and "
+        "peak reserved no more than reduce-overhead's; first 3 outputs warm, for cgtrees and cgtrees-pc, at "
+        "most 0.5x the best Inductor warm start (inductor or inductor-pc) and at most 0.15x our best cold start "
+        "(\"own cold\"); a cgtrees-pc warm process compiles no graph; cgtrees-ca per call no slower than "
+        "inductor-ca, nor than cgtrees.",
+        "",
+    ])
+
+
+def reproduce(meta: dict) -> str:
+    """How the rows were run and how the page is rebuilt, in a few lines (the commands: the details)."""
+    where = f"`{meta['details']}`" if meta.get("details") else "the result files' `meta`"
+    return "\n".join([
+        "## How to reproduce",
+        "",
+        "On a GPU machine, one workload per call of `benchmarks/run.py`, every row in a fresh process: "
+        "`python benchmarks/run.py --models gpt_block --modes infer,train --cold-warm --out gpt_block.json` "
+        "(`--backends` picks backends, `-pc` and `-ca` ones included; `--budget` bounds a call). "
+        "`--from-json FILES --markdown PAGE --details FILE --analysis FILE` rebuilds a page from result files "
+        "on any machine, and `python benchmarks/run.py --smoke` runs every workload at tiny sizes on the CPU. "
+        f"The files behind this page, the command of each run and the page's own rebuild command: {where}.",
+        "",
+    ])
+
+
+def markdown(rows: list[dict], kernels: dict | None, meta: dict, kept: str = "") -> str:
+    """The own suite's page: its table, the reading of its misses (``meta["analysis"]``), then ``kept``
+    (the marked blocks of the page it replaces, such as the real-model section), how to read and
+    reproduce it, and every figure per workload. The runs' commands, start-up phases and profiles
+    go to ``details``."""
+    found = checks(rows)
+    met, fails = sum(c.ok is True for c in found), failures(rows)
     head = [
         f"# {meta.get('title') or 'Benchmarks'}",
         "",
-        "Latest results of the benchmark suite (issue 6), written by `benchmarks/run.py --markdown`.",
+        "Every backend that ran, side by side, in fresh processes on one GPU; lower is better. Each line is the "
+        "newest run of its row and names the GPU, torch and commit it ran on. The reading of each miss follows "
+        "its table; readings of earlier runs, superseded results and the commands of every run lie beside the "
+        "result files in `benchmarks/results/`.",
         "",
-        f"- Device: {env.get('device_name', '?')}",
-        f"- torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}, Python {env.get('python', '?')}",
-        f"- Date: {meta.get('date', '?')}",
-        f"- Command: `{meta.get('command', '?')}`",
-        *([f"- Note: {meta['note']}"] if meta.get("note") else []),
+        "## Own suite",
         "",
-        f"Figures as defined in DESIGN.md: first outputs include compilation, measured from {_start_point(rows)} "
-        f"in a fresh process (cold: empty cache directories; warm: {_warm_method(rows)}); per call "
-        "is the median over windows of many calls (CUDA events); peak allocated is "
-        "`torch.cuda.max_memory_allocated` over the steady-state calls (CUDA-graph pools are not "
-        "counted there, so peak reserved is shown too); error is the largest absolute difference "
-        "from eager (outputs for infer, loss and gradients for train). raw_graph is the per-call "
-        "floor: the model captured as one `torch.cuda.CUDAGraph` and replayed.",
+        SUITE,
         "",
-        "Targets (issue 6): per call no slower than the best other backend; mlp_small infer within "
-        "1.25x of raw_graph; first 3 outputs cold at most 0.5x Inductor's; peak memory no "
-        "more than reduce-overhead's.",
+        overview.table(rows, OVERVIEW, ORDER, found, shown_with=SHOWN_WITH),
         "",
-        "Warm starts (issue 19): a `-pc` backend (`cgtrees-pc`, `inductor-pc`) runs with Dynamo's caching "
-        "precompile (`torch._dynamo.config.caching_precompile`; for cgtrees `CGTREES_PRECOMPILE_CACHE=1`): the "
-        "cold process saves Dynamo's guards and bytecode with the backend's artifacts, a warm one installs them "
-        "without tracing. Targets, for cgtrees and cgtrees-pc: first 3 outputs warm at most 0.5x the best "
-        "Inductor warm start (inductor, or inductor-pc where it worked) and at most 0.15x our best cold start; "
-        "a cgtrees-pc warm process compiles no graph (`graphs_compiled` 0, `precompile_loaded` > 0).",
-        "",
-        "Compiled autograd (issue 20): a `-ca` backend (`cgtrees-ca`, `inductor-ca`, `reduce-overhead-ca`) "
-        "is the same training step with `loss.backward()` run under "
-        "`torch._dynamo.compiled_autograd._enable(torch.compile(backend=..., mode=...))`, the backward "
-        "compiled by the same backend and mode; \"best other\" leaves these rows out. Targets: per call, "
-        "cgtrees-ca no slower than inductor-ca, nor than cgtrees.",
-        "",
-        "How to run (on the GPU machine, one workload per 10-minute call; then merge):",
-        "",
-        "```",
-        "python benchmarks/run.py --models gpt_block --modes infer,train --cold-warm --out gpt_block.json",
-        "python benchmarks/run.py --models decode --modes infer --cold-warm --kernels --out decode.json",
-        "python benchmarks/run.py --models gpt_block --modes train --no-floor --cold-warm --warm-runs 1 "
-        "--budget 540 --backends eager,cgtrees,cgtrees-ca,inductor,inductor-ca,reduce-overhead,reduce-overhead-ca,"
-        "cudagraphs --out gpt_block-ca.json",
-        "python benchmarks/run.py --models gpt_block --modes infer,train --no-floor --cold-warm --budget 540 "
-        "--backends inductor,inductor-pc,cgtrees,cgtrees-pc --out gpt_block-pc.json",
-        "python benchmarks/run.py --from-json mlp_small.json,...,decode.json --markdown docs/benchmarks.md",
-        "python benchmarks/run.py --smoke   # CPU, tiny sizes, eager and cgtrees, one process (CI)",
-        "```",
-        "",
-        "## Summary",
-        "",
-        "```",
-        summary(rows, kernels),
-        "```",
+        f"Targets met: {met} of {len(found)}. Rows: {len(rows)}, failed: {len(fails)}.",
         "",
         *([meta["analysis"].rstrip("\n"), ""] if meta.get("analysis") else []),
-        "## Results",
+        *([kept.rstrip("\n"), ""] if kept else []),
+        how_to_read(rows),
+        reproduce(meta),
+        "## Every figure, per workload",
         "",
         tables(rows),
     ]
-    fails = failures(rows)
     if fails:
         head += ["### Failed rows", "", *(f"- {f[:500]}" for f in fails), ""]
     if kernels:
         head += ["## Kernels", "", kernel_table(kernels)]
+    return "\n".join(head).rstrip() + "\n"
+
+
+def runs(meta: dict) -> list[str]:
+    """A line per result file behind a report: its name, date, commit and command (paths shortened to
+    their last part: where a run wrote its file on the GPU machine says nothing here)."""
+    lines = []
+    for f in meta.get("files") or []:
+        command = re.sub(r"(?<=\s)/\S*/([^/\s]+)", r"\1", f.get("command") or "?")
+        lines.append(f"- `{f['name']}` ({f.get('date') or '?'}, commit {f.get('commit') or overview.UNKNOWN_COMMIT}):"
+                     f" `{command}`")
+    return lines
+
+
+def provenance(meta: dict, title: str) -> list[str]:
+    """The head of a details file: what it details, how it was rebuilt, and the runs behind it."""
+    return [f"# Details: {title}", "",
+            "Written by `benchmarks/run.py` beside the page it details; every figure here comes from the files "
+            "listed below, merged in that order (a later file's row replaces an earlier one's).", "",
+            *([f"Rebuilt with: `{meta['rebuild']}`", ""] if meta.get("rebuild") else []),
+            *([f"Note: {meta['note']}", ""] if meta.get("note") else []),
+            "## Runs", "", *(runs(meta) or [f"- {meta.get('date', '?')}: `{meta.get('command', '?')}`"]), ""]
+
+
+def details(rows: list[dict], kernels: dict | None, meta: dict) -> str:
+    """What the own suite's page leaves out: the runs behind it, every target checked, where start-up
+    time goes, and the profiles."""
+    body = [*provenance(meta, meta.get("title") or "Benchmarks"),
+            "## Targets", "", "```", summary(rows, kernels), "```", ""]
     startup = startup_table(rows)
     if startup:
-        head += ["## Where start-up time goes", "", OUTSIDE_DYNAMO, "", startup, ""]
+        body += ["## Where start-up time goes", "", OUTSIDE_DYNAMO, "", startup, ""]
     for r in rows:
         title = f"{r['workload']} / {r['mode']} / {r['backend']}"
         if r.get("profile"):
             earlier = f" (an earlier run: {r['profile_from']})" if r.get("profile_from") else ""
-            head += [f"## Profile of steady state: {title}{earlier}", "", "```", r["profile"].rstrip(), "```", ""]
+            body += [f"## Profile of steady state: {title}{earlier}", "", "```", r["profile"].rstrip(), "```", ""]
         if r.get("start_profile"):
-            head += [f"## Profile of the first 3 calls: {title}", "", "```", r["start_profile"].rstrip(), "```", ""]
-    return "\n".join(head).rstrip() + "\n"
+            body += [f"## Profile of the first 3 calls: {title}", "", "```", r["start_profile"].rstrip(), "```", ""]
+    return "\n".join(body).rstrip() + "\n"

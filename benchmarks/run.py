@@ -37,9 +37,14 @@ and mode) per 10-minute call, cold and three warm processes each:
     python benchmarks/run.py --suite real --models gpt2 --modes train --cold-warm --budget 540 \\
         --backends inductor,inductor-pc,cgtrees,cgtrees-pc --out-dir OUT
 
-``--markdown`` rewrites the whole file but keeps, verbatim, every block between ``<!-- name:begin -->``
-and ``<!-- name:end -->`` that it had: the real-model section and hand-written ones (the precompile
-section of docs/warm_start.md).
+``--markdown`` rewrites the whole page but keeps, verbatim and in their order, every block between
+``<!-- name:begin -->`` and ``<!-- name:end -->`` that it had (the real-model section, hand-written
+ones such as the precompile section of docs/warm_start.md), right after the own suite's table and the
+reading of its misses (``--analysis``). ``--details`` writes what the page leaves out (each run's
+command, every target, start-up phases, profiles; for the real suite its full tables) to a file
+beside the results. Each table names the GPU, torch and commit of its rows: a result file's commit is
+its ``meta["commit"]`` (``git_commit``: ``+dirty`` when ``backend/`` had changes), or for older files
+the ``-at-<commit>`` in its name.
 
 Python byte code: an installed package has its modules compiled, but an image may ship none and set
 ``PYTHONDONTWRITEBYTECODE`` (the GPU machine does), so that every worker would compile from source
@@ -65,6 +70,7 @@ from pathlib import Path
 from typing import Callable
 
 import backend_names
+import overview
 import real_models
 import real_report
 import report
@@ -83,6 +89,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--models", default=None, help="default: the whole suite ('' with --kernels: kernels only)")
     p.add_argument("--modes", default="infer,train")
     p.add_argument("--backends", default=None, help=f"default: {ALL_BACKENDS} (real: {real_report.BACKENDS}); "
+                   "with --from-json, the backends to report (default: every one in the files); "
                    f"also {', '.join(backend_names.CA_BACKENDS)} (compiled autograd, train rows only) and "
                    f"{', '.join(backend_names.PC_BACKENDS)} (Dynamo's caching precompile)")
     p.add_argument("--cold-warm", action="store_true", help="also warm runs for cached backends")
@@ -107,6 +114,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="write rows (and kernel report) as JSON here")
     p.add_argument("--out-dir", help="write the JSON to a file named after the suite, models and modes in this folder")
     p.add_argument("--markdown", help="write the report here (e.g. docs/benchmarks.md)")
+    p.add_argument("--details", help="write what the page leaves out here, beside the result files (the runs' "
+                   "commands, every target, start-up phases, profiles; the real suite's full tables)")
     p.add_argument("--note", default="", help="a line for the markdown report (e.g. what is partial)")
     p.add_argument("--title", default="", help="the markdown report's title (default: Benchmarks)")
     p.add_argument("--analysis", help="a markdown file: the report's reading of its misses, after the summary")
@@ -116,6 +125,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.models is None:
         real = real_models.HF_MODELS if args.smoke else real_models.MODELS
         args.models = ",".join(real if args.suite == "real" else workloads.WORKLOADS)
+    args.only_backends = args.backends.split(",") if args.backends else None  # --from-json: report only these
     if args.backends is None:
         args.backends = real_report.BACKENDS if args.suite == "real" else ALL_BACKENDS
     if args.out_dir and not args.out:
@@ -308,15 +318,19 @@ def _natural(path: Path) -> list:
 
 
 def load(paths: str) -> tuple[list[dict], dict | None, dict]:
-    """Rows, kernel report and meta (date, commands) of earlier runs, merged in order: a later
-    file's row replaces an earlier one for the same (workload, mode, backend, phase), unless it
-    was never run (a spent ``--budget``: it measured nothing). A replacing row without a profile
-    keeps the earlier row's, with ``profile_from`` naming the file it was measured in."""
+    """Rows, kernel report and meta (dates, commands, files; ``origin``: the file and commit of each
+    row) of earlier runs, merged in order: a later file's row replaces an earlier one for the same
+    (workload, mode, backend, phase), unless it was never run (a spent ``--budget``: it measured
+    nothing). A replacing row without a profile keeps the earlier row's, with ``profile_from``
+    naming the file it was measured in."""
     by_key: dict[tuple, dict] = {}
     from_file: dict[tuple, str] = {}
-    kernels, metas = None, []
+    kernels, metas, files = None, [], []
     for path in result_files(paths):
         data = json.loads(path.read_text())
+        commit = data.get("meta", {}).get("commit") or overview.commit_of_file(path.name)
+        files.append({**{k: data.get("meta", {}).get(k) for k in ("date", "command")}, "name": path.name,
+                      "commit": commit})
         for row in data["rows"]:
             key = (row["workload"], row["mode"], row["backend"], row["phase"])
             if key not in by_key or not str(row.get("error") or "").startswith(NOT_RUN):
@@ -329,9 +343,22 @@ def load(paths: str) -> tuple[list[dict], dict | None, dict]:
         metas.append(data.get("meta", {}))
     order = {name: i for i, name in enumerate(workloads.NAMES)}
     rows = sorted(by_key.values(), key=lambda r: (order.get(r["workload"], len(order)), r["mode"] != "infer"))
+    commits = {f["name"]: f["commit"] for f in files}
     meta = {"date": ", ".join(sorted({m.get("date", "?") for m in metas})),
-            "command": "`; `".join(m.get("command", "?") for m in metas)}
+            "command": "`; `".join(m.get("command", "?") for m in metas), "files": files,
+            "origin": {"/".join(key): {"file": name, "commit": commits[name]} for key, name in from_file.items()}}
     return rows, kernels, meta
+
+
+def stamp(rows: list[dict], meta: dict) -> list[dict]:
+    """The rows with the file and commit each came from (``load``'s ``origin``; a row measured in this
+    call: this call's commit), for the tables' GPU, torch and commit columns."""
+    origin = meta.get("origin") or {}
+    out = []
+    for row in rows:
+        found = origin.get("/".join((row["workload"], row["mode"], row["backend"], row.get("phase", "cold")))) or {}
+        out.append({**row, **found, "commit": row.get("commit") or found.get("commit") or meta.get("commit")})
+    return out
 
 
 class Budget:
@@ -395,11 +422,27 @@ def measure_all(args: argparse.Namespace, on_row: Callable[[list[dict]], None]) 
     return rows, kernels
 
 
-def write_markdown(path: Path, text: str) -> None:
-    """The own suite's report ``text`` at ``path``, followed by the marked blocks the old file had:
-    the real-model section and hand-written ones (``report.marked_blocks``), each kept verbatim."""
+def write_markdown(path: Path, rows: list[dict], kernels: dict | None, meta: dict) -> None:
+    """The own suite's report at ``path``, with the marked blocks the old file had (the real-model
+    section and hand-written ones, ``report.marked_blocks``) kept verbatim, in their order, after the
+    own suite's table and misses."""
     kept = report.marked_blocks(path.read_text()) if path.exists() else ""
-    path.write_text(text + ("\n" + kept if kept else ""))
+    path.write_text(report.markdown(rows, kernels, meta, kept))
+
+
+def git_commit() -> str | None:
+    """The commit of the code being measured (``+dirty`` if ``backend/`` has changes), None without git."""
+    root = HERE.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=30)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "backend"],
+                               capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0 or not head.stdout.strip():
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _default_device() -> str:
@@ -411,8 +454,9 @@ def _default_device() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
+    command = "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+            "command": command, "commit": None if args.from_json else git_commit()}
 
     def save(rows: list[dict], kernels: dict | None = None) -> None:
         if args.out:  # after every row, so a run cut short still leaves its results
@@ -426,26 +470,34 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.from_json:
         rows, kernels, meta = load(args.from_json)
+        meta["rebuild"] = command
         suite = real_models.MODELS if args.suite == "real" else workloads.WORKLOADS
-        rows = [r for r in rows if r["workload"] in suite]
+        rows = [r for r in rows if r["workload"] in suite
+                and (args.only_backends is None or r["backend"] in args.only_backends)]
     else:
         rows, kernels = measure_all(args, on_row)
+    rows = stamp(rows, meta)
     meta["total_s"] = time.perf_counter() - start
     meta["note"] = args.note or meta.get("note", "")
     meta["title"] = args.title
+    meta["details"] = args.details
     if args.analysis:
         meta["analysis"] = Path(args.analysis).read_text()
     save(rows, kernels)
     if args.suite == "real":
         if args.markdown:
             real_report.write(args.markdown, rows, meta)
+        if args.details:
+            Path(args.details).write_text(real_report.details(rows, meta))
         print(f"\nsummary ({meta['total_s']:.0f}s):\n" + real_report.screen(rows), flush=True)
         return 0
     print("\n" + report.tables(rows))
     if kernels:
         print(report.kernel_table(kernels))
     if args.markdown:
-        write_markdown(Path(args.markdown), report.markdown(rows, kernels, meta))
+        write_markdown(Path(args.markdown), rows, kernels, meta)
+    if args.details:
+        Path(args.details).write_text(report.details(rows, kernels, meta))
     print(f"summary ({meta['total_s']:.0f}s):\n" + report.summary(rows, kernels), flush=True)
     return 0
 

@@ -100,8 +100,9 @@ def test_a_replacing_row_without_a_profile_keeps_the_earlier_one_and_says_whose(
         (tmp_path / name).write_text(json.dumps({"rows": [row]}))
     (row,) = run.load(str(tmp_path))[0]
     assert row["step_s"] == 1.0 and row["profile"] == "kernels of run 1" and row["profile_from"] == "1-a.json"
-    text = report.markdown([row], None, {})
+    text = report.details([row], None, {})  # profiles go beside the results, not on the page
     assert "Profile of steady state: decode / infer / cgtrees (an earlier run: 1-a.json)" in text
+    assert "Profile of steady state" not in report.markdown([row], None, {})
     (tmp_path / "4-d.json").write_text(json.dumps({"rows": [{**key, "step_s": 0.9, "profile": "run 4"}]}))
     (row,) = run.load(str(tmp_path))[0]
     assert row["profile"] == "run 4" and "profile_from" not in row
@@ -279,3 +280,34 @@ def test_the_report_says_where_the_first_outputs_clock_starts():
     assert report._start_point([new]).startswith("the `torch.compile` call (")
     assert report._start_point([old]) == "the first call"
     assert "in rows that kept" in report._start_point([new, old])
+
+
+def test_the_page_opens_with_one_table_of_the_newest_runs_and_where_they_ran(tmp_path):
+    """A page rebuilt from two result files opens with the suite's table: every backend side by side,
+    each cell the newest run of its row, the target beside it, and the GPU, torch and commit of those
+    runs (a file's recorded commit, else the one its name gives). The runs' commands go to the details,
+    their paths on the GPU machine shortened; ``--backends`` with ``--from-json`` reports those only."""
+    run = bench("run")
+    h100 = {"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"}
+    old = tmp_path / "1-own-at-aaaaaaa.json"
+    old.write_text(json.dumps({"meta": {"date": "day 1", "command": "python benchmarks/run.py --out /root/out/1.json"},
+                               "rows": [{**_own_row("inductor", 6e-3), **h100},
+                                        {**_own_row("cgtrees", 7e-3), **h100}]}))
+    new = tmp_path / "2-own.json"
+    new.write_text(json.dumps({"meta": {"date": "day 2", "command": "python benchmarks/run.py", "commit": "bbbbbbb"},
+                               "rows": [{**_own_row("cgtrees", 5e-3), "device_name": "NVIDIA H200",
+                                         "torch": "2.11.0+cu130"}]}))
+    doc, details = tmp_path / "page.md", tmp_path / "details.md"
+    run.main(["--from-json", f"{old},{new}", "--markdown", str(doc), "--details", str(details)])
+    text, full = doc.read_text(), details.read_text()
+    head = "| workload / mode | figure | inductor | cgtrees | against target | GPU | torch | commit |"
+    line = ("| gpt_block / train | per call (us) | 6000.0 | 5000.0 | 0.83x inductor ok | H100; cgtrees: H200 | "
+            "2.11.0+cu130 | aaaaaaa; cgtrees: bbbbbbb |")  # the newer cgtrees row, and where each ran
+    assert head in text and line in text and text.index(line) < text.index("## How to read the tables")
+    assert "7000.0" not in text and "/root/" not in text + full and "day 1" not in text
+    assert "- `1-own-at-aaaaaaa.json` (day 1, commit aaaaaaa): `python benchmarks/run.py --out 1.json`" in full
+    assert "- `2-own.json` (day 2, commit bbbbbbb)" in full and "targets met: 1 of 2" in full
+
+    run.main(["--from-json", f"{old},{new}", "--backends", "cgtrees", "--markdown", str(doc)])
+    page = doc.read_text()
+    assert "| workload / mode | figure | cgtrees | against target | GPU |" in page and "6000.0" not in page

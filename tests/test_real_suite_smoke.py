@@ -21,12 +21,12 @@ HF = ("gpt2", "llama", "bert")
 
 def test_smoke_run_measures_every_hf_row(tmp_path):
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
-    doc = tmp_path / "benchmarks.md"
+    doc, details = tmp_path / "benchmarks.md", tmp_path / "details.md"
     doc.write_text("# Benchmarks\n\nThe own suite's report.\n")
     env = {**os.environ, "CGTREES_CACHE_DIR": str(tmp_path / "cache"), "CGTREES_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "benchmarks/run.py", "--suite", "real", "--smoke", "--out-dir",
-                           str(tmp_path / "out"), "--markdown", str(doc)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+                           str(tmp_path / "out"), "--markdown", str(doc), "--details", str(details)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "summary" in done.stdout and "rel grad" in done.stdout  # the one-screen table
     rows = json.loads((tmp_path / "out" / "real-gpt2_llama_bert-infer_train-smoke.json").read_text())["rows"]
@@ -50,7 +50,11 @@ def test_smoke_run_measures_every_hf_row(tmp_path):
 
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nThe own suite's report.\n")  # the rest of the file is left alone
-    assert "| figure | eager | cgtrees | cgtrees / reduce-overhead |" in text and "### llama / train" in text
+    # The suite's table (no ratio column: reduce-overhead did not run), then where the rest is.
+    assert "| workload / mode | figure | eager | cgtrees | GPU | torch | commit |" in text
+    assert "| llama / train | per call (ms) |" in text and f"`{details}`" in text
+    full = details.read_text()
+    assert "| figure | eager | cgtrees | cgtrees / reduce-overhead |" in full and "### llama / train" in full
 
 
 def test_vision_models_say_what_they_need_and_the_suite_imports_without_it():
@@ -124,12 +128,18 @@ def test_report_section_has_the_columns_and_replaces_only_itself(tmp_path):
             _row("gpt2", "train", "cgtrees", "warm", 1e-3, 2.5, cache_hit=3, cache_hit_aot=1),
             _row("mlp_small", "infer", "eager", "cold", 1e-4, 0.1)]  # the own suite's: not in this section
     section = real_report.section(rows, {"date": "today", "command": "run"})
-    assert "| per call (ms) | 4.000 | 2.000 | 2.000 | 1.000 | 0.50x |" in section  # the ratio to reduce-overhead
-    assert "| first 3 outputs, warm (s) | - | 8.00 | 10.00 | 2.50 | 0.25x |" in section
-    assert "| aten calls that are gaps (aten_gaps) | - | - | - | 2 | - |" in section
-    assert "| graph breaks | - | 1 | 1 | 1 | - |" in section  # eager has none to count
-    assert "| cache hits, warm (cache_hit) | - | 3 | 3 | 3 | - |" in section  # Inductor's: FX graph + AOT
-    assert "mlp_small" not in section and "`model.lm_head.weight`" in section
+    # The page's table: a line per figure, every backend, the ratio to reduce-overhead, where the rows ran.
+    assert "| gpt2 / train | per call (ms) | 4.000 | 2.000 | 2.000 | 1.000 | 0.50x |  | ? | ? | not recorded |" \
+        in section
+    assert "|  | first 3 outputs, warm (s) | - | 8.00 | 10.00 | 2.50 | 0.25x | 0.31x inductor ok; 0.12x own cold ok |" \
+        in section
+    details = real_report.details(rows, {"date": "today", "command": "run"})  # every figure, beside the results
+    assert "| per call (ms) | 4.000 | 2.000 | 2.000 | 1.000 | 0.50x |" in details  # the ratio to reduce-overhead
+    assert "| first 3 outputs, warm (s) | - | 8.00 | 10.00 | 2.50 | 0.25x |" in details
+    assert "| aten calls that are gaps (aten_gaps) | - | - | - | 2 | - |" in details
+    assert "| graph breaks | - | 1 | 1 | 1 | - |" in details  # eager has none to count
+    assert "| cache hits, warm (cache_hit) | - | 3 | 3 | 3 | - |" in details  # Inductor's: FX graph + AOT
+    assert "mlp_small" not in section + details and "`model.lm_head.weight`" in details
     screen = real_report.screen(rows)
     assert "cgtrees / reduce-overhead: per call 0.50x, first 3 cold 0.40x, warm 0.25x, peak 1.00x" in screen
     assert len(screen.splitlines()) < 25
@@ -170,9 +180,11 @@ def test_compiled_autograd_rows_are_lines_of_their_own_and_issue_20_is_checked(t
     assert set(lines) == {"eager", "cgtrees", "reduce-overhead", "inductor-ca", "cgtrees-ca"}
     assert lines["cgtrees-ca"].split()[3:5] == ["22.00", "-"] and " 7 " in lines["cgtrees-ca"]  # our counters
     assert "issue 20, per call: cgtrees-ca <= 1x inductor-ca: 0.75x ok; cgtrees-ca <= 1x cgtrees: 0.90x ok" in screen
-    section = real_report.section(rows, {})
-    assert "| per call (ms) | 4.000 | 1.200 | 2.000 | 1.000 | 0.900 | 0.50x |" in section
-    assert "| replays of cgtrees's backward graphs | - | - | - | - | 120 | - |" in section
+    section, details = real_report.section(rows, {}), real_report.details(rows, {})
+    assert "| per call (ms) | 4.000 | 1.200 | 2.000 | 1.000 | 0.900 | 0.50x | cgtrees-ca: 0.75x inductor-ca ok; " \
+           "cgtrees-ca: 0.90x cgtrees ok |" in section
+    assert "| per call (ms) | 4.000 | 1.200 | 2.000 | 1.000 | 0.900 | 0.50x |" in details
+    assert "| replays of cgtrees's backward graphs | - | - | - | - | 120 | - |" in details
     assert "cgtrees-ca <= 1x cgtrees: 0.90x ok" not in real_report.screen(rows[:-1])  # older files: no check
 
     # Merging an older file (no -ca rows) with a newer one listed last: the newer rows win.
