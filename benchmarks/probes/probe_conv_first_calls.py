@@ -1,6 +1,6 @@
 """Probe: what the first call of a convolution configuration costs in a fresh process, by layout.
 
-Run on the GPU machine: ``python benchmarks/probe_conv_first_calls.py``. For each configuration
+Run on the GPU machine: ``python benchmarks/probes/probe_conv_first_calls.py``. For each configuration
 (mobilenet_v3_small's and convnext_atto's depthwise convolutions, and a few ordinary ones, fp32,
 batch 32) it prints the first call's time in channels-last and in NCHW, a steady call's time for
 each, and the first call of the same channels-last configuration on another thread (torch caches

@@ -1,7 +1,7 @@
 """Sweep each generated kernel's launch settings in place, on the GPU: which ``num_warps`` (and rows
 per program, for persistent reductions) would a workload's kernels rather have?
 
-    python benchmarks/tune_kernels.py --workload norm_act --mode train [--out DIR]
+    python benchmarks/probes/tune_kernels.py --workload norm_act --mode train [--out DIR]
 
 Compiles the workload with cgtrees (no CUDA graphs, no cache), keeps the arguments of each kernel
 module's first call, then, for one kernel at a time, rewrites its launch in the module's source,
@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the suite's modules
 
 import measure  # noqa: E402
 import workloads  # noqa: E402

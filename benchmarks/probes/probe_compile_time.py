@@ -6,7 +6,7 @@ kernel module of a depthwise convolution with a fused GELU (channels-last, batch
 56x56, convnext_atto's first stage) for each window size, and compiles each of its kernels at the
 block size the module launches it with and at smaller ones, in a fresh Triton cache::
 
-    python benchmarks/probe_compile_time.py
+    python benchmarks/probes/probe_compile_time.py
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@ DIAG_GC_DIR, and every process started (run.py's workers too) writes DIAG_GC_DIR
 line, then one line per collection longer than 3 ms (time, generation, milliseconds, objects collected,
 the innermost frames and the worker's own frames)::
 
-    DIAG_GC_DIR=/tmp/gc PYTHONPATH=benchmarks/gc_log python benchmarks/run.py --suite real --models gpt2 ...
+    DIAG_GC_DIR=/tmp/gc PYTHONPATH=benchmarks/probes/gc_log python benchmarks/run.py --suite real --models gpt2 ...
 
 It found the full collection (0.20-0.25 s, the whole process walked) inside GPT-2's warm ``torch.compile``
-call (``results/real-h200-pc/gc-full-collections-gpt2-warm.txt``). Without DIAG_GC_DIR it does nothing.
+call (``benchmarks/results/real-h200-pc/gc-full-collections-gpt2-warm.txt``). Without DIAG_GC_DIR it does nothing.
 """
 
 import gc

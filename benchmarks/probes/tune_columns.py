@@ -1,7 +1,7 @@
 """Column reductions on the GPU: channels-last batch-norm statistics, ours against Inductor's and
 eager's, and a sweep of the column knobs in ``backend/codegen/heuristics.py``.
 
-    python benchmarks/tune_columns.py [--budget 270] [--iters 20] [--shapes 32x64x112x112 ...]
+    python benchmarks/probes/tune_columns.py [--budget 270] [--iters 20] [--shapes 32x64x112x112 ...]
 
 For each shape (float32, channels-last; resnet18's and mobilenet_v3_small's batch-norm inputs at
 batch 32) it compiles ``F.batch_norm(x, None, None, w, b, training=True)`` and its backward with
