@@ -18,7 +18,7 @@ def restart_exceptions() -> tuple[type[BaseException], ...]:
     not failures, and must reach Dynamo (swallowed, a dynamic-shape LayerNorm never compiled)."""
     from torch._dynamo import exc
 
-    return tuple(e for e in (getattr(exc, "RestartAnalysis", None),) if e is not None)
+    return tuple(e for e in (vars(exc).get("RestartAnalysis"),) if e is not None)
 
 
 class CgtreesBackend:
@@ -46,11 +46,13 @@ class CgtreesBackend:
             from backend import precompile
             from backend.aot import compiled_autograd
             from backend.aot.driver import compile_dynamo_graph
+            from backend.cache.aot import Level1Hints
 
-            if compiled_autograd.is_backward_graph(example_inputs):  # its first input is a list
-                compile_dynamo_graph = compiled_autograd.compile_backward_graph
             with precompile.compiling(gm, config) as kept:  # kept: torch will save the result (aot_compile)
-                compiled = compile_dynamo_graph(gm, example_inputs, config, graph_id)
+                if compiled_autograd.is_backward_graph(example_inputs):  # its first input is a list
+                    compiled = compiled_autograd.compile_backward_graph(gm, example_inputs, config, graph_id)
+                else:
+                    compiled = compile_dynamo_graph(gm, example_inputs, config, graph_id, hints=Level1Hints(kept))
         except restart_exceptions():
             raise  # Dynamo's own signal to trace the frame again (e.g. a float input made a tensor)
         except Exception as exc:  # noqa: BLE001 - the user's program must not die of our bug

@@ -48,7 +48,7 @@ class Config:
     warm_first_calls: bool = _field(True, affects_codegen=False,
                                     doc="a warm load makes its modules' cuDNN/cuBLAS/attention calls once on "
                                         "empty tensors, in a background thread, so the first call finds them "
-                                        "loaded (backend.codegen.first_calls)")
+                                        "loaded (backend.runtime.first_calls)")
     unfuse_addmm: bool = _field(True, affects_codegen=True,
                                 doc="run a float32/float64 addmm whose product feeds only pointwise kernels as "
                                     "mm, its bias added in those kernels (backend.codegen.lower_addmm)")
@@ -80,10 +80,14 @@ class Config:
             values[name] = _parse(name, names[name].type, raw, source="options")
         return cls(**values)
 
+    def items(self) -> list[tuple[str, Any]]:
+        """Every field's name and value, in order."""
+        return list(zip((f.name for f in dataclasses.fields(self)), dataclasses.astuple(self)))
+
     def codegen_key(self) -> tuple[tuple[str, Any], ...]:
         """Exactly the fields that change generated code, for the cache key."""
-        return tuple((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
-                     if f.metadata["affects_codegen"])
+        affects = {f.name for f in dataclasses.fields(self) if f.metadata["affects_codegen"]}
+        return tuple((name, value) for name, value in self.items() if name in affects)
 
 
 _LAYOUT_MODES = {"auto": "auto", "1": "auto", "true": "auto", "on": "auto", "off": "off", "0": "off",

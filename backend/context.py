@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Callable, Literal
+
+import torch
 
 from backend.config import Config
-
-if TYPE_CHECKING:
-    from backend.aot.constants import Constants
-
-
-SAVED_FROM = "cgtrees_saved_from"  # fw_module.meta: the number of its outputs the user sees (aot.partition)
 
 GraphKind = Literal["forward", "backward", "inference"]  # which of AOTAutograd's graphs (R3, R4)
 
@@ -22,10 +18,7 @@ class GraphContext:
     kind: GraphKind
     name: str  # stable id for logs, counters and describe(), e.g. "g0_forward"
     static_input_indices: tuple[int, ...] = ()  # parameters, buffers, marked-static inputs
-    mutated_input_indices: tuple[int, ...] = ()  # inputs the graph writes to (aten.copy_ into a placeholder)
-    # Shared by the forward and backward of one Dynamo graph; the runtime keeps there which tree
-    # manager the forward ran under, so the backward uses it (autograd runs it on another thread).
-    pair: Any = field(default=None, compare=False, hash=False)
+    mutated_input_indices: tuple[int, ...] = ()  # inputs the graph writes to (``aot.driver.mutated_inputs``)
     # The graph's lifted constants (``aot.constants``): its last inputs, appended to every call.
     constants: "Constants | None" = field(default=None, compare=False, hash=False)
     # A forward's first output that only the backward reads (AOTAutograd's saved activations come
@@ -34,3 +27,32 @@ class GraphContext:
     saved_from: int | None = field(default=None, compare=False, hash=False)
     # The digest of the graph's kernel-module cache key, which its module's header shows (None: no key).
     cache_key: str | None = field(default=None, compare=False, hash=False)
+    # The digest of the graph's canonical text (``cache.key.graph_digest``), shown in the header too.
+    graph_hash: str | None = field(default=None, compare=False, hash=False)
+
+
+@dataclass(frozen=True)
+class Constants:
+    """The lifted tensors of one aten graph, in the order of their placeholders."""
+
+    names: tuple[str, ...] = ()
+    tensors: tuple[torch.Tensor, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def indices(self, num_inputs: int) -> tuple[int, ...]:
+        """Their positions among the lifted graph's inputs (after the ``num_inputs`` given ones)."""
+        return tuple(range(num_inputs, num_inputs + len(self.tensors)))
+
+    def append(self, call: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+        """``call`` with the constants added after the caller's arguments."""
+        if not self.tensors:
+            return call
+        tensors = list(self.tensors)
+
+        def call_with_constants(args: list[Any]) -> Any:
+            args.extend(tensors)
+            return call(args)
+
+        return call_with_constants

@@ -38,7 +38,7 @@ import torch
 
 from backend import counters, runtime
 from backend.cache import compat
-from backend.cache.aot import KEEP, Kept
+from backend.cache.aot import Kept
 from backend.cache.key import device_mismatch
 from backend.config import Config
 
@@ -77,16 +77,9 @@ def compiling(gm: torch.fx.GraphModule, config: Config) -> Iterator[Kept | None]
         log_once(log, "precompile_cache:late", "cgtrees: precompile_cache=True comes too late in options=: "
                  "Dynamo decides on its cache when torch.compile is called; set CGTREES_PRECOMPILE_CACHE=1 "
                  "in the environment instead")
-    backend_id = compat.precompile_backend_id(gm)
-    kept = Kept() if backend_id is not None else None
-    if kept is not None:
-        gm.meta[KEEP] = kept
-    try:
-        with compat.plain_aot_settings(non_lazy_backward=kept is not None):
-            yield kept
-    finally:
-        if kept is not None:
-            gm.meta.pop(KEEP, None)
+    kept = Kept() if compat.precompile_backend_id(gm) is not None else None
+    with compat.plain_aot_settings(non_lazy_backward=kept is not None):
+        yield kept
 
 
 def serializable(compiled: Callable[..., Any], kept: Kept, config: Config,
@@ -204,7 +197,7 @@ def check(data: bytes) -> dict[str, Any]:
 
 
 def _start_first_calls(record: dict[str, Any]) -> None:
-    """The saved modules' library calls, begun in a thread (``codegen.first_calls``); best effort."""
+    """The saved modules' library calls, begun in a thread (``runtime.first_calls``); best effort."""
     from backend.cache.aot import start_first_calls
 
     try:
@@ -235,8 +228,18 @@ def load(record: dict[str, Any]) -> PrecompiledFunction:
     entry = record["entry"]
     if "cuda" in entry["key"]["device"]:  # a kernel that goes through the JIT after all reads Triton's hash back
         codegen.prepare([torch.empty(0, device="cuda")], config, cache.triton_key_file(config), compiles=False)
+    shared = runtime.SharedTree()  # the loaded forward's tree, for its backward
+
+    def wrap(module: Any, examples: Any, ctx: Any) -> Callable[[list[Any]], Any]:
+        return runtime.wrap_module(module, examples, ctx, shared)
+
+    def compile_backward(gm: torch.fx.GraphModule, inputs: list[Any], static_saved: tuple[str, ...]) -> Any:
+        from backend.aot import driver  # AOTAutograd's modules: only if a backward is compiled here
+
+        return driver.compile_backward(name, config, shared, gm, inputs, static_saved)
+
     try:
-        fn = rebuild(entry, config, name, _LoadedPair(name), runtime.wrap_module)
+        fn = rebuild(entry, config, name, wrap, compile_backward)
     except Exception as exc:
         raise PrecompileError(f"cgtrees: the saved function {record.get('name')} could not be rebuilt "
                               f"({type(exc).__name__}: {exc})") from exc
@@ -258,13 +261,6 @@ def _save_dynamo_cache(name: str) -> None:
     log.debug("cgtrees: Dynamo's cache saved at the first call of %s", name)
 
 
-class _LoadedPair:
-    """Shared by a loaded forward and backward (the runtime keeps the forward's manager here)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-
 def loaded_config(saved: dict[str, Any], environ: dict[str, str] | None = None) -> Config:
     """The config a saved function runs under here: as saved (its ``options=`` were given in the
     process that compiled it), except the fields that do not shape generated code and that this
@@ -276,4 +272,4 @@ def loaded_config(saved: dict[str, Any], environ: dict[str, str] | None = None) 
 
 
 def _saved_config(config: Config) -> dict[str, Any]:
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in _LOCAL_FIELDS}
+    return {name: value for name, value in config.items() if name not in _LOCAL_FIELDS}

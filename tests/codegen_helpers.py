@@ -62,8 +62,14 @@ def compile_fn(fn: Callable, *inputs: Any, name: str = "test", cfg: Config | Non
     from backend import codegen
 
     gm = trace(fn, *inputs, dynamic=dynamic)
-    ctx = GraphContext(cfg or config(), "inference", name)
-    return codegen.compile_graph(gm, list(inputs), ctx)
+    return codegen.compile_graph(gm, list(inputs), context(gm, cfg or config(), "inference", name))
+
+
+def context(gm: torch.fx.GraphModule, cfg: Config, kind: str, name: str) -> GraphContext:
+    """What the driver tells codegen of a graph (its mutated inputs by the driver's own rule)."""
+    from backend.aot.driver import mutated_inputs
+
+    return GraphContext(cfg, kind, name, mutated_input_indices=mutated_inputs(gm))
 
 
 def run(module: Any, *inputs: Any) -> Any:
@@ -92,7 +98,7 @@ class Compiler:
         from backend import codegen
 
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-            ctx = GraphContext(self.cfg, kind, f"g_{kind}_{len(self.modules)}")
+            ctx = context(gm, self.cfg, kind, f"g_{kind}_{len(self.modules)}")
             module = codegen.compile_graph(gm, example_inputs, ctx)
             self.modules.append(module)
 

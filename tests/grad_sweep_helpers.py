@@ -149,7 +149,7 @@ class Pipeline:
         graphs without complex values (codegen writes no complex code: those ops go to aten)."""
         calls: set[str] = set()
         for (m, kind), module in self.modules.items():
-            source = getattr(module, "source", None)
+            source = module.graph.source
             if m == mode and source and not _has_complex(self.graphs[kind][0]):
                 body = source.split("\ndef call(")[1].split("\ndef call_aten(")[0]
                 calls |= set(re.findall(r"\baten\.[\w.]+", body))

@@ -166,30 +166,35 @@ def test_a_warm_load_leaves_kernels_with_binaries_undecorated(monkeypatch, tmp_p
 
 
 def test_the_cache_keeps_what_a_module_captures_and_passes_it_back(monkeypatch, caplog):
+    import dataclasses
+
     from backend import codegen
     from backend.cache import modules
+    from backend.compiled import CompiledGraph, GraphFacts
+    from backend.config import Config
 
-    class Module:
-        name = "m"
+    graph = CompiledGraph("", GraphFacts(), kernels=("pw_0",))
+    captured = {"pw_0": [{"binary": "..."}]}
 
-        def binaries(self):
-            return {"pw_0": [{"binary": "..."}]}
+    class Module(codegen.KernelModule):
+        def __init__(self, fails: bool) -> None:
+            self.graph, self.name, self.fails = graph, "m", fails
 
-    class Broken:
-        name = "broken"
+        def compiled(self):
+            if self.fails:
+                raise RuntimeError("no device")
+            return dataclasses.replace(self.graph, binaries=captured)
 
-        def binaries(self):
-            raise RuntimeError("no device")
-
-    assert modules.kernel_binaries(Module()) == {"pw_0": [{"binary": "..."}]}
-    assert modules.kernel_binaries(Broken()) == {} and "no device" in caplog.text
-    assert modules.kernel_binaries(codegen.AtenModule(None)) == {}
+    interpreted = Config(interpret=True)
+    assert modules.kept_graph(Module(False), interpreted).binaries == captured
+    assert modules.kept_graph(Module(True), interpreted).binaries == {} and "no device" in caplog.text
     seen = {}
-    monkeypatch.setattr(codegen, "load", lambda source, ctx, **kw: seen.update(kw))
-    modules.load_record({"format": "codegen", "source": "", "binaries": {"pw_0": []}, "code": {"python": "x"}}, None)
-    assert seen["precompile_kernels"] is False and seen["binaries"] == {"pw_0": []}
-    assert seen["code"] == {"python": "x"}
-    assert seen["facts"] == codegen.GraphFacts() and seen["dynamic"] is True  # a record without them
+    monkeypatch.setattr(codegen, "load", lambda graph, ctx, **kw: seen.update(kw, graph=graph))
+    record = {"format": "graph", "graph": dataclasses.replace(graph, binaries={"pw_0": []},
+                                                              code={"python": "x"}).as_record()}
+    modules.load_record(record, None)
+    assert seen["fresh"] is False and seen["graph"].binaries == {"pw_0": []} and seen["graph"].code == {"python": "x"}
+    assert seen["graph"] == graph  # the rest of what it is, as it was kept
 
 
 @pytest.mark.parametrize("junk", ["junk", [{"signature": 3}], [None], {"binary": ""}])
@@ -240,23 +245,28 @@ def test_a_self_contained_record_keeps_the_compiled_code_too(monkeypatch, tmp_pa
     """A level-1 record that holds its module (precompile's file, Dynamo's cache, a store-less
     entry) keeps the code object a warm load runs, as a level-2 entry does: the load compiles no
     source (it compiled 153 kernels' source in a warm convnet start on the H100, 0.06-0.1 s)."""
+    import dataclasses
+
     from backend import codegen
     from backend.cache import modules
+    from backend.compiled import CompiledGraph, GraphFacts
+    from backend.config import Config
 
-    class Module:
-        source, facts = SOURCE, codegen.GraphFacts()
+    class Module(codegen.KernelModule):
+        def __init__(self) -> None:
+            self.graph, self.name = CompiledGraph(SOURCE, GraphFacts(), kernels=("pw_0", "pw_1")), "m"
 
-        def binaries(self):
-            return {"pw_0": []}
+        def compiled(self):
+            return dataclasses.replace(self.graph, binaries={"pw_0": []})
 
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    record = modules.module_record(gm, Module())
-    assert record["format"] == "codegen" and record["code"] == binaries.code_record(SOURCE, {"pw_0": []})
+    record = modules.module_record(gm, Module(), Config())
+    assert record["format"] == "graph" and record["graph"]["code"] == binaries.code_record(SOURCE, {"pw_0": []})
     monkeypatch.setattr(binaries, "compile", lambda *a, **k: pytest.fail("compiled"), raising=False)
-    module, _ = _deferred_load(tmp_path, record["code"])
+    module, _ = _deferred_load(tmp_path, record["graph"]["code"])
     assert callable(module.pw_0)
-    Module.binaries = lambda self: {}  # nothing launches from a binary (interpreted): no code to keep
-    assert modules.module_record(gm, Module())["code"] is None
+    interpreted = modules.module_record(gm, Module(), Config(interpret=True))  # kernels load from their source
+    assert interpreted["graph"]["code"] is None
 
 
 @pytest.mark.parametrize("bad", ["another_python", "garbled", "not_a_record"])

@@ -139,20 +139,22 @@ def test_kernel_module_level_shares_one_aten_graph(tmp_path, cgtrees_counters):
 
 
 def test_module_header_shows_the_graph_text_digest_and_the_key(tmp_path):
-    """One canonical graph text: the module's GRAPH_HASH is the digest of the text the key holds,
-    and its header names the key's digest (the name of its cache entry)."""
-    from backend import codegen
+    """One canonical graph text: the module's graph hash is the digest of the text the key holds,
+    and its header names it and the key's digest (the name of its cache entry), as the driver
+    compiles it; without the cache the header says so and still names the graph's digest."""
+    from backend.aot.driver import kernel_module
     from backend.cache.key import graph_digest
 
     x, y = torch.randn(4, 8), torch.randn(8, 3)
     gm = make_fx(_graph())(x, y)
     ctx = GraphContext(config=Config(cache_dir=str(tmp_path)), kind="inference", name="t")
     key = modules.key_for(gm, [x, y], ctx)
-    source = codegen.generate(gm, [x, y], dataclasses.replace(ctx, cache_key=key.digest))
-    assert f'GRAPH_HASH = {graph_digest(gm)!r}' in source
-    assert graph_digest(gm) == graph_digest(make_fx(_graph("_renamed"))(x, y))
-    assert f"# cache key: {key.digest}" in source
-    assert "# cache key: none (not cached)" in codegen.generate(gm, [x, y], ctx)
+    module, _ = kernel_module(gm, [x, y], ctx)
+    assert module.graph.graph_hash == graph_digest(gm) == graph_digest(make_fx(_graph("_renamed"))(x, y))
+    assert f"# graph hash: {graph_digest(gm)}" in module.source
+    assert f"# cache key: {key.digest}" in module.source
+    uncached, _ = kernel_module(gm, [x, y], dataclasses.replace(ctx, config=Config(cache=False)))
+    assert "# cache key: none (not cached)" in uncached.source and uncached.graph.graph_hash == graph_digest(gm)
 
 
 def test_store_keeps_generated_modules_only(tmp_path):

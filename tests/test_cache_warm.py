@@ -39,14 +39,14 @@ import backend.aot.partition as partition_module
 from backend import counters
 
 calls = {"aot": 0, "partition": 0}
-real_aot, real_partition = aot_compat.aot_module_simplified, partition_module.partition
+real_aot, real_partition = aot_compat.aot_module_simplified, partition_module.split
 def counting_aot(*a, **k):
     calls["aot"] += 1
     return real_aot(*a, **k)
 def counting_partition(*a, **k):
     calls["partition"] += 1
     return real_partition(*a, **k)
-aot_compat.aot_module_simplified, partition_module.partition = counting_aot, counting_partition
+aot_compat.aot_module_simplified, partition_module.split = counting_aot, counting_partition
 
 torch.manual_seed(0)
 if args["model"] == "demo":

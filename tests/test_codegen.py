@@ -3,6 +3,8 @@ counts in the generated source), fallbacks, dynamic shapes, input mutation."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 
 import pytest
@@ -125,13 +127,16 @@ def test_precompile_list_gives_each_kernel_its_launch_types():
         return KernelCode(name, "", args, dtypes, sympy.sympify(xnumel), rnumel, Config(64, 32, 4), frozenset(),
                           False)
 
-    lines = _precompile_list([
+    from backend.compiled import KernelLaunch
+
+    launches = _precompile_list([
         code("red_0", ("x", "out", "128", "300"), (torch.float32, torch.bool), 128, sympy.Integer(300)),
         code("pw_1", ("x", "s0*4"), (torch.float16,), "s0*4"),
         code("pw_2", ("x", "0"), (torch.float16,), 0),
     ])
-    red_0 = "    (red_0, (torch.float32, torch.bool, 128, 300,), {'XBLOCK': 64, 'RBLOCK': 32, 'num_warps': 4}),"
-    assert lines[1:] == ["PRECOMPILE = [", red_0, "]"]
+    red_0 = KernelLaunch("red_0", ("float32", "bool"), (128, 300), (("XBLOCK", 64), ("RBLOCK", 32), ("num_warps", 4)))
+    assert launches == (red_0,)
+    assert KernelLaunch.from_record(json.loads(json.dumps(red_0.as_record()))) == red_0  # as an entry keeps it
 
 
 def test_mm_falls_back_to_aten(cgtrees_counters, caplog):
@@ -147,8 +152,8 @@ def test_mm_falls_back_to_aten(cgtrees_counters, caplog):
 def test_cpu_without_interpreter_is_aten_only():
     x = torch.randn(8, 8)
     m = compile_fn(lambda x: torch.softmax(x * 2, -1), x, cfg=config(interpret=False))
-    assert "@triton.jit" not in m.source
-    assert "call = call_aten" in m.source
+    assert "@triton.jit" not in m.source and m.graph.kernels == ()
+    assert "= aten.exp.default(" in m.source and m.graph.fallback is None  # call() is aten calls
     close(run(m, x)[0], torch.softmax(x * 2, -1))
 
 
@@ -306,7 +311,7 @@ def test_a_first_call_that_fails_after_writing_an_input_reruns_to_eager_values(f
     mine, theirs = _write_inputs(), _write_inputs()
     out, want = cf(*mine), fn(*theirs)
     assert comp.modules[0].failure and "injected" in comp.modules[0].failure
-    assert comp.modules[0].module.MUTATED_INPUTS == ((0,) if fn is _kv_update else (0, 2))  # unused inputs pruned
+    assert comp.modules[0]._mutated == ((0,) if fn is _kv_update else (0, 2))  # unused inputs pruned
     close(out, want, atol=1e-5, rtol=1e-5)
     for a, b in zip(mine, theirs):
         close(a, b, atol=1e-5, rtol=1e-5)
@@ -377,7 +382,7 @@ def test_compile_error_switches_to_aten(caplog):
 
     x = torch.randn(4, 4)
     m = compile_fn(lambda x: x.exp() + 1, x)
-    broken = m.source.replace("tl.exp(", "tl.no_such_function(")
+    broken = dataclasses.replace(m.graph, source=m.source.replace("tl.exp(", "tl.no_such_function("))
 
     ctx = GraphContext(config(), "inference", "broken")
     bad = codegen.load(broken, ctx)
@@ -486,7 +491,7 @@ def test_golden_pointwise_module():
     m = compile_fn(lambda x: torch.sigmoid(x) * x + 1, x, name="golden")
     source = re.sub(r"# versions: .*", "# versions: <torch>, <triton>", m.source)
     source = re.sub(r"[0-9a-f]{24}", "<hash>", source)
-    kernel = source[source.index("@triton.jit"):source.index("def call_aten")]
+    kernel = source[source.index("@triton.jit"):source.index("def run(")]
     self_ = __import__("expecttest").TestCase()
     self_.assertExpectedInline(kernel, """\
 @triton.jit
@@ -514,13 +519,12 @@ def call(args):
 
 
 def test_module_counts_its_launches():
-    """``LAUNCHES`` (what the runtime weighs input copies against): each kernel with work to do and
+    """``launches`` (what the runtime weighs input copies against): each kernel with work to do and
     each aten call of one ``call``, read here off the source it generated."""
     m = compile_fn(lambda x, w: (torch.sigmoid(x @ w) * 2).sum(0), torch.randn(16, 64), torch.randn(64, 32))
     externs = len(aten_call_targets(m))
     assert externs == 1, m.source  # the product
-    assert m.launches == kernel_count(m) + externs, m.source
-    assert f"LAUNCHES = {m.launches} " in m.source
+    assert m.graph.launches == kernel_count(m) + externs == len(m.graph.kernels) + externs, m.source
 
 
 def test_a_window_of_many_loads_takes_smaller_blocks():
@@ -547,7 +551,7 @@ def test_a_window_of_many_loads_takes_smaller_blocks():
         gm = make_fx(functools.partial(fn, pad=kernel // 2), decomposition_table())(x, w, b)
         _ensure_meta(gm, [x, w, b])
         program = GraphLowerer(gm, Config()).run()
-        source, _ = wrapper.module_source([], program, scheduler.schedule(program), gm, False)
+        source = wrapper.module_source([], program, scheduler.schedule(program), False).source
         launches = dict(re.findall(r"^    (\w+)\[\(\d+,\)\]\(.*XBLOCK=(\d+)", source, re.M))
         conv = [name for name in launches if "convolution_mul_erf" in name]
         assert len(conv) == 1 and int(launches[conv[0]]) == conv_block, launches

@@ -33,7 +33,7 @@ def gpu_source(fn, *inputs: torch.Tensor) -> str:
 
     gm = make_fx(fn, decomposition_table=decomposition_table(), tracing_mode="fake")(*inputs)
     program = GraphLowerer(gm, Config(interpret=False)).run()
-    return wrapper.module_source(["# test"], program, schedule(program), gm, False)[0]
+    return wrapper.module_source(["# test"], program, schedule(program), False).source
 
 
 def kernel_text(source: str, name: str) -> str:

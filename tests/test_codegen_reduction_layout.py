@@ -92,7 +92,7 @@ def gpu_kernel(batch: int) -> tuple[str, str]:
               torch.empty(D))
     gm = make_fx(first_norm, decomposition_table=decomposition_table(), tracing_mode="fake")(*inputs)
     program = GraphLowerer(gm, Config(interpret=False)).run()
-    source = wrapper.module_source(["# test"], program, schedule(program), gm, False)[0]
+    source = wrapper.module_source(["# test"], program, schedule(program), False).source
     kernels = re.findall(r"@triton\.jit\n(def red_\w+\(.*?)\n\n", source, re.S)
     assert len(kernels) == 1, source  # cat, add and the norm in one kernel
     name = re.match(r"def (\w+)\(", kernels[0]).group(1)

@@ -290,13 +290,13 @@ def test_graph_of_torch_backward_ops_is_cached_at_level_one(cgtrees_counters, mo
     times the runtime is handed a backward, and the list input is stolen."""
     from backend.aot import driver
 
-    kinds, wrap = [], driver._wrap
+    kinds, wrap = [], driver.Compilers.wrap
 
-    def spy(module: Any, example_inputs: list[Any], ctx: Any) -> Any:
+    def spy(self: Any, module: Any, example_inputs: list[Any], ctx: Any) -> Any:
         kinds.append(ctx.kind)
-        return wrap(module, example_inputs, ctx)
+        return wrap(self, module, example_inputs, ctx)
 
-    monkeypatch.setattr(driver, "_wrap", spy)
+    monkeypatch.setattr(driver.Compilers, "wrap", spy)
     op = _op("CgtreesTestBuiltinSquare", _double, custom=False)
     _compile_and_check(op, 0)
     assert cgtrees_counters["cache_miss_aot"] == 1 and cgtrees_counters.get("cache_bypass_aot", 0) == 0

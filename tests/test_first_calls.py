@@ -1,5 +1,5 @@
-"""The library calls a kernel module makes, listed when it is generated (``LIBRARY_CALLS``, the
-module's facts), for a warm load to make beforehand (``backend.codegen.first_calls``): each with the
+"""The library calls a kernel module makes, listed when it is generated (``codegen.library_calls``,
+kept in its ``CompiledGraph``), for a warm load to make beforehand (``backend.runtime.first_calls``): each with the
 sizes, strides and dtype its ``call`` passes, so the call made on empty tensors is the same
 configuration; only calls that are safe on uninitialised memory and draw no random numbers. The
 thread itself runs on CUDA (tests/gpu/test_first_calls_gpu.py)."""
@@ -13,16 +13,17 @@ import torch
 import torch.nn.functional as F
 from codegen_helpers import INTERPRET, compile_fn, config, trace
 
-from backend.cache.modules import load_record, module_record
-from backend.codegen import first_calls
-from backend.codegen.module import GraphFacts
+from backend.cache.modules import load_record, module_record, record_graph
+from backend.codegen import library_calls
+from backend.compiled import CompiledGraph
 from backend.context import GraphContext
+from backend.runtime import first_calls
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 
 
 def _specs(module) -> list[dict]:
-    return [json.loads(c) for c in module.facts.library_calls]
+    return [json.loads(c) for c in module.graph.library_calls]
 
 
 def _conv_mm(x, w, a, b):
@@ -43,10 +44,10 @@ def test_a_module_lists_its_library_calls_with_the_layouts_it_passes():
     assert conv["args"][0]["tensor"] == [[2, 3, 8, 8], list(inputs[0].stride()), 0, "float32"]
     assert conv["args"][3:] == [[1, 1], [1, 1], [1, 1], False, [0, 0], 1]  # stride, padding, ... groups
     assert mm["args"][1]["tensor"] == [[6, 7], [1, 6], 0, "float32"]  # the column-major input as it is
-    assert "LIBRARY_CALLS = [" in module.source
+    assert CompiledGraph.from_record(json.loads(json.dumps(module.graph.as_record()))) == module.graph  # kept
     # made on empty tensors, each call gives a result of the real one's size and strides
     expected = [F.conv2d(inputs[0], inputs[1], padding=1), inputs[2] @ inputs[3]]
-    for text, want in zip(module.facts.library_calls, expected, strict=True):
+    for text, want in zip(module.graph.library_calls, expected, strict=True):
         got = first_calls.call(text)
         assert got.shape == want.shape and got.stride() == want.stride(), (got.stride(), want.stride())
 
@@ -56,17 +57,15 @@ def test_level_1_records_keep_the_library_calls():
     gm = trace(_conv_mm, *inputs)
     ctx = GraphContext(config=config(), kind="inference", name="g0_inference")
     module = compile_fn(_conv_mm, *inputs)
-    record = json.loads(json.dumps(module_record(gm, module)))  # as an entry stores it
-    assert GraphFacts.from_record(record["facts"]).library_calls == module.facts.library_calls
-    assert load_record(record, ctx).facts.library_calls == module.facts.library_calls
-    del record["facts"]["library_calls"]  # an entry written before they existed: none made beforehand,
-    assert GraphFacts.from_record(record["facts"]).library_calls == ()  # but the module still lists its own
-    assert load_record(record, ctx).facts.library_calls == module.facts.library_calls
+    record = json.loads(json.dumps(module_record(gm, module, ctx.config)))  # as an entry stores it
+    assert record_graph(record).library_calls == module.graph.library_calls
+    assert load_record(record, ctx).graph.library_calls == module.graph.library_calls
+    assert len(module.graph.library_calls) == 2
 
 
 def test_a_module_without_library_calls_lists_none():
     module = compile_fn(lambda t: t.sin() * 2, torch.randn(8))
-    assert module.facts.library_calls == () and "LIBRARY_CALLS" not in module.source
+    assert module.graph.library_calls == () and "aten." not in module.source.split("\ndef call(")[1]
 
 
 def _spec(op: str, *args, **kwargs) -> dict:
@@ -84,23 +83,23 @@ def _t(*size, dtype="float32"):
 def test_only_calls_safe_on_empty_memory_and_without_randomness_are_kept():
     q = _t(1, 2, 16, 8, dtype="float16")
     flash = "aten._scaled_dot_product_flash_attention.default"
-    assert first_calls._safe(_spec(flash, q, q, q, 0.0, True))
-    assert not first_calls._safe(_spec(flash, q, q, q, 0.1, True))  # dropout draws random numbers
-    assert not first_calls._safe(_spec(flash, q, q, q, dropout_p=0.5))
-    assert first_calls._safe(_spec("aten.mm.default", _t(4, 4), _t(4, 4)))
-    assert not first_calls._safe(_spec("aten.mm.default", _t(4, 4, dtype="int64"), _t(4, 4, dtype="int64")))
-    big = _t(first_calls.MAX_BYTES // 4, 2)
-    assert not first_calls._safe(_spec("aten.mm.default", big, _t(2, 2)))
-    assert not first_calls._safe(_spec("aten.mm.default", 1, 2))  # no tensor at all
+    assert library_calls._safe(_spec(flash, q, q, q, 0.0, True))
+    assert not library_calls._safe(_spec(flash, q, q, q, 0.1, True))  # dropout draws random numbers
+    assert not library_calls._safe(_spec(flash, q, q, q, dropout_p=0.5))
+    assert library_calls._safe(_spec("aten.mm.default", _t(4, 4), _t(4, 4)))
+    assert not library_calls._safe(_spec("aten.mm.default", _t(4, 4, dtype="int64"), _t(4, 4, dtype="int64")))
+    big = _t(library_calls.MAX_BYTES // 4, 2)
+    assert not library_calls._safe(_spec("aten.mm.default", big, _t(2, 2)))
+    assert not library_calls._safe(_spec("aten.mm.default", 1, 2))  # no tensor at all
 
 
 def test_random_ops_and_symbolic_sizes_are_never_listed():
     x = torch.randn(16, 32)
     w = torch.randn(32, 32)
     module = compile_fn(lambda t, m: (F.dropout(t @ m, 0.5, training=True), torch.rand_like(t)), x, w)
-    assert [s["op"] for s in _specs(module)] == ["aten.mm.default"], module.facts.library_calls
+    assert [s["op"] for s in _specs(module)] == ["aten.mm.default"], module.graph.library_calls
     dynamic = compile_fn(lambda t, m: t @ m, x, w, dynamic=True)
-    assert dynamic.facts.library_calls == ()  # sizes known only at the call
+    assert dynamic.graph.library_calls == ()  # sizes known only at the call
 
 
 def test_start_without_cuda_calls_makes_no_thread():
@@ -122,8 +121,8 @@ def test_the_thread_makes_each_call_and_only_logs_a_failure(monkeypatch, caplog)
     monkeypatch.setattr(first_calls, "_made", [])
     good = _spec("aten.mm.default", _t(3, 4), _t(4, 5)) | {"device": "cpu"}
     bad = _spec("aten.mm.default", _t(3, 4), _t(5, 5)) | {"device": "cpu"}  # sizes that do not multiply
-    with caplog.at_level(logging.DEBUG, logger="backend.codegen"):
-        first_calls._run([good, bad], triton_driver=False)
+    with caplog.at_level(logging.DEBUG, logger="backend.runtime"):
+        first_calls._run([good, bad], None)
     assert first_calls._made == [1]
     assert "a library call made beforehand failed" in caplog.text and "aten.mm.default" in caplog.text
 

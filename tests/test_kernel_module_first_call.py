@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from backend.codegen.module import KernelModule
+from backend.compiled import CompiledGraph, GraphFacts
 
 
 class FakeGenerated:
@@ -33,15 +34,15 @@ class FakeGenerated:
             raise ValueError("a bug in the generated code")
         return (total,)
 
-    @staticmethod
-    def call_aten(args):
-        return (args[0].sum() + args[1],)
+
+# the graph's aten path (``CompiledGraph.fallback``), run in the module's namespace when it fails
+FALLBACK = "def call_aten(args):\n    return (args[0].sum() + args[1],)\n"
 
 
 def kernel_module(fail: bool, ready: bool) -> tuple[KernelModule, FakeGenerated]:
     fake = FakeGenerated(fail)
-    module = SimpleNamespace(call=fake.call, call_aten=fake.call_aten)
-    return KernelModule(module, "", "fake.py", "g0_backward", kernels_ready=ready), fake
+    graph = CompiledGraph("", GraphFacts(), fallback=FALLBACK)
+    return KernelModule(graph, SimpleNamespace(call=fake.call), "fake.py", "g0_backward", kernels_ready=ready), fake
 
 
 @pytest.mark.parametrize("ready", [True, False])

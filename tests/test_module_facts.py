@@ -1,5 +1,5 @@
-"""Every compiled module carries ``GraphFacts`` found in its aten graph at compile time (R7's
-uncapturable op, R1's op behind each output): generated, aten and cached modules alike, and a
+"""Every compiled module's ``graph`` carries ``GraphFacts`` found in its aten graph at compile time
+(R7's uncapturable op, R1's op behind each output): generated, aten and cached modules alike, and a
 level-1 record keeps them, so the runtime never reads a module's source to learn them."""
 
 from __future__ import annotations
@@ -7,12 +7,14 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from codegen_helpers import compile_fn, config, trace
 
 from backend import codegen
 from backend.cache.modules import FxModule, fx_code, load_record, module_record
-from backend.codegen.module import UNKNOWN, AtenModule, GraphFacts, facts_of
+from backend.codegen.module import AtenModule
+from backend.compiled import AtenGraph, BadRecord, GraphFacts
 from backend.context import GraphContext
 from backend.runtime import skips
 from backend.runtime.examples import Examples
@@ -21,22 +23,23 @@ from backend.runtime.examples import Examples
 def test_generated_module_has_facts():
     x = torch.randn(4, 8)
     module = compile_fn(lambda t: (t.sin(), t.cos() + 1, t), x)
-    assert module.facts.output_ops[:2] == ("aten.sin.default", "aten.add.Tensor"), module.facts
-    assert module.facts.output_ops[2].startswith("input "), module.facts
-    assert module.facts.output_op(7) == "an unknown op"
+    facts = module.graph.facts
+    assert facts.output_ops[:2] == ("aten.sin.default", "aten.add.Tensor"), facts
+    assert facts.output_ops[2].startswith("input "), facts
+    assert facts.output_op(7) == "an unknown op"
 
 
 def test_uncapturable_op_is_a_reason_to_skip():
     x = torch.randn(6)
     gm = trace(lambda t: (t.nonzero(), t * 2), x)
-    facts = facts_of(gm)
+    facts = GraphFacts.of(gm)
     assert facts.uncapturable is not None and "nonzero" in facts.uncapturable
-    assert AtenModule(gm).facts == facts
+    assert AtenModule(gm).graph.facts == facts
     ctx = GraphContext(config=config(), kind="inference", name="g0_inference")
     meta = torch.empty(6, device="meta")  # no CPU input: only the facts can give a reason
     reason, _ = skips.reason_to_skip(Examples.of([meta]), ctx, facts)
     assert reason == "inputs on meta"  # the device check comes first
-    assert skips.reason_to_skip(Examples.of([meta]), ctx, UNKNOWN)[0] == "inputs on meta"
+    assert skips.reason_to_skip(Examples.of([meta]), ctx, GraphFacts())[0] == "inputs on meta"
 
 
 def test_level1_records_keep_facts_for_both_formats():
@@ -44,14 +47,15 @@ def test_level1_records_keep_facts_for_both_formats():
     gm = trace(lambda t: (t.exp(), t.split(3)[1] * 2), x)
     ctx = GraphContext(config=config(), kind="inference", name="g0_inference")
     for module in (AtenModule(gm), codegen.compile_graph(gm, [x], ctx)):
-        record = module_record(gm, module)
+        record = module_record(gm, module, ctx.config)
         loaded = load_record(record, ctx)
-        assert loaded.facts == facts_of(gm)
-        assert loaded.facts.output_ops == ("aten.exp.default", "aten.mul.Tensor")
+        assert loaded.graph.facts == GraphFacts.of(gm)
+        assert loaded.graph.facts.output_ops == ("aten.exp.default", "aten.mul.Tensor")
         torch.testing.assert_close(loaded.call([x]), gm(x))
-    record = module_record(gm, AtenModule(gm))
-    del record["facts"]  # an entry written before facts existed knows nothing, and still loads
-    assert load_record(record, ctx).facts == GraphFacts()
+    record = module_record(gm, AtenModule(gm), ctx.config)
+    del record["facts"]  # a damaged record is a bad entry (the cache counts it corrupt), never a guess
+    with pytest.raises(BadRecord):
+        load_record(record, ctx)
 
 
 def test_aten_module_frees_inputs_at_last_use():
@@ -84,5 +88,5 @@ def test_cached_fx_module_is_boxed():
     assert "args_list.clear()" in code, code
     x, y = torch.randn(4), torch.randn(4)
     args = [x, y]
-    torch.testing.assert_close(FxModule(code, "g0").call(args), x.sin() + y)
+    torch.testing.assert_close(FxModule(code, "g0", AtenGraph(GraphFacts.of(gm), 1)).call(args), x.sin() + y)
     assert args == []

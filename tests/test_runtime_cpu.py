@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import backend
 import backend.runtime as runtime
-from backend.codegen.module import GraphFacts
+from backend.compiled import AtenGraph, GraphFacts
 from backend.config import Config
 from backend.context import GraphContext
 from backend.runtime import compat
@@ -62,7 +62,7 @@ def test_wrap_returns_call_for_cpu_inputs(cgtrees_counters):
     def call(args):
         return [args[0] * 2]
 
-    module = SimpleNamespace(call=call, facts=GraphFacts(), source=None)  # a hand-made CompiledModule
+    module = SimpleNamespace(call=call, graph=AtenGraph(GraphFacts(), 0))  # a hand-made CompiledModule
     ctx = GraphContext(config=Config.resolve(), kind="inference", name="hand_made")
     assert runtime.wrap(module, Examples.of([torch.ones(2)]), ctx) is call
     assert cgtrees_counters["cudagraph_skips"] == 1
@@ -164,14 +164,14 @@ def test_forward_context_names_where_its_saved_activations_begin(monkeypatch):
     from backend.aot import driver
 
     seen = []
-    compile_graph = driver.compile_aten_graph
+    compile_graph = driver.Compilers.compile_aten_graph
 
-    def spy(gm, example_inputs, ctx):
+    def spy(self, gm, example_inputs, ctx):
         outputs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
         seen.append((ctx.kind, ctx.saved_from, len(outputs)))
-        return compile_graph(gm, example_inputs, ctx)
+        return compile_graph(self, gm, example_inputs, ctx)
 
-    monkeypatch.setattr(driver, "compile_aten_graph", spy)
+    monkeypatch.setattr(driver.Compilers, "compile_aten_graph", spy)
     monkeypatch.setenv("CGTREES_CACHE", "0")
     torch._dynamo.reset()
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
@@ -226,15 +226,15 @@ def test_replay_outputs_hand_out_the_kept_tensor_and_build_the_rest(monkeypatch)
     for o, r in zip(first[:4], recorded[:4]):
         assert torch.equal(o, r) and o.data_ptr() == r.data_ptr()
     assert torch.equal(first[4], x[1:]) and first[4].data_ptr() == x[1:].data_ptr()
-    assert len(node.manager.live) == 3  # user, alone, shared: one entry a storage
+    assert len(node.pool.live) == 3  # user, alone, shared: one entry a storage
     entry = node.reused[0]
-    assert entry in node.manager.live and not dead(entry)  # held by `first`
+    assert entry in node.pool.live and not dead(entry)  # held by `first`
     kept, fresh = weakref.ref(first[1]), weakref.ref(first[0])
     del first
     assert dead(entry) and fresh() is None
-    node.manager.live.clear()  # as the next call's sweep does
+    node.pool.live.clear()  # as the next call's sweep does
     second = node._outputs([x])
-    assert second[1] is kept() and node.reused[0] is entry and len(node.manager.live) == 3
+    assert second[1] is kept() and node.reused[0] is entry and len(node.pool.live) == 3
     del second
     node.forget_reused()
     third = node._outputs([x])
@@ -250,19 +250,19 @@ def test_replay_outputs_of_a_backward_a_copy_out_node_and_the_fast_path(monkeypa
     x, recorded = _recorded_outputs()
     back = _planned_node("backward", None, recorded, x)
     outs = back._outputs([x])
-    live = back.manager.live
+    live = back.pool.live
     assert [len(e.tensors) for e in live] == [1, 1, 2]  # the shared storage: two outputs
     assert all(ref() is outs[j] for e, js in zip(live, back.outputs_in) for ref, j in zip(e.tensors, js))
     copied = _planned_node("forward", None, recorded, x, copy_out=True)
     outs = copied._outputs([x])
-    assert copied.manager.live == [] and outs[0].data_ptr() != recorded[0].data_ptr()
+    assert copied.pool.live == [] and outs[0].data_ptr() != recorded[0].data_ptr()
     assert outs[3].untyped_storage().data_ptr() == outs[2].untyped_storage().data_ptr()  # still shared
     assert all(torch.equal(o, r) for o, r in zip(outs[:4], recorded[:4]))
     own = _planned_node("backward", None, recorded[:2], x)
     assert own.simple
     outs = own._outputs([x])
     assert all(torch.equal(o, r) and o is not r for o, r in zip(outs, recorded[:2]))
-    assert len(own.manager.live) == 2
+    assert len(own.pool.live) == 2
 
 
 def _recorded_outputs() -> tuple[torch.Tensor, list]:
@@ -276,9 +276,9 @@ def _recorded_outputs() -> tuple[torch.Tensor, list]:
 def _planned_node(kind: str, saved_from: int | None, outs: list, x: torch.Tensor, copy_out: bool = False):
     from backend.runtime.node import GraphNode
 
-    fn = SimpleNamespace(kind=kind, name="g0_" + kind, ctx=SimpleNamespace(saved_from=saved_from))
-    manager = SimpleNamespace(device=0, generation=0, live=[])
-    node = GraphNode(fn, manager, None, frozenset(), copy_out)
+    ctx = GraphContext(Config.resolve(), kind, "g0_" + kind, saved_from=saved_from)
+    pool = SimpleNamespace(device=0, generation=0, live=[])
+    node = GraphNode(ctx, GraphFacts(), pool, None, frozenset(), copy_out)
     node.device = x.device
     node.input_storages = {x.untyped_storage().data_ptr(): (0, 0)}
     node._plan_outputs(outs, [x])
@@ -296,8 +296,8 @@ def test_a_consumed_input_replays_only_while_the_call_alone_holds_it(monkeypatch
     from backend.runtime.node import GraphNode, _held
 
     monkeypatch.setattr(compat, "keep_graph", lambda: False)
-    fn = SimpleNamespace(kind="backward", name="g0_backward", ctx=SimpleNamespace(saved_from=None))
-    node = GraphNode(fn, SimpleNamespace(device=0, generation=0, live=[]), None, frozenset(), False)
+    ctx = GraphContext(Config.resolve(), "backward", "g0_backward")
+    node = GraphNode(ctx, GraphFacts(), SimpleNamespace(device=0, generation=0, live=[]), None, frozenset(), False)
     args = [torch.randn(4, 3), torch.randn(5)]  # an activation from the pool, and a copied input
     key = (args[0].untyped_storage().data_ptr(), args[0].untyped_storage().nbytes())
     node._plan_inputs(args, frozenset(), {key[0]}, ())

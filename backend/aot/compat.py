@@ -122,7 +122,7 @@ def trace(fn: Callable[..., Any], args: list[Any]) -> torch.fx.GraphModule:
 
 def count_aot_autograd_compile() -> None:
     """Bump ``counters["aot_autograd"]["total"]``, as torch's ``aot_autograd`` backend wrapper does
-    (we call ``aot_module_simplified`` ourselves): DDPOptimizer reads it (``backend.distributed``)."""
+    (we call ``aot_module_simplified`` ourselves): DDPOptimizer reads it (``aot.distributed``)."""
     from torch._dynamo.utils import counters
 
     counters["aot_autograd"]["total"] += 1

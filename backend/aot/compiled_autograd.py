@@ -26,7 +26,7 @@ hands it to us. It differs from a graph of the user's code in three ways, each h
 **Cached like any graph.** The graph calls compiled autograd's ``ops`` and, for each compiled
 forward it meets, a closure that runs that forward's backward prologue: neither has a name that
 means the same in every process, so ``name_ops`` gives each the text the cache key shows
-(``cache.key.TARGET_TEXT``): torch's own backward formulas (``ops.MulBackward0``) by their name, a
+(``Level1Hints.target_texts``): torch's own backward formulas (``ops.MulBackward0``) by their name, a
 prologue by the canonical text of its trace on the call's example values (what it does is all
 AOTAutograd will see of it). A C++ custom autograd Function's op is named ``CppNode<Name><n>``,
 numbered in the order a process first meets it, so a key on it could match another process's
@@ -60,7 +60,7 @@ import torch.utils._pytree as pytree
 
 from backend import counters
 from backend.aot import compat, driver
-from backend.cache.aot import NO_LEVEL_1
+from backend.cache.aot import Level1Hints
 from backend.config import Config
 
 log = logging.getLogger("backend.aot")
@@ -73,16 +73,18 @@ def is_backward_graph(example_inputs: Sequence[Any]) -> bool:
 
 def compile_backward_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
                            graph_id: int) -> Callable[..., Any]:
+    """Flatten the list input, then the driver's steps; precompile keeps no entry of it (its saved
+    function would lack the call that takes the list)."""
     name = f"g{graph_id}"
     flat = flatten(gm, example_inputs)  # the list input -> one input per element
     if _has_symbolic_sizes(flat):  # level 1 keeps static shapes only: say why it is bypassed
-        flat.gm.meta[NO_LEVEL_1] = SYMBOLIC_SIZES
-    else:
-        name_ops(flat.gm)  # compiled autograd's calls named for the cache key, or why level 1 cannot key it
+        hints = Level1Hints(bypass=SYMBOLIC_SIZES)
+    else:  # compiled autograd's calls named for the cache key, or why level 1 cannot key it
+        hints = name_ops(flat.gm)
     log.info("cgtrees: %s is a compiled-autograd backward (%d list inputs flattened)", name, flat.num_listed)
     # backward(create_graph=True) runs with grad mode on: differentiable, compiled as any graph
     compiled = driver.compile_dynamo_graph(flat.gm, flat.inputs, config, graph_id,
-                                           backward=not torch.is_grad_enabled())
+                                           backward=not torch.is_grad_enabled(), hints=hints)
     counters.bump("compiled_autograd_graphs")  # not before: Dynamo may restart a compile
     return flat.caller(compiled)
 
@@ -102,34 +104,32 @@ def _has_symbolic_sizes(flat: FlatGraph) -> bool:
 
 
 # ---------------------------------------------------------------- naming ops for the cache key
-def name_ops(gm: torch.fx.GraphModule) -> None:
-    """Give each call of compiled autograd's own the text the cache key shows for it
-    (``node.meta[TARGET_TEXT]``), or leave in ``gm.meta[NO_LEVEL_1]`` why the first cache level
-    must not key the graph."""
+def name_ops(gm: torch.fx.GraphModule) -> Level1Hints:
+    """The text the cache key shows for each call of compiled autograd's own (by node name), or
+    why the first cache level must not key the graph."""
     from backend.cache.compat import Uncacheable
-    from backend.cache.key import TARGET_TEXT
 
+    texts: dict[str, str] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         op = compat.compiled_autograd_op(node.target)
         if op is not None and op[1]:
-            gm.meta[NO_LEVEL_1] = (f"the compiled-autograd graph calls {op[0]}, the backward of a C++ custom "
-                                   "autograd Function, which compiled autograd names per process (numbered in "
-                                   "the order it meets them), so its text is no safe key")
-            return
+            return Level1Hints(bypass=(
+                f"the compiled-autograd graph calls {op[0]}, the backward of a C++ custom autograd Function, "
+                "which compiled autograd names per process (numbered in the order it meets them), so its text "
+                "is no safe key"))
         if op is not None:
-            node.meta[TARGET_TEXT] = f"compiled_autograd.ops.{op[0]}"
+            texts[node.name] = f"compiled_autograd.ops.{op[0]}"
         elif compat.is_aot_backward_prologue(node.target):
             try:
-                node.meta[TARGET_TEXT] = f"aot_backward_prologue{{{_traced_text(node)}}}"
+                texts[node.name] = f"aot_backward_prologue{{{_traced_text(node)}}}"
             except Uncacheable as exc:
-                gm.meta[NO_LEVEL_1] = str(exc)
-                return
+                return Level1Hints(bypass=str(exc))
             except Exception as exc:  # noqa: BLE001 - the graph still compiles; level 1 is bypassed
-                gm.meta[NO_LEVEL_1] = (f"an AOT backward prologue could not be traced for the key "
-                                       f"({type(exc).__name__}: {exc})")
-                return
+                return Level1Hints(bypass=f"an AOT backward prologue could not be traced for the key "
+                                                f"({type(exc).__name__}: {exc})")
+    return Level1Hints(target_texts=texts)
 
 
 def _traced_text(node: torch.fx.Node) -> str:

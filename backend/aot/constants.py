@@ -14,44 +14,18 @@ trailing graph input, so every later stage sees only inputs:
   runtime: read in place, never copied into a CUDA graph, their address checked on replay.
 
 Invariant: a lifted graph holds no ``get_attr`` of a tensor; its attributes are deleted, so a
-stale copy cannot be read by mistake. Importing this module imports no AOTAutograd: a level-1 hit
-or a loaded precompiled function makes ``Constants`` without it.
+stale copy cannot be read by mistake. ``Constants`` (what every stage is told) lives in
+``backend.context``: a level-1 hit or a loaded precompiled function makes it without AOTAutograd.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx
 
-
-@dataclass(frozen=True)
-class Constants:
-    """The lifted tensors of one aten graph, in the order of their placeholders."""
-
-    names: tuple[str, ...] = ()
-    tensors: tuple[torch.Tensor, ...] = ()
-
-    def __len__(self) -> int:
-        return len(self.tensors)
-
-    def indices(self, num_inputs: int) -> tuple[int, ...]:
-        """Their positions among the lifted graph's inputs (after the ``num_inputs`` given ones)."""
-        return tuple(range(num_inputs, num_inputs + len(self.tensors)))
-
-    def append(self, call: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
-        """``call`` with the constants added after the caller's arguments."""
-        if not self.tensors:
-            return call
-        tensors = list(self.tensors)
-
-        def call_with_constants(args: list[Any]) -> Any:
-            args.extend(tensors)
-            return call(args)
-
-        return call_with_constants
+from backend.context import Constants
 
 
 def lift(gm: torch.fx.GraphModule) -> Constants:

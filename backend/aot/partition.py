@@ -8,11 +8,14 @@ the source. The cheapest cut is the set of values to save; everything between th
 cut and the backward is recomputed there. Parameters cost (almost) nothing to save: they are alive
 anyway. Before the cut, ``layout.optimize`` may rewrite the joint graph channels-last (``layout_opt``).
 
-Callable with AOTAutograd's ``partition_fn`` protocol.
+``partition`` is callable with AOTAutograd's ``partition_fn`` protocol; ``split`` returns the same
+two graphs with what their compilers need to know of the cut (``Split``), which the driver hands
+them itself (nothing rides in the graphs' ``meta``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import networkx as nx
@@ -20,15 +23,29 @@ import torch.fx
 
 from backend.aot import compat, layout, order
 from backend.aot.cost import is_recomputable, is_view, reads_from_memory, saved_bytes
-from backend.cache.backward_graph import SAVED_STATIC
-from backend.context import SAVED_FROM
 
 _SOURCE, _SINK = "__source__", "__sink__"
 
 
-def partition(joint_module: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
-              static_lifetime_input_indices: list[int] | None = None, layout_opt: str = "auto",
-              **_: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+@dataclass(frozen=True)
+class Split:
+    """The two graphs of a cut, and what their compilers need to know of it."""
+
+    forward: torch.fx.GraphModule
+    backward: torch.fx.GraphModule
+    saved_from: int  # the forward's outputs from here on are saved for the backward
+    static_saved: tuple[str, ...]  # the backward's inputs (placeholder names) that are static
+
+
+def partition(joint_module: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any,
+              ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """AOTAutograd's ``partition_fn``: the forward and backward graphs of ``split``."""
+    cut = split(joint_module, joint_inputs, **kwargs)
+    return cut.forward, cut.backward
+
+
+def split(joint_module: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
+          static_lifetime_input_indices: list[int] | None = None, layout_opt: str = "auto", **_: Any) -> Split:
     # 0. Channels-last convolutions, decided on the joint graph so both halves agree (layout.py).
     layout.optimize(joint_module, layout_opt, inference=False)
     graph = joint_module.graph
@@ -46,9 +63,8 @@ def partition(joint_module: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_
     fw, bw = compat.extract_fwd_bwd_modules(joint_module, saved_values, saved_syms,
                                             num_fwd_outputs=num_fwd_outputs, static_nodes=static or None)
     order.place(fw, bw, num_fwd_outputs)  # what crossed the cut, where it fuses (order.py)
-    bw.meta[SAVED_STATIC] = tuple(n.name for n in saved_values if n in static)
-    fw.meta[SAVED_FROM] = num_fwd_outputs  # after the user's outputs, what the backward reads
-    return fw, bw
+    # 5. After the user's outputs, what the backward reads; which of those are static.
+    return Split(fw, bw, num_fwd_outputs, tuple(n.name for n in saved_values if n in static))
 
 
 def _tangent_dependent(graph: torch.fx.Graph) -> set[torch.fx.Node]:

@@ -12,21 +12,38 @@ atomically under a lock per entry (store.py). Every hit re-wraps the modules in 
 Every torch private API the cache uses is in compat.py.
 
 The cache sits beside the pipeline: the driver (``aot.driver``) lists the steps and asks it
-    load_aot          level 1, before AOTAutograd: the whole compiled function, or None
+    load_aot          level 1, before AOTAutograd: the whole compiled function (a hit), or the
+                      ``Recorder`` the driver hands each compiled aten graph (a miss)
     module_key        level 2's key for an aten graph (None: cache off, or a counted bypass)
     lookup_module     the stored kernel module, or None
     store_module      keep a generated module
-    record_module     hand level 1 each compiled aten graph, so it can write its entry
+    graph_hash        the digest of an aten graph's canonical text, for its module's header
 ``triton_key_file`` names the file where codegen keeps Triton's hash of itself between processes.
+The cache imports nothing of the driver: what it calls back (the runtime's wrap, the backward
+compiler) is handed to it.
 """
 
 from __future__ import annotations
 
+import torch.fx
+
 from backend.cache.aot import load as load_aot
-from backend.cache.aot import record as record_module
+from backend.cache.compat import Uncacheable
+from backend.cache.key import graph_digest, text_digest
+from backend.cache.modules import ModuleKey, triton_key_file
 from backend.cache.modules import key_for as module_key
 from backend.cache.modules import lookup as lookup_module
 from backend.cache.modules import store as store_module
-from backend.cache.modules import triton_key_file
 
-__all__ = ["load_aot", "module_key", "lookup_module", "store_module", "record_module", "triton_key_file"]
+__all__ = ["load_aot", "module_key", "lookup_module", "store_module", "graph_hash", "triton_key_file"]
+
+
+def graph_hash(gm: torch.fx.GraphModule, key: ModuleKey | None) -> str | None:
+    """The digest of the graph's canonical text (from its key, which holds it, when there is one);
+    None for a graph with no such text (a call target without a stable name, say)."""
+    if key is not None:
+        return text_digest(key.key.graph)
+    try:
+        return graph_digest(gm)
+    except Uncacheable:
+        return None

@@ -6,57 +6,58 @@ module record (``modules.module_record``: a generated module by the digest of it
 the GraphContext fields the driver gave it, and the metadata of its example inputs; plus the
 runtime plan (``compat.runtime_plan``) our wrapper needs. A hit reads the kernel modules from level
 2 (one that is gone or bad makes the hit a counted miss, and the entry is written again), wraps
-each in the runtime again (recording is per process) with the same context fields and one shared
-``pair``, and puts our wrapper around them.
+each in the runtime again (recording is per process, through the driver's ``wrap``, which shares
+one tree between a forward and its backward) with the same context fields, and puts our wrapper
+around them.
 
 A compiled-autograd graph (``backward=True``) is traced with grad mode off: its one graph is an
 inference graph to AOTAutograd and to our wrapper, and a backward to the runtime (the part's
-``runtime_kind``). A graph whose ``meta[NO_LEVEL_1]`` holds a reason bypasses this level.
+``runtime_kind``). A graph whose ``Level1Hints`` hold a reason to bypass it bypasses this level.
 
-On a miss, a ``Recorder`` rides on the pair: the driver hands it every aten graph it compiles, and
+On a miss, ``load`` returns a ``Recorder``: the driver hands it every aten graph it compiles, and
 it writes the entry once the inference graph is in, or, for a training graph, once AOTAutograd has
 returned: then with AOTAutograd's backward graph and metadata (``backward_graph``), which compiled
 autograd reads off the forward's Function instead of a compiled backward. A backward compiled later
 (lazily, at a plain ``backward()``) replaces that entry by one that holds it; a hit on an entry
-without one compiles it from the kept graph at the first ``backward()`` (``LazyBackward``). A graph
+without one compiles it from the kept graph at the first ``backward()`` (``LazyBackward``, through
+the backward compiler the driver hands in: this module imports nothing of the driver). A graph
 found uncacheable leaves a bypass marker, so later processes count a bypass with the reason instead
 of a miss and go straight to AOTAutograd.
 
-Precompile (``backend.precompile``) saves the same entry in a file of its own: it puts a ``Kept``
-in the Dynamo graph's ``meta[KEEP]``, and ``load`` and the recorder leave there the entry (a hit's
-or a new one's, its modules' sources and binaries in it: the file needs no cache) or the reason the
-graph bypasses this level. With the cache off, the recorder
-then still collects the entry, and writes nothing.
+Precompile (``backend.precompile``) saves the same entry in a file of its own: it hands a ``Kept``
+in the ``Level1Hints``, and ``load`` and the recorder leave there the entry (a hit's or a new one's,
+its modules' sources and binaries in it: the file needs no cache) or the reason the graph bypasses
+this level. With the cache off, the recorder then still collects the entry, and writes nothing.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
 
+from backend import codegen
 from backend.cache import backward_graph, compat, events, modules, wrappers
 from backend.cache.compat import Uncacheable
 from backend.cache.key import CacheKey, make_key
 from backend.cache.store import CorruptEntry, Store
-from backend.codegen import first_calls
-from backend.codegen.module import GraphFacts
+from backend.compiled import AtenGraph, CompiledModule
 from backend.config import Config
-from backend.context import GraphContext
+from backend.context import Constants, GraphContext
 from backend.logs import log_once
+from backend.runtime import first_calls
 from backend.runtime.examples import Examples
 
 log = logging.getLogger("backend.cache")
 
 LEVEL = "aot"
-Wrap = Callable[[Any, Examples, GraphContext], Callable[[list[Any]], Any]]
-
-
-KEEP = "cgtrees_keep_aot_entry"
-NO_LEVEL_1 = "cgtrees_no_level_1"  # gm.meta: why this level must not key the graph (aot.compiled_autograd)
+Wrap = Callable[[CompiledModule, Examples, GraphContext], Callable[[list[Any]], Any]]
+# The driver's backward compiler: (graph, example inputs, its static inputs by name) -> call
+CompileBackward = Callable[[torch.fx.GraphModule, list[Any], tuple[str, ...]], Callable[[list[Any]], Any]]
 
 
 class Kept:
@@ -67,37 +68,58 @@ class Kept:
         self.bypass: str | None = None
 
 
+@dataclass(frozen=True)
+class Level1Hints:
+    """What the caller knows of a Dynamo graph that this level must respect."""
+
+    kept: Kept | None = None  # precompile collects the entry here (torch will save the result)
+    bypass: str | None = None  # why this level must not key the graph (``aot.compiled_autograd``)
+    target_texts: dict[str, str] = field(default_factory=dict)  # the key's text of unnamed call targets
+
+
+NO_HINTS = Level1Hints()
+
+
+@dataclass(frozen=True)
+class Found:
+    """What ``load`` found: the compiled function (a hit), or the recorder of the entry to write."""
+
+    function: Callable[..., Any] | None = None
+    recorder: "Recorder | None" = None
+
+
 def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config, name: str,
-         pair: Any, wrap: Wrap, backward: bool = False) -> Callable[..., Any] | None:
-    """The compiled function on a hit; None otherwise (then a recorder rides on ``pair``)."""
-    kept: Kept | None = gm.meta.get(KEEP) if isinstance(getattr(gm, "meta", None), dict) else None
+         hints: Level1Hints, wrap: Wrap, compile_backward: CompileBackward, backward: bool = False) -> Found:
+    """The compiled function on a hit; else the recorder of a new entry (None where there is none
+    to write: the cache is off, or the graph bypasses this level)."""
+    kept = hints.kept
     if not config.cache and kept is None:
-        return None
+        return Found()
     try:
-        _check_inputs(gm, example_inputs)
-        key = aot_key(gm, example_inputs, config, backward)
+        _check_inputs(gm, example_inputs, hints)
+        key = aot_key(gm, example_inputs, config, backward, hints)
     except Uncacheable as exc:
         _bypass(kept, config, name, str(exc))
-        return None
+        return Found()
     store = modules.open_store(config) if config.cache else None
     if store is None and config.cache:
         events.bypass(LEVEL, name, "no usable cache directory")
         if kept is None:
-            return None
+            return Found()
     digest = key.digest()
     if store is not None:
         try:
             payload = store.read(LEVEL, digest)
             if payload is not None and "bypass" in payload:
                 _bypass(kept, config, name, payload["bypass"])
-                return None
+                return Found()
             if payload is not None:
                 payload = resolve(payload, store)  # the kernel modules, from level 2
-                compiled = rebuild(payload, config, name, pair, wrap)
+                compiled = rebuild(payload, config, name, wrap, compile_backward)
                 events.hit(LEVEL, name)
                 if kept is not None:
                     kept.payload = payload
-                return compiled
+                return Found(function=compiled)
             events.miss(LEVEL, name, explain=lambda: explain_miss(store, key))
         except modules.MissingModule as exc:  # compiled again, and the entry written again
             why = str(exc)
@@ -107,8 +129,7 @@ def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config
             events.corrupt(LEVEL, name, f"{type(exc).__name__}: {exc}")
             store.remove(LEVEL, digest)
             events.miss(LEVEL, name)
-    pair.cache_recorder = Recorder(store, key, digest, config, name, len(example_inputs), kept, backward)
-    return None
+    return Found(recorder=Recorder(store, key, digest, config, name, len(example_inputs), kept, backward))
 
 
 def _bypass(kept: Kept | None, config: Config, name: str, reason: str) -> None:
@@ -134,7 +155,7 @@ def explain_miss(store: Store, key: CacheKey) -> str:
 
 
 def aot_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config,
-            backward: bool = False) -> CacheKey:
+            backward: bool = False, hints: Level1Hints = NO_HINTS) -> CacheKey:
     static = [i for i, x in enumerate(example_inputs)
               if isinstance(x, torch.nn.Parameter) or getattr(x, "_dynamo_static_input_type", None)]
     context = [
@@ -145,15 +166,15 @@ def aot_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Con
         ("functorch_config", compat.functorch_config_text()),
         ("compiled_autograd", backward),
     ]
-    return make_key(LEVEL, gm, example_inputs, config, static, context)
+    return make_key(LEVEL, gm, example_inputs, config, static, context, hints.target_texts)
 
 
-def _check_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+def _check_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], hints: Level1Hints) -> None:
     """What we know up front we will not rebuild (AOTAutograd tells us the rest)."""
-    if type(gm) is not torch.fx.GraphModule and not isinstance(gm, torch.fx.GraphModule):
+    if not isinstance(gm, torch.fx.GraphModule):
         raise Uncacheable(f"not a GraphModule ({type(gm).__name__})")
-    if gm.meta.get(NO_LEVEL_1):
-        raise Uncacheable(gm.meta[NO_LEVEL_1])
+    if hints.bypass:
+        raise Uncacheable(hints.bypass)
     if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
         raise Uncacheable("graph owns parameters or buffers")
     if compat.autocast_enabled():
@@ -184,16 +205,18 @@ def resolve(payload: dict[str, Any], store: Store | None) -> dict[str, Any]:
     return {**payload, "parts": parts}
 
 
-def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap: Wrap) -> Callable[..., Any]:
-    """The compiled function from a self-contained entry (``resolve``)."""
+def rebuild(payload: dict[str, Any], config: Config, name: str, wrap: Wrap,
+            compile_backward: CompileBackward) -> Callable[..., Any]:
+    """The compiled function from a self-contained entry (``resolve``): each module wrapped by
+    ``wrap``; a backward the entry keeps uncompiled compiled by ``compile_backward`` at its first call."""
     plan, parts = payload["plan"], payload["parts"]
     start_first_calls(payload, config)
-    calls = {kind: _load_part(part, kind, config, pair, wrap, name) for kind, part in parts.items()}
+    calls = {kind: _load_part(part, kind, config, wrap, name) for kind, part in parts.items()}
     if set(calls) == {"inference"}:
         return wrappers.inference_function(calls["inference"], plan)
     graph = payload.get("backward_graph")
     if set(calls) == {"forward"} and graph is not None:  # the backward was never compiled: compile it lazily
-        calls["backward"] = LazyBackward(graph, config, name, pair)
+        calls["backward"] = LazyBackward(graph, compile_backward)
     if set(calls) == {"forward", "backward"}:
         return wrappers.training_function(calls["forward"], calls["backward"], plan, payload["detach"],
                                           _aot_attributes(payload, plan))
@@ -202,15 +225,19 @@ def rebuild(payload: dict[str, Any], config: Config, name: str, pair: Any, wrap:
 
 def start_first_calls(payload: dict[str, Any], config: Config) -> None:
     """The entry's library calls and Triton's driver, made in a thread beside the load
-    (``codegen.first_calls``; each once per process: precompile starts them as it reads its file)."""
+    (``runtime.first_calls``; each once per process: precompile starts them as it reads its file)."""
     if not config.warm_first_calls:
         return
     calls: dict[bool, list[str]] = {False: [], True: []}  # by whether the module runs as a backward
+    binaries = False
     for kind, part in payload["parts"].items():
-        backward = part.get("runtime_kind", kind) == "backward"
-        calls[backward] += GraphFacts.from_record(part["module"].get("facts")).library_calls
-    binaries = any(part["module"].get("binaries") for part in payload["parts"].values())
-    first_calls.start(calls[False], calls[True], triton_driver=not config.interpret and binaries)
+        graph = modules.record_graph(part["module"])
+        if isinstance(graph, AtenGraph):
+            continue
+        calls[part.get("runtime_kind", kind) == "backward"] += graph.library_calls
+        binaries = binaries or bool(graph.binaries)
+    driver = codegen.triton_driver if binaries and not config.interpret else None
+    first_calls.start(calls[False], calls[True], driver)
 
 
 def _aot_attributes(payload: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any] | None:
@@ -218,17 +245,19 @@ def _aot_attributes(payload: dict[str, Any], plan: dict[str, Any]) -> dict[str, 
     graph, meta = payload.get("backward_graph"), payload.get("aot_metadata")
     if graph is None or meta is None or plan["num_saved_no_vc_check"]:
         return None  # compiled autograd traces our Function's backward instead
-    return compat.aot_backward_attributes(meta, lambda: backward_graph.graph_module(graph))
+    return compat.aot_backward_attributes(meta, lambda: backward_graph.graph_module(graph)[0])
 
 
 class LazyBackward:
     """The backward of an entry that keeps only its graph (the process that wrote it ran the
     backward under compiled autograd): compiled at its first call, as AOTAutograd compiles a
-    backward, through the driver's steps (its kernel module from level 2 when one is there).
-    ``graph``: the entry's record of it, or, on a miss, AOTAutograd's GraphModule itself."""
+    backward, by the driver's backward compiler (its kernel module from level 2 when one is there).
+    ``graph``: the entry's record of it, or, on a miss, AOTAutograd's GraphModule itself with its
+    static inputs by name (``static_saved``)."""
 
-    def __init__(self, graph: dict[str, Any] | torch.fx.GraphModule, config: Config, name: str, pair: Any) -> None:
-        self.graph, self.config, self.name, self.pair = graph, config, name, pair
+    def __init__(self, graph: dict[str, Any] | torch.fx.GraphModule, compile_backward: CompileBackward,
+                 static_saved: tuple[str, ...] = ()) -> None:
+        self.graph, self.compile_backward, self.static_saved = graph, compile_backward, static_saved
         self.call: Callable[[list[Any]], Any] | None = None
 
     def __call__(self, args: list[Any]) -> Any:
@@ -239,26 +268,24 @@ class LazyBackward:
     def _compile(self) -> Callable[[list[Any]], Any]:
         if isinstance(self.graph, torch.fx.GraphModule):  # a copy, as AOTAutograd compiles one
             gm, inputs = backward_graph.copy_with_inputs(self.graph)
+            static_saved = self.static_saved
         else:
-            gm = backward_graph.graph_module(self.graph)
+            gm, static_saved = backward_graph.graph_module(self.graph)
             inputs = backward_graph.example_inputs(gm, self.graph)
-        from backend.aot import driver  # the driver imports this module: its steps, at first use
-
         with torch.no_grad():  # the compiler AOTAutograd would have called (constants lifted, ...)
-            call = driver.backward_compiler(self.name, self.pair, self.config)(gm, inputs)
+            call = self.compile_backward(gm, inputs, static_saved)
         self.graph = None  # compiled: not needed again (kept until then, so a failed compile can retry)
         return call
 
 
-def _load_part(part: dict[str, Any], kind: str, config: Config, pair: Any, wrap: Wrap,
-               name: str) -> Callable[[list[Any]], Any]:
+def _load_part(part: dict[str, Any], kind: str, config: Config, wrap: Wrap, name: str) -> Callable[[list[Any]], Any]:
     consts = load_constants(part.get("constants", []))
     # The entry's names are those of the process that wrote it ("g3_forward"): this process
     # names its graphs itself, so two functions never share a name in the runtime.
     _, sep, suffix = part["name"].partition("_")
     ctx = GraphContext(config=config, kind=part.get("runtime_kind", kind), name=f"{name}_{suffix}" if sep else name,
                        static_input_indices=tuple(part["static_inputs"]),
-                       mutated_input_indices=tuple(part["mutated_inputs"]), pair=pair, constants=consts,
+                       mutated_input_indices=tuple(part["mutated_inputs"]), constants=consts,
                        saved_from=part.get("saved_from"))
     module = modules.load_record(part["module"], ctx)
     if not part["wrapped"]:
@@ -269,7 +296,7 @@ def _load_part(part: dict[str, Any], kind: str, config: Config, pair: Any, wrap:
 MAX_CONSTANT_BYTES = 1 << 20  # an entry keeps its graphs' constants; larger ones are not kept
 
 
-def constant_records(consts: Any) -> list[dict[str, Any]]:
+def constant_records(consts: Constants | None) -> list[dict[str, Any]]:
     """A graph's lifted constants as JSON records (their bytes in base64)."""
     if not consts:
         return []
@@ -280,12 +307,10 @@ def constant_records(consts: Any) -> list[dict[str, Any]]:
             for name, t in zip(consts.names, consts.tensors)]
 
 
-def load_constants(records: list[dict[str, Any]]) -> Any:
+def load_constants(records: list[dict[str, Any]]) -> Constants | None:
     """The graph's constants; None when it has none."""
     if not records:
         return None
-    from backend.aot.constants import Constants
-
     tensors = []
     for r in records:
         dtype = getattr(torch, r["dtype"])
@@ -318,6 +343,7 @@ class Recorder:
         self.plan: dict[str, Any] | None = None
         self.detach: list[int] = []
         self.bw_graph: torch.fx.GraphModule | None = None  # AOTAutograd's, from our partition
+        self.static_saved: tuple[str, ...] = ()  # its static inputs, by name
         self.meta: Any = None  # AOTAutograd's metadata of the forward (runtime-safe once it returns)
         self.extras: dict[str, Any] = {}  # the backward graph and metadata, once AOTAutograd returns
         self.finished = False  # AOTAutograd has returned
@@ -325,11 +351,12 @@ class Recorder:
         self.done = False
         self.bypassed = False  # the graph gave up on level 1 (``_give_up``)
 
-    def keep_backward_graph(self, bw: torch.fx.GraphModule) -> None:
-        self.bw_graph = bw
+    def keep_backward_graph(self, bw: torch.fx.GraphModule, static_saved: tuple[str, ...]) -> None:
+        """AOTAutograd's backward graph as our partition made it, and its static inputs by name."""
+        self.bw_graph, self.static_saved = bw, static_saved
 
     def add(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext,
-            module: Any, wrapped: bool, level_2: str | None = None) -> None:
+            module: CompiledModule, wrapped: bool, level_2: str | None = None) -> None:
         """``level_2``: the digest of the level-2 entry that holds ``module``, if one does."""
         if self.done:
             return
@@ -351,7 +378,7 @@ class Recorder:
         if self.done or "forward" not in self.parts:
             return
         try:
-            self.extras["backward_graph"] = backward_graph.record(self._backward_graph())
+            self.extras["backward_graph"] = backward_graph.record(self._backward_graph(), self.static_saved)
             if "backward" not in self.parts:
                 self.detach = _inputs_to_detach(self.bw_graph, self.plan)
         except Uncacheable as exc:
@@ -383,7 +410,7 @@ class Recorder:
                      "backward of its level-1 entry: %s", self.name, exc, level=logging.INFO)
 
     def _add(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext, kind: str,
-             module: Any, wrapped: bool, level_2: str | None) -> None:
+             module: CompiledModule, wrapped: bool, level_2: str | None) -> None:
         if kind in self.parts:
             raise Uncacheable(f"AOTAutograd compiled a second {kind} graph")
         num_constants = len(ctx.constants) if ctx.constants else 0
@@ -402,7 +429,7 @@ class Recorder:
             "name": ctx.name, "static_inputs": list(ctx.static_input_indices),
             "mutated_inputs": list(ctx.mutated_input_indices), "wrapped": wrapped,
             "inputs": [_tensor_spec(x) for x in example_inputs],
-            "module": modules.module_record(gm, module, level_2 if self.store is not None else None),
+            "module": modules.module_record(gm, module, self.config, level_2 if self.store is not None else None),
             "constants": constant_records(ctx.constants),
         }
         if ctx.kind != kind:
@@ -410,7 +437,7 @@ class Recorder:
         if ctx.saved_from is not None:
             self.parts[kind]["saved_from"] = ctx.saved_from
         if self.kept is not None and self.parts[kind]["module"]["format"] == "level-2":
-            self.kept_modules[kind] = modules.module_record(gm, module)
+            self.kept_modules[kind] = modules.module_record(gm, module, self.config)
 
     def _write(self) -> None:
         replace = self.partial  # the entry written without the compiled backward: this one holds it
@@ -435,52 +462,23 @@ class Recorder:
                              self.config.cache_size_mb)
 
 
-def record(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext, module: Any,
-           wrapped: bool, level_2: str | None = None) -> None:
-    """Give the Dynamo graph's recorder (if it has one) a compiled aten graph; ``level_2``: the
-    digest of the level-2 entry that holds ``module``, if one does."""
-    recorder = getattr(ctx.pair, "cache_recorder", None)
-    if recorder is not None:
-        recorder.add(gm, example_inputs, ctx, module, wrapped, level_2)
-
-
-def recorded_partition(pair: Any, partition: Callable[..., Any]) -> Callable[..., Any]:
-    """``partition``, which also hands the Dynamo graph's recorder (if it has one) the backward
-    graph: AOTAutograd keeps it uncompiled until the first backward, and compiled autograd never
-    has it compiled."""
-    def partition_and_keep(*args: Any, **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
-        fw, bw = partition(*args, **kwargs)
-        if pair.cache_recorder is not None:
-            pair.cache_recorder.keep_backward_graph(bw)
-        return fw, bw
-
-    return partition_and_keep
-
-
-def lean_training(pair: Any) -> Callable[..., Any] | None:
+def lean_training(recorder: Recorder, forward_call: Callable[[list[Any]], Any],
+                  compile_backward: CompileBackward) -> Callable[..., Any] | None:
     """On a miss, the function a hit on the entry just written would give: our wrapper around this
     process's compiled forward and its backward (compiled at the first ``backward()`` by the
     driver's backward compiler, as AOTAutograd would). It replaces AOTAutograd's, so that a cold
     process's calls cost what a warm one's do (AOTAutograd's runtime wrappers: about 750 Python
-    calls a mobilenet_v3_small training step). None where AOTAutograd's function stays: no recorder (cache
-    off), a graph level 1 does not take, or what compiled autograd needs of the entry is missing."""
-    recorder = pair.cache_recorder
-    if recorder is None or pair.forward_call is None or recorder.bypassed or recorder.plan is None:
+    calls a mobilenet_v3_small training step). None where AOTAutograd's function stays: a graph
+    level 1 does not take, or what compiled autograd needs of the entry is missing."""
+    if recorder.bypassed or recorder.plan is None:
         return None
     if "forward" not in recorder.parts or "backward" in recorder.parts or recorder.bw_graph is None:
         return None  # not a training graph, or its backward compiled already (not AOTAutograd's lazy way)
     attributes = _aot_attributes(recorder.extras, recorder.plan)
     if attributes is None:
         return None  # compiled autograd would trace our backward instead of AOTAutograd's graph
-    backward = LazyBackward(recorder.bw_graph, recorder.config, recorder.name, pair)
-    return wrappers.training_function(pair.forward_call, backward, recorder.plan, recorder.detach, attributes)
-
-
-def finish(pair: Any) -> None:
-    """AOTAutograd has returned for the Dynamo graph of ``pair``: its recorder (if it has one)
-    writes what it holds (``Recorder.finish``)."""
-    if pair.cache_recorder is not None:
-        pair.cache_recorder.finish()
+    backward = LazyBackward(recorder.bw_graph, compile_backward, recorder.static_saved)
+    return wrappers.training_function(forward_call, backward, recorder.plan, recorder.detach, attributes)
 
 
 def _inputs_to_detach(bw: torch.fx.GraphModule, plan: dict[str, Any]) -> list[int]:

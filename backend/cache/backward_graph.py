@@ -29,11 +29,10 @@ from backend.cache import compat
 from backend.cache.compat import Uncacheable
 from backend.cache.modules import _fx_globals
 
-SAVED_STATIC = "cgtrees_saved_static"  # bw_module.meta: names of inputs that are static (aot.partition)
 
-
-def record(bw: torch.fx.GraphModule) -> dict[str, Any]:
-    """What the entry keeps of AOTAutograd's backward graph ``bw`` (Uncacheable if it cannot)."""
+def record(bw: torch.fx.GraphModule, static_saved: tuple[str, ...]) -> dict[str, Any]:
+    """What the entry keeps of AOTAutograd's backward graph ``bw`` (Uncacheable if it cannot);
+    ``static_saved``: its static inputs, by name, as our partition's cut says."""
     if any(n.op in ("get_attr", "call_module") for n in bw.graph.nodes):
         raise Uncacheable("the backward graph reads module attributes")
     code = bw.graph.python_code(root_module="self")
@@ -43,14 +42,14 @@ def record(bw: torch.fx.GraphModule) -> dict[str, Any]:
         if not (known is value or _same_float(known, value)):
             raise Uncacheable(f"the backward graph's code needs the global {name!r}")
     placeholders = list(bw.graph.find_nodes(op="placeholder"))
-    static = set(bw.meta.get(SAVED_STATIC, ()))
+    static = set(static_saved)
     return {"code": code.src, "inputs": [_spec(n) for n in placeholders],
             "static": [i for i, n in enumerate(placeholders) if n.name in static]}
 
 
-def graph_module(rec: dict[str, Any]) -> torch.fx.GraphModule:
-    """The backward graph traced back from its code (no example values: ``example_inputs``), its
-    static inputs marked as our partition marks them."""
+def graph_module(rec: dict[str, Any]) -> tuple[torch.fx.GraphModule, tuple[str, ...]]:
+    """The backward graph traced back from its code (no example values: ``example_inputs``), and
+    its static inputs by name, as our partition's cut said."""
     namespace = dict(_fx_globals())
     exec(compile(rec["code"], "<cgtrees cached backward graph>", "exec"), namespace)  # noqa: S102 - our entry
     root = type("CachedBackwardGraph", (torch.nn.Module,), {"forward": namespace["forward"]})()
@@ -58,8 +57,7 @@ def graph_module(rec: dict[str, Any]) -> torch.fx.GraphModule:
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     if len(placeholders) != len(rec["inputs"]):
         raise Uncacheable("the backward graph's code does not match its inputs")
-    gm.meta[SAVED_STATIC] = tuple(placeholders[i].name for i in rec["static"])  # as our partition left it
-    return gm
+    return gm, tuple(placeholders[i].name for i in rec["static"])
 
 
 def example_inputs(gm: torch.fx.GraphModule, rec: dict[str, Any]) -> list[torch.Tensor]:

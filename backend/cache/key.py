@@ -8,8 +8,8 @@ Symbolic shapes print in their symbolic form.
 
 ``graph_text`` is the one canonical text of a graph: the key holds it, and a generated kernel
 module's header shows its digest (``graph_digest``) beside the key's. A pass that knows what a call
-target without a stable name does (compiled autograd's ops, ``aot.compiled_autograd``) may name it
-for the text in ``node.meta[TARGET_TEXT]``.
+target without a stable name does (compiled autograd's ops, ``aot.compiled_autograd``) hands its
+text in ``target_texts`` (by node name).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx
@@ -94,10 +95,11 @@ def _first_difference(mine: Any, theirs: Any) -> str:
 # ---- the pieces -------------------------------------------------------------------------------
 
 def make_key(level: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config,
-             static_inputs: Sequence[int], context: Sequence[tuple[str, str]]) -> CacheKey:
+             static_inputs: Sequence[int], context: Sequence[tuple[str, str]],
+             target_texts: Mapping[str, str] = MappingProxyType({})) -> CacheKey:
     return CacheKey(
         level=level,
-        graph=graph_text(gm),
+        graph=graph_text(gm, target_texts),
         inputs=tuple(value_text(x) for x in example_inputs),
         static_inputs=tuple(static_inputs),
         context=tuple((k, str(v)) for k, v in context),
@@ -109,17 +111,15 @@ def make_key(level: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     )
 
 
-TARGET_TEXT = "cgtrees_target_text"  # node.meta: the text of a call target that has no stable name
-
-
-def graph_text(gm: torch.fx.GraphModule) -> str:
+def graph_text(gm: torch.fx.GraphModule, target_texts: Mapping[str, str] = MappingProxyType({})) -> str:
     """One line per node: position, op, target, arguments and value; names never appear.
+    ``target_texts``: the text of call targets that have no stable name, by node name.
     Uncacheable when some part has no text that means the same in every process."""
     index: dict[torch.fx.Node, str] = {}
     lines = []
     for i, node in enumerate(gm.graph.nodes):
         index[node] = f"%{i}"
-        target = _target_text(gm, node)
+        target = target_texts[node.name] if node.name in target_texts else _target_text(gm, node)
         args = _arg_text(node.args, index)
         kwargs = _arg_text(node.kwargs, index)
         value = node.meta.get("val", node.meta.get("example_value"))
@@ -128,16 +128,19 @@ def graph_text(gm: torch.fx.GraphModule) -> str:
 
 
 def graph_digest(gm: torch.fx.GraphModule) -> str:
-    """A short digest of ``graph_text`` (a generated module's ``GRAPH_HASH``)."""
-    return hashlib.sha256(graph_text(gm).encode()).hexdigest()[:24]
+    """A short digest of ``graph_text`` (a generated module's graph hash)."""
+    return text_digest(graph_text(gm))
+
+
+def text_digest(text: str) -> str:
+    """The short digest of a graph's canonical text (a key holds the text: ``CacheKey.graph``)."""
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
 def _target_text(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
     target = node.target
     if node.op in ("placeholder", "output"):
         return ""
-    if TARGET_TEXT in node.meta:
-        return str(node.meta[TARGET_TEXT])
     if node.op == "call_method":
         return str(target)
     if node.op == "get_attr":

@@ -4,16 +4,18 @@ lower to the same aten graph share it and a hit skips codegen.
 A lookup and store service beside the pipeline; the driver lists the steps (``aot.driver``):
 
     key_for(gm, example_inputs, ctx) -> ModuleKey | None    None: cache off, or the graph has no key
-    lookup(key, gm, ctx) -> module | None                    a hit loads the entry's source and binaries
+    lookup(key, gm, example_inputs, ctx) -> module | None    a hit loads the entry's CompiledGraph
     store(key, module, ctx) -> bool                          whether the entry now holds the module
 
-A module with a source is stored as that source with its kernels' compiled binaries; a graph that
+An entry is the module's ``CompiledGraph`` record (``backend.compiled``): its source, its kernels'
+compiled binaries and the compiled Python of its source, and what is known of it. A graph that
 runs through aten is not stored here. A bad entry is a counted ``corrupt``, removed, and a miss.
+A hit takes the facts of the graph at hand (its outputs' source lines are this program's).
 
 Also the module *records* of level 1: a record refers to this level's entry by its digest
-(``ref``), and ``resolve`` reads the entry back into a self-contained record (source and
-binaries), as precompile saves it; a graph that runs through aten is recorded as its FX code,
-which we load back with a fixed set of globals.
+(``ref``), and ``resolve`` reads the entry back into a self-contained record, as precompile saves
+it; a graph that runs through aten is recorded as its FX code, which we load back with a fixed set
+of globals.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from backend.cache.key import CacheKey, constants_text, make_key
 from backend.cache.store import CorruptEntry, Store
 from backend.codegen import binaries as codegen_binaries
 from backend.codegen import compat as codegen_compat
+from backend.compiled import AtenGraph, CompiledGraph, CompiledModule, GraphFacts
 from backend.config import Config
 from backend.context import GraphContext
 
@@ -66,7 +69,8 @@ def key_for(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphC
     return ModuleKey(key, key.digest(), store)
 
 
-def lookup(key: ModuleKey | None, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext) -> Any:
+def lookup(key: ModuleKey | None, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+           ctx: GraphContext) -> CompiledModule | None:
     """The stored module (a counted hit), else None (a counted miss; a bad entry is removed)."""
     if key is None:
         return None
@@ -85,22 +89,33 @@ def lookup(key: ModuleKey | None, gm: torch.fx.GraphModule, example_inputs: Sequ
 
 
 def _load_entry(payload: dict[str, Any], gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                ctx: GraphContext) -> Any:
-    return codegen.load(payload["source"], ctx, path=codegen.debug_path(gm, ctx), precompile_kernels=False,
-                        binaries=payload.get("binaries"), facts=codegen.facts_of(gm),
-                        dynamic=codegen.has_symbolic_shapes(list(example_inputs)), code=payload.get("code"))
+                ctx: GraphContext) -> CompiledModule:
+    graph = CompiledGraph.from_record(payload["graph"]).with_facts(GraphFacts.of(gm))  # this program's lines
+    return codegen.load(graph, ctx, fresh=False)
 
 
-def store(key: ModuleKey | None, module: Any, ctx: GraphContext) -> bool:
-    """Keep a generated module (its source and binaries); False when it is not kept (no key, a
-    graph that runs through aten, a write that failed)."""
-    if key is None or getattr(module, "source", None) is None:
-        return False
-    binaries = kernel_binaries(module)
-    payload = {"key": key.key.as_dict(), "source": module.source, "binaries": binaries}
-    if not ctx.config.interpret:  # interpreted kernels are loaded from their source (``codegen.load``)
-        payload["code"] = code_record(module.source, binaries)
-    return key.store.write(LEVEL, key.digest, payload, ctx.config.cache_size_mb)
+def store(key: ModuleKey | None, module: CompiledModule, ctx: GraphContext) -> bool:
+    """Keep a generated module (its source, binaries and compiled code); False when it is not kept
+    (no key, a graph that runs through aten, a write that failed)."""
+    if key is None or not isinstance(module, codegen.KernelModule):
+        return False  # no key, or a graph that runs through aten
+    graph = kept_graph(module, ctx.config)
+    return key.store.write(LEVEL, key.digest, {"key": key.key.as_dict(), "graph": graph.as_record()},
+                           ctx.config.cache_size_mb)
+
+
+def kept_graph(module: codegen.KernelModule, config: Config) -> CompiledGraph:
+    """What an entry keeps of a generated module: its graph with the binaries its kernels compiled,
+    and (compiled, not interpreted) the compiled code a warm start runs instead of its source."""
+    try:
+        graph = module.compiled()
+    except Exception as exc:  # noqa: BLE001 - the entry is still good; its kernels go through the JIT
+        events.log.warning("cgtrees cache: the compiled kernels of %s are not kept (%s: %s)",
+                           module.name, type(exc).__name__, exc)
+        graph = module.graph
+    if config.interpret:  # interpreted kernels are loaded from their source (``codegen.load``)
+        return graph
+    return dataclasses.replace(graph, code=code_record(graph.source, graph.binaries))
 
 
 def code_record(source: str, binaries: dict[str, list[dict]]) -> dict[str, str] | None:
@@ -141,59 +156,35 @@ def point_triton_at(store: Store) -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", str(store.triton_dir()))
 
 
-def kernel_binaries(module: Any) -> dict[str, list[dict]]:
-    """The compiled kernels to keep with a module's source, so a warm start launches them as they
-    are (``codegen.binaries``); none when they cannot be taken."""
-    take = getattr(module, "binaries", None)
-    if take is None:
-        return {}
-    try:
-        return take()
-    except Exception as exc:  # noqa: BLE001 - the entry is still good; its kernels go through the JIT
-        events.log.warning("cgtrees cache: the compiled kernels of %s are not kept (%s: %s)",
-                           getattr(module, "name", "?"), type(exc).__name__, exc)
-        return {}
-
-
 # ---- module records for level 1 ---------------------------------------------------------------
 
 class FxModule:
     """An aten graph loaded back from its FX code (boxed: ``forward(self, args_list)`` clears the
     list and frees each input at its last use): a CompiledModule like a kernel module."""
 
-    source = None
-
-    def __init__(self, code: str, name: str, facts: codegen.GraphFacts | None = None) -> None:
+    def __init__(self, code: str, name: str, graph: AtenGraph) -> None:
         namespace = dict(_fx_globals())
         exec(compile(code, f"<cgtrees cached graph {name}>", "exec"), namespace)  # noqa: S102 - our own entry
         self._forward = namespace["forward"]
         self.code = code
-        self.facts = facts or codegen.GraphFacts()
+        self.graph = graph
 
     def call(self, args: list[Any]) -> Any:
         return self._forward(None, args)
 
-    def binaries(self) -> dict[str, list[dict]]:
-        return {}
 
-
-def module_record(gm: torch.fx.GraphModule, module: Any, level_2: str | None = None) -> dict[str, Any]:
+def module_record(gm: torch.fx.GraphModule, module: CompiledModule, config: Config,
+                  level_2: str | None = None) -> dict[str, Any]:
     """What level 1 keeps of one compiled graph (Uncacheable if it cannot be kept): a generated
-    module by the digest of its level-2 entry (``level_2``: the store holds it), else by its
-    source, binaries and compiled code (what a warm load runs, as a level-2 entry keeps it); a
-    graph that runs through aten by its FX code."""
-    facts = getattr(module, "facts", None) or codegen.facts_of(gm)
-    source = getattr(module, "source", None)
-    if source is not None:
-        common = {"facts": facts.as_record(), "dynamic": codegen.has_symbolic_shapes(_placeholder_values(gm))}
-        if level_2 is not None:
-            return {"format": "level-2", "digest": level_2, **common}
-        binaries = kernel_binaries(module)
-        code = code_record(source, binaries) if binaries else None
-        return {"format": "codegen", "source": source, "binaries": binaries, "code": code, **common}
-    if not isinstance(module, codegen.AtenModule):
-        raise Uncacheable(f"kernel module {type(module).__name__} has no source")
-    return {"format": "fx-boxed", "source": fx_code(gm), "facts": facts.as_record()}
+    module by the digest of its level-2 entry (``level_2``: the store holds it), else its whole
+    ``CompiledGraph`` (binaries and compiled code in it, as a level-2 entry keeps them); a graph
+    that runs through aten by its FX code."""
+    if not isinstance(module, codegen.KernelModule):
+        return {"format": "fx-boxed", "source": fx_code(gm), "facts": module.graph.facts.as_record(),
+                "launches": module.graph.launches}
+    if level_2 is not None:
+        return {"format": "level-2", "digest": level_2, "facts": module.graph.facts.as_record()}
+    return {"format": "graph", "graph": kept_graph(module, config).as_record()}
 
 
 class MissingModule(Exception):
@@ -201,8 +192,9 @@ class MissingModule(Exception):
 
 
 def resolve(record: dict[str, Any], store: Store | None) -> dict[str, Any]:
-    """The record with its level-2 entry read in (source and binaries): self-contained, as
-    ``load_record`` and precompile take it. MissingModule when the entry cannot be read."""
+    """The record with its level-2 entry read in: self-contained, as ``load_record`` and precompile
+    take it (its digest kept, which names its copy in ``CGTREES_DEBUG_DIR``). MissingModule when
+    the entry cannot be read."""
     if record.get("format") != "level-2":
         return record
     digest = str(record["digest"])
@@ -216,32 +208,30 @@ def resolve(record: dict[str, Any], store: Store | None) -> dict[str, Any]:
         raise MissingModule(f"kernel module {digest[:12]}'s entry is bad ({exc})") from None
     if payload is None:
         raise MissingModule(f"kernel module {digest[:12]} is no longer in the cache")
-    if not isinstance(payload.get("source"), str):
-        raise MissingModule(f"kernel module {digest[:12]}'s entry holds no source")
+    if not isinstance(payload.get("graph"), dict):
+        raise MissingModule(f"kernel module {digest[:12]}'s entry holds no graph")
     events.hit(LEVEL, digest[:12])
-    return {**record, "format": "codegen", "source": payload["source"], "binaries": payload.get("binaries"),
-            "code": payload.get("code")}
+    return {"format": "graph", "digest": digest, "graph": {**payload["graph"], "facts": record["facts"]}}
 
 
-def load_record(record: dict[str, Any], ctx: GraphContext) -> Any:
-    """The module of a self-contained record (``resolve`` first one that refers to level 2); one
-    read from level 2 keeps its digest, which names its copy in ``CGTREES_DEBUG_DIR``."""
-    facts = codegen.GraphFacts.from_record(record.get("facts"))
-    if record["format"] == "codegen":
-        path = None
-        if record.get("digest"):
-            ctx = dataclasses.replace(ctx, cache_key=record["digest"])
-            path = codegen.debug_path(None, ctx)
-        return codegen.load(record["source"], ctx, path=path, precompile_kernels=False,
-                            binaries=record.get("binaries"), facts=facts, dynamic=bool(record.get("dynamic", True)),
-                            code=record.get("code"))
+def record_graph(record: dict[str, Any]) -> CompiledGraph | AtenGraph:
+    """What a self-contained record says of its graph (``resolve`` first one that refers to level 2)."""
+    if record["format"] == "graph":
+        return CompiledGraph.from_record(record["graph"])
     if record["format"] == "fx-boxed":
-        return FxModule(record["source"], ctx.name, facts)
+        return AtenGraph(GraphFacts.from_record(record.get("facts")), int(record["launches"]))
     raise CorruptEntry(f"unknown module format {record['format']!r}")
 
 
-def _placeholder_values(gm: torch.fx.GraphModule) -> list[Any]:
-    return [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+def load_record(record: dict[str, Any], ctx: GraphContext) -> CompiledModule:
+    """The module of a self-contained record; one read from level 2 keeps its digest, which names
+    its copy in ``CGTREES_DEBUG_DIR``."""
+    graph = record_graph(record)
+    if isinstance(graph, AtenGraph):
+        return FxModule(record["source"], ctx.name, graph)
+    if record.get("digest"):
+        ctx = dataclasses.replace(ctx, cache_key=record["digest"])
+    return codegen.load(graph, ctx, fresh=False)
 
 
 def fx_code(gm: torch.fx.GraphModule) -> str:

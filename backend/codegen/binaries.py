@@ -6,7 +6,7 @@ building its argument binder, parsing its own source for its cache key, finding 
 Triton's on-disk cache, reading five files and loading a launcher; over a second for convnet's 177
 training kernels, more than the rest of the warm start.
 
-``capture(module)`` takes what Triton compiled for each kernel (binary, metadata, and the argument
+``capture(module, kernels)`` takes what Triton compiled for each kernel (binary, metadata, and the argument
 specialisation it was compiled for) as JSON-able records, which the cache keeps with the module's
 source. ``install(module, records)`` puts a ``CachedKernel`` in the place of each kernel that has
 records: its launch uses a stored binary when the arguments satisfy what that binary assumes, and
@@ -35,7 +35,7 @@ import importlib.util
 import logging
 import marshal
 from types import CodeType, ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from backend.codegen import compat
 from backend.logs import log_once
@@ -50,10 +50,12 @@ class Unusable(Exception):
 
 
 # ------------------------------------------------------------------------------------------ capture
-def capture(module: ModuleType) -> dict[str, list[dict]]:
-    """Every compiled specialisation of every kernel of ``module``, by kernel name."""
+def capture(module: ModuleType, kernels: Sequence[str]) -> dict[str, list[dict]]:
+    """Every compiled specialisation of each of ``module``'s ``kernels``, by kernel name."""
     found: dict[str, list[dict]] = {}
-    for name, obj in list(vars(module).items()):
+    namespace = vars(module)
+    for name in kernels:
+        obj = namespace[name]
         records = []
         if isinstance(obj, CachedKernel):
             records = [b.record for b in obj.binaries]
@@ -137,8 +139,9 @@ def install(module: ModuleType, records: dict[str, list[dict]], name: str) -> in
     """Put a ``CachedKernel`` in the place of each kernel of ``module`` that ``records`` has
     binaries for; the number of kernels that launch from a binary."""
     installed = 0
+    namespace = vars(module)
     for kernel_name, kernel_records in records.items():
-        obj = getattr(module, kernel_name, None)
+        obj = namespace.get(kernel_name)
         if isinstance(obj, CachedKernel):
             fn, jit = obj.fn, obj._jit
         elif compat.is_jit_function(obj):
@@ -156,7 +159,7 @@ def install(module: ModuleType, records: dict[str, list[dict]], name: str) -> in
                          "not usable (%s: %s); that kernel launches through Triton's JIT", name, kernel_name,
                          type(exc).__name__, exc)
         if binaries or jit is None:  # a deferred kernel always needs its stand-in
-            setattr(module, kernel_name, CachedKernel(fn, binaries, name, jit))
+            namespace[kernel_name] = CachedKernel(fn, binaries, name, jit)
             installed += bool(binaries)
     return installed
 

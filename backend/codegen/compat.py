@@ -1,4 +1,4 @@
-"""The one place codegen touches Triton's (and torch's) private APIs (DESIGN.md, "Versions").
+"""The one place codegen touches Triton's (and torch's) private APIs.
 
 ``boxed_graph_module(gm)``: a copy of an aten graph whose code takes its inputs as one list and
 clears it (FX's ``_BoxedCodeGen``), so each input is freed at its last use; None where this torch
@@ -9,9 +9,7 @@ thread pool instead of compiling on the spot (Triton's ``AsyncCompileMode``, in
 ``triton.runtime._async_compile`` since Triton 3.4); leaving the context waits for every compile.
 None where this Triton has no such mode: the caller then compiles one kernel after the other.
 
-``triton_driver()``: Triton's active driver, made once when two threads ask at the same time;
-``clear_cublas_workspaces()``: drops cuBLAS's workspaces (``torch._C._cuda_clearCublasWorkspaces``);
-``in_backward()``: whether this thread runs an autograd graph task (``torch._C._current_graph_task_id``).
+``triton_driver()``: Triton's active driver, made once when two threads ask at the same time.
 
 ``hash_triton_in_background(remember_in)``: starts Triton's hash of its own sources and library
 (``triton.runtime.cache.triton_key``, part of every compiled kernel's cache key) on a thread, after
@@ -43,8 +41,6 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Collection, Iterator
-
-from torch import _C as _torch_c
 
 
 def parallel_compiles_supported() -> bool:
@@ -224,23 +220,12 @@ class _Source:
         self.constants = {(i,): value for i, value in record["constants"]}
 
 
-# cuBLAS's workspaces, one per handle and stream, dropped (``first_calls.wait``); None: this torch has no such call
-clear_cublas_workspaces = getattr(_torch_c, "_cuda_clearCublasWorkspaces", None)
-
-_graph_task_id = getattr(_torch_c, "_current_graph_task_id", None)
-
-
-def in_backward() -> bool:
-    """Whether this thread is running a backward (an autograd graph task); False where torch cannot tell."""
-    return _graph_task_id is not None and _graph_task_id() != -1
-
-
 _driver_lock = threading.Lock()
 
 
 def triton_driver() -> Any:
     """Triton's active driver, made once when two threads ask for it at the same time (a warm load
-    starts it in the thread of ``first_calls``)."""
+    starts it in the thread of ``runtime.first_calls``)."""
     from triton.runtime.driver import driver
 
     with _driver_lock:
@@ -256,7 +241,7 @@ class LoadedBinary:
     there: loading needs the device current). ``launch(grid, args)`` takes every parameter's value,
     constexprs too; it launches nothing and answers False while a profiler hooks Triton's launches.
     Triton's driver is taken at the first launch, not when the module loads (a warm load starts it
-    in another thread meanwhile: ``first_calls``)."""
+    in another thread meanwhile: ``runtime.first_calls``)."""
 
     def __init__(self, names: list[str], record: dict) -> None:
         from triton import knobs

@@ -1,22 +1,25 @@
-"""Write the kernel module: header, kernels (each under the aten nodes it came from), ``call(args)``
-that allocates, launches, calls aten and frees every buffer at its last use (reusing the memory of
-dead buffers of the same size), and ``call_aten(args)``: the same graph straight through aten,
-which ``call`` falls back to when a kernel fails to compile.
+"""Write the kernel module: header, kernels (each under the aten nodes it came from), and
+``call(args)`` that allocates, launches, calls aten and frees every buffer at its last use (reusing
+the memory of dead buffers of the same size). ``aten_call`` writes the same graph straight through
+aten: the loaded module's fallback when a kernel fails to compile, kept beside the module's text
+(``CompiledGraph.fallback``), not in it.
 """
 
 from __future__ import annotations
 
 import operator
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import sympy
 import torch
 import torch.fx
 
-from backend.codegen import extern_strides, first_calls, ir, printer
+from backend.codegen import extern_strides, ir, library_calls, printer
 from backend.codegen.kernel import HELPERS, KernelCode, write_kernel
 from backend.codegen.scheduler import Item, Kernel, reads
+from backend.compiled import KernelLaunch
 
 PATTERNS = (  # reduction kernels named after what they compute, by the aten ops they came from
     ("log_softmax", {"amax", "exp", "sum", "log"}),
@@ -50,9 +53,19 @@ def kernel_name(kernel: Kernel, described: dict[str, str], i: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------ module
-def module_source(header: list[str], program: ir.Program, items: list[Item], gm: torch.fx.GraphModule,
-                  interpret: bool) -> tuple[str, int]:
-    """The whole module text and the number of kernels in it."""
+@dataclass(frozen=True)
+class ModuleText:
+    """The module's source and what is known of it without reading it back."""
+
+    source: str
+    kernels: tuple[str, ...]
+    launches: int
+    precompile: tuple[KernelLaunch, ...]
+    library_calls: tuple[str, ...]
+
+
+def module_source(header: list[str], program: ir.Program, items: list[Item], interpret: bool) -> ModuleText:
+    """The whole module text, its kernels, launches per call, and the library calls of ``call``."""
     described = dict(program.described)
     codes: list[tuple[Kernel, KernelCode]] = []
     for item in items:
@@ -65,48 +78,35 @@ def module_source(header: list[str], program: ir.Program, items: list[Item], gm:
            "import triton", "import triton.language as tl"]
     if libdevice:
         out.append("from triton.language.extra import libdevice")
-    out += ["", "aten = torch.ops.aten", f"DEVICE = torch.device({program.device!r})",
-            f"LAUNCHES = {launches(items, [c for _, c in codes])}  # kernels and aten calls per call", ""]
-    out += _library_calls(program)
+    out += ["", "aten = torch.ops.aten", f"DEVICE = torch.device({program.device!r})", ""]
     if checks:
         out += ["", extern_strides.HELPER]
     for h in helpers:
         out += ["", HELPERS[h]]
     for kernel, code in codes:
         out += ["", *_origin_comment(kernel, described), code.source]
-    if not interpret:
-        out += ["", *_precompile_list([c for _, c in codes])]
-    out += ["", *_call(program, items, dict((id(k), c) for k, c in codes), checks), "", *aten_call(gm), "",
+    out += ["", *_call(program, items, dict((id(k), c) for k, c in codes), checks), "",
             "def run(*args):", '    """Call the graph with positional arguments (for experiments)."""',
             "    return call(list(args))", ""]
-    return "\n".join(out), len(codes)
+    kernel_codes = [c for _, c in codes]
+    return ModuleText("\n".join(out), tuple(c.name for c in kernel_codes), launches(items, kernel_codes),
+                      () if interpret else _precompile_list(kernel_codes), library_calls.specs(program))
 
 
-def _library_calls(program: ir.Program) -> list[str]:
-    """``LIBRARY_CALLS``: the library calls of ``call``, for a warm load to make beforehand."""
-    calls = first_calls.specs(program)
-    if not calls:
-        return []
-    return ["# The library calls of call(), which a warm load makes once on empty tensors before the first",
-            "# call (backend.codegen.first_calls)", "LIBRARY_CALLS = [",
-            *(f"    {c!r}," for c in calls), "]", ""]
-
-
-def _precompile_list(codes: list[KernelCode]) -> list[str]:
-    """``PRECOMPILE``: each kernel with the argument types of its launch (dtypes for pointers, the
-    sizes as ints), for ``precompile`` to compile them all at once before the first call. A kernel
-    whose sizes are symbolic or zero is left to compile at its launch."""
-    lines = ["# The kernels with their launches' argument types: compiled together before the first call.",
-             "PRECOMPILE = ["]
+def _precompile_list(codes: list[KernelCode]) -> tuple[KernelLaunch, ...]:
+    """Each kernel with the argument types of its launch (dtypes for pointers, the sizes as ints), for
+    ``precompile`` to compile them all at once before the first call. A kernel whose sizes are
+    symbolic or zero is left to compile at its launch."""
+    out = []
     for code in codes:
         sizes = [sympy.sympify(a) if not a.isidentifier() else None for a in code.args[len(code.ptr_dtypes):]]
         if any(n is None or not n.is_number for n in sizes) or int(sympy.sympify(code.xnumel)) == 0:
             continue
-        args = [str(d) for d in code.ptr_dtypes] + [str(int(n)) for n in sizes]
-        meta = {"XBLOCK": code.config.xblock, **({"RBLOCK": code.config.rblock} if code.rnumel is not None else {}),
-                "num_warps": code.config.num_warps}
-        lines.append(f"    ({code.name}, ({', '.join(args)},), {meta!r}),")
-    return lines + ["]"]
+        meta = [("XBLOCK", code.config.xblock), *([("RBLOCK", code.config.rblock)] if code.rnumel is not None else []),
+                ("num_warps", code.config.num_warps)]
+        out.append(KernelLaunch(code.name, tuple(str(d).removeprefix("torch.") for d in code.ptr_dtypes),
+                                tuple(int(n) for n in sizes), tuple(meta)))
+    return tuple(out)
 
 
 def _origin_comment(kernel: Kernel, described: dict[str, str]) -> list[str]:

@@ -1,15 +1,18 @@
 """runtime: wraps each kernel module in tree-managed CUDA graphs (R1-R8 of DESIGN.md).
 
-    wrap(module, example_inputs, ctx):
+    wrap(module, examples, ctx, shared):
         reason_to_skip        # CPU / several devices / sparse / uncapturable op -> no graphs (R7);
-                              # what the graph holds comes from the module's facts (codegen.module)
+                              # what the graph holds comes from ``module.graph.facts``
         GraphFunction         # warmup -> record -> replay under the tree manager of
-                              # (device, thread of the forward); one pool per manager
+                              # (device, thread of the forward); one pool per manager; a forward
+                              # and its backward share a ``SharedTree``
 
 Files: ``compat`` (every private torch API), ``liveness`` (live outputs, generation end),
 ``node`` (one recorded graph and its replay path), ``manager`` (pool, checkpoints, generations),
 ``function`` (one wrapped graph: node choice and limits), ``skips`` (reasons known at wrap time),
-``examples`` (what wrapping reads of the example inputs).
+``examples`` (what wrapping reads of the example inputs), ``first_calls`` (a warm load's library
+calls, made beforehand in threads). The runtime imports no other stage: what it wraps is a
+``backend.compiled.CompiledModule``.
 """
 
 from __future__ import annotations
@@ -18,42 +21,45 @@ import weakref
 from typing import Any, Callable
 
 from backend import counters
-from backend.codegen.module import UNKNOWN, CompiledModule
+from backend.compiled import CompiledModule
 from backend.context import GraphContext
 from backend.logs import log_once
 from backend.runtime import skips
 from backend.runtime.examples import Examples
 from backend.runtime.function import GraphFunction, log, skip
-from backend.runtime.manager import Managers
+from backend.runtime.manager import Managers, SharedTree
 
 _managers = Managers()
 _functions: "weakref.WeakSet[GraphFunction]" = weakref.WeakSet()
 _skipped: dict[str, str] = {}  # function name -> reason, for describe()
 
 
-def wrap(module: CompiledModule, examples: Examples, ctx: GraphContext) -> Callable[[list[Any]], Any]:
+def wrap(module: CompiledModule, examples: Examples, ctx: GraphContext,
+         shared: SharedTree | None = None) -> Callable[[list[Any]], Any]:
     """Return the module's ``call`` wrapped in CUDA graph trees, or the ``call`` itself where
     graphs cannot help (the reason counted and logged once). ``examples``: what the graph's example
-    inputs say (``Examples.of``), or what a cache entry recorded of them (``Examples.of_records``)."""
+    inputs say (``Examples.of``), or what a cache entry recorded of them (``Examples.of_records``).
+    ``shared``: what a forward and its backward share (None: a graph without a partner)."""
     if not ctx.config.cudagraphs:
         return module.call
-    facts = getattr(module, "facts", None) or UNKNOWN
+    facts = module.graph.facts
     reason, device = skips.reason_to_skip(examples, ctx, facts)
     if reason is not None:
         skip(ctx.name, reason)  # one skip per function, logged once
         _skipped[ctx.name] = reason
         return module.call
-    fn = GraphFunction(module.call, examples.symbolic, ctx, device, _managers, facts, getattr(module, "launches", None))
+    fn = GraphFunction(module.call, examples.symbolic, ctx, device, _managers, facts, module.graph.launches, shared)
     _functions.add(fn)
     return fn
 
 
-def wrap_module(module: CompiledModule, examples: Examples, ctx: GraphContext) -> Callable[[list[Any]], Any]:
+def wrap_module(module: CompiledModule, examples: Examples, ctx: GraphContext,
+                shared: SharedTree | None = None) -> Callable[[list[Any]], Any]:
     """The module in the runtime, the graph's lifted constants appended to each call; the module
     alone (counted in ``graph_fallbacks``, logged once) if the runtime fails on it. Shared by the
     driver, level-1 hits and loaded precompiled functions (imports nothing of AOTAutograd)."""
     try:
-        call = wrap(module, examples, ctx)
+        call = wrap(module, examples, ctx, shared)
     except Exception as exc:  # noqa: BLE001 - the module still runs, without the runtime
         counters.bump("graph_fallbacks")
         log_once(log, f"fallback:{ctx.name}:runtime", "cgtrees: %s: runtime failed (%s: %s); this graph "

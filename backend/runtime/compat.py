@@ -49,6 +49,13 @@ clear_cublas_workspaces = _first("_cuda_clearCublasWorkspaces")
 # Whether the running backward keeps its graph (retain_graph; True outside a backward): then the
 # activations it reads are read again later, and a graph must not reuse their memory.
 keep_graph = getattr(getattr(_C, "_autograd", None), "_get_current_graph_task_keep_graph", None) or (lambda: True)
+_graph_task_id = _first("_current_graph_task_id")
+
+
+def in_backward() -> bool:
+    """Whether this thread is running a backward (an autograd graph task); False where torch cannot tell."""
+    return _graph_task_id is not None and _graph_task_id() != -1
+
 
 # What the CUDA graph path cannot do without (the rest has a fallback below).
 _REQUIRED = {

@@ -32,12 +32,12 @@ from typing import Any, Callable
 import torch
 
 from backend import counters
-from backend.codegen.module import GraphFacts
+from backend.compiled import GraphFacts
 from backend.context import GraphContext
 from backend.logs import log_once
 from backend.runtime import compat, skips
-from backend.runtime.manager import Managers, TreeManager
-from backend.runtime.node import Fit, GraphNode, copied_bytes
+from backend.runtime.manager import Managers, SharedTree, TreeManager
+from backend.runtime.node import FIT_OK, Fit, GraphNode, copied_bytes
 
 log = logging.getLogger("backend.runtime")
 
@@ -56,7 +56,8 @@ _record_lock = threading.RLock()
 
 class GraphFunction:
     def __init__(self, call: Callable[[list[Any]], Any], dynamic: bool, ctx: GraphContext,
-                 device: int, managers: Managers, facts: GraphFacts, launches: int | None = None) -> None:
+                 device: int, managers: Managers, facts: GraphFacts, launches: int = 0,
+                 shared: SharedTree | None = None) -> None:
         self.call = call
         self.ctx = ctx
         self.name = ctx.name
@@ -67,7 +68,8 @@ class GraphFunction:
         self.device = device
         self.managers = managers
         self.facts = facts
-        self.launches = launches  # kernels and aten calls per call (None: not known)
+        self.launches = launches  # kernels and aten calls per call (0: not known)
+        self.shared = shared  # with the forward or backward of the same graph
         self.dynamic = dynamic  # symbolic sizes: each new size may compile new kernel specializations
         self.forget()
 
@@ -97,7 +99,7 @@ class GraphFunction:
         nodes = by_key.get(key)
         if nodes is not None:
             for node in nodes:
-                if not node.fits(args, live):
+                if node.fits(args, live) is FIT_OK:
                     manager.after_replay(node)
                     counters.bump("cudagraph_replayed")
                     return node.replay(args)
@@ -105,15 +107,12 @@ class GraphFunction:
 
     def _tree(self) -> tuple[TreeManager, dict[Any, list[GraphNode]]]:
         """This call's manager (the forward's, for a backward) and this function's nodes in it."""
-        manager = None
-        if self.kind == "backward":
-            manager = getattr(self.ctx.pair, "cgtrees_manager", None)
-            if manager is not None and manager.closed:
-                manager = None
-        if manager is None:
+        shared = self.shared
+        manager = shared.manager if self.kind == "backward" and shared is not None else None
+        if manager is None or manager.closed:
             manager = self.managers.current(self.device)
-        if self.kind == "forward" and self.ctx.pair is not None:
-            self.ctx.pair.cgtrees_manager = manager
+        if self.kind == "forward" and shared is not None:
+            shared.manager = manager
         by_key = self.trees.get(manager)
         if by_key is None:
             by_key = self.trees[manager] = {}
@@ -159,7 +158,7 @@ class GraphFunction:
         orphans = [node for node in nodes if node.orphaned()]
         for node in orphans:
             nodes.remove(node)
-            node.release()
+            manager.release(node)
         if not orphans:
             return None
         return Why.STATIC_MOVED if any(node.replays < _WORTH_RECORDING for node in orphans) else Why.ORPHANS
@@ -197,12 +196,13 @@ class GraphFunction:
             too_costly = self._copies_outweigh_launches(args, {e.key[0] for e in live})
             if too_costly is not None:
                 return self._give_up(args, too_costly)
-            node = GraphNode(self, manager, manager.last_node, frozenset(e.key for e in live), self.copy_out)
+            node = GraphNode(self.ctx, self.facts, manager, manager.last_node, frozenset(e.key for e in live),
+                             self.copy_out)
             node.key = key
             try:
                 outs = node.record(self.call, args, self.static, self.mutated, {e.key[0] for e in live})
             except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: run it eagerly
-                node.release()
+                manager.release(node)
                 compat.recover_generator(manager.device)
                 return self._give_up(args, f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
         nodes.append(node)
@@ -225,10 +225,10 @@ class GraphFunction:
     def _give_up(self, args: list[Any], reason: str) -> Any:
         self.disabled = reason
         skip(self.name, reason)
-        for by_key in self.trees.values():
+        for manager, by_key in self.trees.items():
             for nodes in by_key.values():
                 for node in nodes:
-                    node.release()
+                    manager.release(node)
         self.trees.clear()
         self._last = None
         return self.call(args)
@@ -239,9 +239,6 @@ class GraphFunction:
                 f"{self.config.max_shapes_per_function} times ({changing} kept changing)")
 
     # ------------------------------------------------------------ introspection
-    def output_op(self, index: int) -> str:
-        return self.facts.output_op(index)
-
     def describe(self) -> str:
         n = sum(len(nodes) for by_key in self.trees.values() for nodes in by_key.values())
         state = (f"no CUDA graphs: {self.disabled}" if self.disabled

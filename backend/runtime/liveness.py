@@ -21,14 +21,21 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
+from backend.compiled import GraphFacts
 from backend.runtime import compat
 
-if TYPE_CHECKING:
-    from backend.runtime.node import GraphNode
+
+@dataclass(frozen=True)
+class Origin:
+    """Which function's graph handed out a pool output: what R1's error names."""
+
+    function: str
+    kind: str  # forward, backward or inference
+    facts: GraphFacts  # the op and source line behind each output
 
 
 class WeakStorage:
@@ -69,16 +76,16 @@ def _idle_refcounts() -> tuple[int, int]:
 class LiveOutput(WeakStorage):
     """One storage of pool memory that we handed out, held by a weak reference to its StorageImpl."""
 
-    __slots__ = ("key", "node", "index", "tensors", "cached", "cached_storage", "idle_uses")
+    __slots__ = ("key", "origin", "index", "tensors", "cached", "cached_storage", "idle_uses")
 
-    def __init__(self, storage: torch.UntypedStorage, key: tuple[int, int], node: "GraphNode", index: int,
+    def __init__(self, storage: torch.UntypedStorage, key: tuple[int, int], origin: Origin, index: int,
                  tensors: list[weakref.ref] | None) -> None:
         # WeakStorage's two fields set here, not through super().__init__: one made every replay
         self.cdata = storage._weak_ref()
         self._free = torch.UntypedStorage._free_weak_ref
         self.key = key  # (data pointer, bytes): what a node's ``protected`` set is made of
-        self.node = node
-        self.index = index  # the first output of ``node`` that lives in this storage
+        self.origin = origin
+        self.index = index  # the first output of ``origin``'s graph that lives in this storage
         self.tensors = tensors  # weak refs to the tensors a backward returned (R4), else None
         self.cached: torch.Tensor | None = None  # the tensor replays hand out again (a saved activation)
         self.cached_storage: torch.UntypedStorage | None = None  # and its storage's Python object
@@ -88,13 +95,13 @@ class LiveOutput(WeakStorage):
         return not dead(self)
 
 
-def keeping(storage: torch.UntypedStorage, key: tuple[int, int], node: "GraphNode", index: int,
+def keeping(storage: torch.UntypedStorage, key: tuple[int, int], origin: Origin, index: int,
             tensor: torch.Tensor) -> LiveOutput:
     """An entry that keeps ``tensor`` over ``storage`` (and the storage's Python object, so that a
     program holding ``tensor.untyped_storage()`` is seen) to hand out again. Called while nothing
     else holds them: the storage's use count now is its idle count (the tensor's, and the Python
     object's, which torch 2.13 keeps for the life of the storage once it exists)."""
-    entry = LiveOutput(storage, key, node, index, None)
+    entry = LiveOutput(storage, key, origin, index, None)
     entry.cached = tensor
     entry.cached_storage = storage
     entry.idle_uses = compat.storage_use_count(entry.cdata)
@@ -119,9 +126,9 @@ def idle(entry: LiveOutput) -> bool:
             and sys.getrefcount(s) == _IDLE_STORAGE_REFS)
 
 
-def overwritten_message(node: "GraphNode", index: int, why: str) -> str:
-    op = node.output_op(index)
-    return (f"cgtrees: this tensor is output {index} of {node.function_name} (produced by {op}), "
+def overwritten_message(origin: Origin, index: int, why: str) -> str:
+    op = origin.facts.output_op(index)
+    return (f"cgtrees: this tensor is output {index} of {origin.function} (produced by {op}), "
             f"replayed from a CUDA graph; its memory was reused after {why}. "
             "Clone it (out.clone()) before the next step if you need it later, or don't keep it "
             "across steps.")
@@ -143,7 +150,7 @@ def invalidate(entry: LiveOutput, why: str) -> None:
     cdata = entry.cdata
     if compat.has_standard_deleter(cdata):
         compat.free_and_remove_deleter(cdata)  # a recording's output: the allocator owns the block
-    compat.set_storage_error(cdata, overwritten_message(entry.node, entry.index, why))
+    compat.set_storage_error(cdata, overwritten_message(entry.origin, entry.index, why))
 
 
 def end_generation(live: list[LiveOutput], why: str) -> tuple[list[LiveOutput], int]:

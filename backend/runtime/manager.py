@@ -17,7 +17,7 @@ Invariants:
   survive, and the next nodes are recorded around them) and every other live output is
   invalidated (R1). In inference nothing needs ending: outputs that die
   free their memory, outputs that live are protected.
-- A backward runs under the manager of its forward (``ctx.pair``), not its own thread's.
+- A backward runs under the manager of its forward (their ``SharedTree``), not its own thread's.
 """
 
 from __future__ import annotations
@@ -25,32 +25,25 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
 from backend.context import GraphKind
 from backend.runtime import compat, liveness
 from backend.runtime.liveness import LiveOutput
+from backend.runtime.node import GraphNode
+from backend.runtime.pool import Pool
 
-if TYPE_CHECKING:
-    from backend.runtime.node import GraphNode
 
-
-class TreeManager:
+class TreeManager(Pool):
     def __init__(self, device: int) -> None:
-        self.device = device
+        super().__init__(device)
         self.thread = threading.current_thread().name
-        with torch.cuda.device(device):
-            self.pool = torch.cuda.graph_pool_handle()
-            self.stream = torch.cuda.Stream(device)
-        self.live: list[LiveOutput] = []
         self.stale = False
         self.last_node: GraphNode | None = None
         # weak: a node lives as long as its function (or the last node, or a live output) holds it,
         # so the graphs of a compiled function that was freed are freed with it
         self.nodes: list[weakref.ref[GraphNode]] = []
-        self.generation = 0
         self.mark_seen = compat.mark_step_counter()
         self.backward_ran = False
         self.last_kind: GraphKind | None = None  # of the last call (a backward after a forward skips the sweep)
@@ -92,7 +85,7 @@ class TreeManager:
         self.generation += 1
         self.backward_ran = False
 
-    def after_replay(self, node: "GraphNode") -> None:
+    def after_replay(self, node: GraphNode) -> None:
         """Before ``node`` replays. The storages it consumes (a backward's saved activations, held
         by the call alone: ``fits``) are dead once it returns: their entries go now, before the
         replay's own outputs, which may lie at the same addresses, are tracked."""
@@ -127,7 +120,7 @@ class TreeManager:
         self.stale = False
         return live
 
-    def after_recording(self, node: "GraphNode") -> None:
+    def after_recording(self, node: GraphNode) -> None:
         self.nodes = [ref for ref in self.nodes if ref() is not None]
         self.nodes.append(weakref.ref(node))
         self.last_node = node
@@ -140,11 +133,17 @@ class TreeManager:
         liveness.release_all(live, "cgtrees reset()")
         self.last_node = None
         for node in self.alive_nodes():
-            node.release()
+            node.release(keep_graph=False)
         self.nodes.clear()
         self.closed = True
 
-    def alive_nodes(self) -> list["GraphNode"]:
+    def release(self, node: GraphNode) -> None:
+        """Free a node's input slots and, unless it is the last node, its graph: the last node's
+        checkpoint is what the next recording restores (R5), and torch restores a pool's checkpoint
+        only while a graph still uses the pool."""
+        node.release(keep_graph=node is self.last_node)
+
+    def alive_nodes(self) -> list[GraphNode]:
         return [node for node in (ref() for ref in self.nodes) if node is not None]
 
     def pool_bytes(self) -> int:
@@ -163,18 +162,26 @@ class TreeManager:
         return "\n".join(lines)
 
 
+class SharedTree:
+    """What a forward and its backward share at run time: the tree manager the forward last ran
+    under, which the backward uses (autograd runs it on its own device thread)."""
+
+    __slots__ = ("manager",)
+
+    def __init__(self) -> None:
+        self.manager: TreeManager | None = None
+
+
 class Managers:
     """Managers by (device, thread); the hot path finds its own through a thread-local dict."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._all: list[TreeManager] = []
-        self._local = threading.local()
+        self._local = _ByDevice()
 
     def current(self, device: int) -> TreeManager:
-        mine = getattr(self._local, "by_device", None)
-        if mine is None:
-            mine = self._local.by_device = {}
+        mine = self._local.by_device
         manager = mine.get(device)
         if manager is None or manager.closed:
             manager = mine[device] = TreeManager(device)
@@ -192,3 +199,10 @@ class Managers:
         for manager in managers:
             if not manager.closed:
                 manager.close()
+
+
+class _ByDevice(threading.local):
+    """This thread's managers, by device."""
+
+    def __init__(self) -> None:
+        self.by_device: dict[int, TreeManager] = {}

@@ -34,24 +34,23 @@ import enum
 import itertools
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from backend.codegen import first_calls
-from backend.runtime import compat, liveness
-from backend.runtime.liveness import LiveOutput, WeakStorage
+from backend.compiled import GraphFacts
+from backend.context import GraphContext
+from backend.runtime import compat, first_calls, liveness
+from backend.runtime.liveness import LiveOutput, Origin, WeakStorage
+from backend.runtime.pool import Pool
 
-if TYPE_CHECKING:
-    from backend.runtime.function import GraphFunction
-    from backend.runtime.manager import TreeManager
 
-class Fit(enum.IntEnum):
-    """Whether a node may replay now (``OK`` is falsy: the hot path tests ``if not node.fits(...)``)."""
+class Fit(enum.Enum):
+    """Whether a node may replay now (the hot path tests ``node.fits(...) is FIT_OK``)."""
 
-    OK = 0
-    MOVED = 1  # a checked input is at another address than when recorded
-    LIVE = 2  # a live pool output lies in memory this graph writes
+    OK = "ok"
+    MOVED = "moved"  # a checked input is at another address than when recorded
+    LIVE = "live"  # a live pool output lies in memory this graph writes
 
 
 class Out(enum.IntEnum):
@@ -64,6 +63,7 @@ class Out(enum.IntEnum):
 
 _POOL, _INPUT, _CONST = Out.POOL, Out.INPUT, Out.CONST  # module constants: read on the hot path
 _OK, _MOVED, _LIVE = Fit.OK, Fit.MOVED, Fit.LIVE
+FIT_OK = _OK  # for the function's hot path: a module constant, read without an attribute lookup
 _ids = itertools.count()
 dead = liveness.dead
 
@@ -132,21 +132,23 @@ def _view_of(base: torch.Tensor, view: tuple | None) -> torch.Tensor:
 class GraphNode:
     """A recorded graph of one function, for one input shape, around one set of live outputs."""
 
-    def __init__(self, fn: "GraphFunction", manager: "TreeManager", parent: "GraphNode | None",
+    def __init__(self, ctx: GraphContext, facts: GraphFacts, pool: Pool, parent: "GraphNode | None",
                  protected: frozenset[tuple[int, int]], copy_out: bool) -> None:
         self.id = next(_ids)
-        self.fn = fn
-        self.function_name = fn.name
-        self.manager = manager
+        self.function_name = ctx.name
+        self.kind = ctx.kind
+        self.saved_from = ctx.saved_from
+        self.origin = Origin(ctx.name, ctx.kind, facts)  # what an invalidated output's error names
+        self.pool = pool
         self.parent_id = None if parent is None else parent.id
         self.protected = protected
         self.copy_out = copy_out  # outputs are cloned out of the pool (R2's bound was reached)
-        self.generation = manager.generation
-        self.device = torch.device("cuda", manager.device)
+        self.generation = pool.generation
+        self.device = torch.device("cuda", pool.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.replays = 0
         self.key: Any = None
-        self.keeps_tensors = fn.kind == "backward"  # what a backward returned is kept by weak reference (R4)
+        self.keeps_tensors = ctx.kind == "backward"  # what a backward returned is kept by weak reference (R4)
         self.reuse_plan: list[tuple[int, int]] = []  # set by _plan_reuse once the outputs are known
         self.reused: list[LiveOutput | None] = []
 
@@ -170,7 +172,7 @@ class GraphNode:
         # (over a pool slot) go now, so a slot they held is free in the checkpoint, as in the graph.
         outs = [None if kind == _INPUT and self.check_ptrs[a] is None else o
                 for o, (kind, a, _) in zip(outs, self.out_plan)]
-        self.checkpoint = compat.get_checkpoint_state(self.manager.device, self.manager.pool)
+        self.checkpoint = compat.get_checkpoint_state(self.pool.device, self.pool.pool)
         consumed = {p for p, _ in self.consumed}  # free in the checkpoint (unless an output took it)
         self.checkpoint_ptrs = tuple(dict.fromkeys([p for p, _ in self.protected if p not in consumed]
                                                    + [p for p, _ in self.pool_storages]))
@@ -203,7 +205,7 @@ class GraphNode:
                 if a.untyped_storage().data_ptr() not in live_ptrs:
                     self.static_index.append(i)
                     self.static_storages.append(WeakStorage(a.untyped_storage()))
-                elif self.fn.kind == "backward" and not self.copy_out:
+                elif self.kind == "backward" and not self.copy_out:
                     self.handoff.append(i)
                 self.check_index.append(i)
                 self.check_ptrs[i] = a.data_ptr()
@@ -313,15 +315,15 @@ class GraphNode:
             args[i].copy_(slot)
 
     def _capture(self, call: Any, args: list[Any]) -> list[Any]:
-        manager = self.manager
+        pool = self.pool
         first_calls.wait()  # a warm load's thread of library calls, done before any capture
-        torch.cuda.synchronize(manager.device)
+        torch.cuda.synchronize(pool.device)
         # cuBLAS keeps a workspace per stream; allocated inside the capture, it is graph scratch
         if compat.clear_cublas_workspaces is not None:
             compat.clear_cublas_workspaces()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.device(manager.device), torch.cuda.graph(
-                graph, pool=manager.pool, stream=manager.stream, capture_error_mode="thread_local"):
+        with torch.cuda.device(pool.device), torch.cuda.graph(
+                graph, pool=pool.pool, stream=pool.stream, capture_error_mode="thread_local"):
             outs = call(self._capture_args(args))
         if compat.clear_cublas_workspaces is not None:
             compat.clear_cublas_workspaces()
@@ -369,9 +371,9 @@ class GraphNode:
         see) that own one pool storage alone. Building a tensor, its storage and its entry costs
         about 3.5 us an output (H100), paid for hundreds of them on every training step. The other
         outputs are rebuilt on each replay from ``fresh_*``."""
-        start = self.fn.ctx.saved_from
+        start = self.saved_from
         self.reuse_plan = []  # (output, pool storage)
-        if (start is not None and self.fn.kind == "forward" and not self.copy_out
+        if (start is not None and self.kind == "forward" and not self.copy_out
                 and compat.tensor_use_count is not None):
             self.reuse_plan = [(j, s) for j, (kind, s, _) in enumerate(self.out_plan)
                                if j >= start and kind == _POOL and len(self.outputs_in[s]) == 1]
@@ -477,7 +479,7 @@ class GraphNode:
         """The saved activations: last replay's tensors (``fits`` replays only when none of them is
         live: each is idle, held by its entry alone), built on a node's first replay and after a
         tensor was invalidated or forgotten."""
-        live = self.manager.live
+        live = self.pool.live
         reused = self.reused
         for k, (j, s) in enumerate(self.reuse_plan):
             entry = reused[k]
@@ -491,7 +493,7 @@ class GraphNode:
         ptr, nbytes = self.pool_storages[s]
         storage = compat.storage_from_pointer(ptr, self.device, nbytes)
         tensor = compat.tensor_from_storage(self.out_plan[j][2], storage)
-        return liveness.keeping(storage, (ptr, nbytes), self, j, tensor)
+        return liveness.keeping(storage, (ptr, nbytes), self.origin, j, tensor)
 
     def forget_reused(self) -> None:
         """Drop the kept tensors (before a recording restores a checkpoint, and at release): what
@@ -516,18 +518,16 @@ class GraphNode:
 
     def _track(self, storages: list[Any], outs: list[Any], keys: list[tuple[int, int]], first: list[int]) -> None:
         """A live entry for each storage handed out (``keys``; ``first``, the first output in each)."""
-        live = self.manager.live
+        live = self.pool.live
+        origin = self.origin
         if self.keeps_tensors:  # a backward: nothing reused, so these are all of its storages
             for storage, key, js in zip(storages, keys, self.outputs_in):
-                live.append(LiveOutput(storage, key, self, js[0], [weakref.ref(outs[j]) for j in js]))
+                live.append(LiveOutput(storage, key, origin, js[0], [weakref.ref(outs[j]) for j in js]))
         else:
             for storage, key, j in zip(storages, keys, first):
-                live.append(LiveOutput(storage, key, self, j, None))
+                live.append(LiveOutput(storage, key, origin, j, None))
 
     # ---------------------------------------------------------------- introspection
-    def output_op(self, index: int) -> str:
-        return self.fn.output_op(index)
-
     def describe(self) -> str:
         copied = len(self.copy_index)
         return (f"node {self.id} {self.function_name} parent={self.parent_id} gen={self.generation} "
@@ -536,14 +536,13 @@ class GraphNode:
                 f"protected={len(self.protected)} consumed={len(self.consumed)} reused={len(self.reuse_plan)}"
                 + (" copy-out" if self.copy_out else ""))
 
-    def release(self) -> None:
-        """Free the input slots and, unless this is the manager's last node, the graph. The last
-        node's checkpoint is what the next recording restores (R5), and torch restores a pool's
-        checkpoint only while a graph still uses the pool: both go when another node is last."""
+    def release(self, keep_graph: bool) -> None:
+        """Free the input slots and, unless ``keep_graph`` (the manager's last node: its checkpoint
+        is what the next recording restores, ``TreeManager.release``), the graph."""
         self.slots = self.copy_dst = []
         self.single_slot = None
         self.forget_reused()
         self.static_storages = []
-        if self.manager.last_node is not self:
+        if not keep_graph:
             self.graph = self.graph_replay = None
             self.checkpoint = None

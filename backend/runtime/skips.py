@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.codegen.module import GraphFacts
+from backend.compiled import GraphFacts
 from backend.context import GraphContext
 from backend.runtime import compat
 from backend.runtime.examples import Examples

@@ -5,6 +5,7 @@ JIT with the right numbers."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -51,7 +52,7 @@ def _warm_load(m, records, name="warm"):
     from backend.context import GraphContext
 
     ctx = GraphContext(h.config(), "inference", name)
-    return codegen.load(m.source, ctx, precompile_kernels=False, binaries=json.loads(json.dumps(records)))
+    return codegen.load(dataclasses.replace(m.graph, binaries=json.loads(json.dumps(records))), ctx, fresh=False)
 
 
 def _jit_specialisations(module):

@@ -291,11 +291,11 @@ def test_capture_failure_runs_eagerly_and_leaves_rng_working():
     x = torch.randn(8, device=DEV)
     from types import SimpleNamespace
 
-    from backend.codegen.module import GraphFacts
+    from backend.compiled import AtenGraph, GraphFacts
     from backend.runtime.examples import Examples
 
     ctx = GraphContext(config=Config.resolve(), kind="inference", name="sync_inside")
-    fn = runtime.wrap(SimpleNamespace(call=call, facts=GraphFacts(), source=None), Examples.of([x]), ctx)
+    fn = runtime.wrap(SimpleNamespace(call=call, graph=AtenGraph(GraphFacts(), 1)), Examples.of([x]), ctx)
     for _ in range(3):
         torch.testing.assert_close(fn([x])[0], x * 2)
     assert stat("cudagraph_skips") == 1

@@ -180,7 +180,7 @@ def test_steady_loop_sweeps_live_outputs_at_the_forward_only():
         if step >= 2:  # warm-up, recordings, then replays
             consumed = {key for node in manager.alive_nodes() for key in node.consumed}
             assert consumed, runtime.describe()
-            left = [e for e in manager.live if e.key in consumed and e.node.fn.kind == "forward"]
+            left = [e for e in manager.live if e.key in consumed and e.origin.kind == "forward"]
             assert not left, runtime.describe()
     assert counters["cgtrees"]["cudagraph_recorded"] == 2, runtime.describe()
     assert len(set(sizes[3:])) == 1, sizes

@@ -40,7 +40,7 @@ import logging
 from backend import counters
 from backend.aot import compat
 
-log = logging.getLogger("backend.distributed")
+log = logging.getLogger("backend.aot")
 
 
 def before_aot(name: str) -> bool:

@@ -4,9 +4,10 @@ background thread, so that the first real call finds cuDNN, cuBLAS and their ker
 In a fresh process the first call of each convolution or matmul configuration is slow: the
 library's handle and its own loading, then CUDA's lazy loading of each kernel it picks (about
 0.5 s of a small ResNet's first training step on an H100, and 0.25 s of a transformer layer's).
-Which calls a module makes is known when it is generated (``specs``: the op, and the size, strides,
-offset and dtype of each tensor argument, as its ``call`` passes them). A warm load (a level-1
-hit, a precompiled function, Dynamo's cache) hands them to ``start`` before it loads the modules,
+Which calls a module makes is known when it is generated (``codegen.library_calls.specs``: the op,
+and the size, strides, offset and dtype of each tensor argument, as its ``call`` passes them, kept
+in ``CompiledGraph.library_calls``). A warm load (a level-1 hit, a precompiled function, Dynamo's
+cache) hands them to ``start`` before it loads the modules,
 and they are made while the main thread runs the GIL-holding Python of our load and of Dynamo's
 guards (torch's ops let go of the GIL):
 
@@ -24,14 +25,12 @@ guards (torch's ops let go of the GIL):
 ``wait`` joins both: before a module's first call and before a CUDA graph capture; inside a
 backward it leaves the second, which may be waiting for this very thread.
 
-Only calls that are safe on uninitialised memory and change no state are kept: matmuls,
-convolutions and attention without dropout (a random op, or dropout, would advance the generator),
-floating-point tensor arguments only (an index tensor of garbage could read out of bounds), static
-sizes, at most ``MAX_BYTES`` of arguments per call. The thread only saves time: whatever fails in it
-is logged at debug level and left to the real call. A program that captures CUDA graphs of its own
-around a loaded function (with our ``cudagraphs`` off) should call it once before capturing, as it
-would to warm it up: a capture in torch's default (global) mode fails if another thread allocates
-device memory meanwhile, and the thread runs until that first call joins it.
+Which calls are kept is ``codegen.library_calls``' rule (safe on uninitialised memory). The thread
+only saves time: whatever fails in it is logged at debug level and left to the real call. A
+program that captures CUDA graphs of its own around a loaded function (with our ``cudagraphs``
+off) should call it once before capturing, as it would to warm it up: a capture in torch's
+default (global) mode fails if another thread allocates device memory meanwhile, and the thread
+runs until that first call joins it.
 """
 
 from __future__ import annotations
@@ -39,113 +38,31 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
-import sympy
 import torch
 
 from backend import counters
-from backend.codegen import compat, ir
+from backend.runtime import compat
 
-log = logging.getLogger("backend.codegen")
+log = logging.getLogger("backend.runtime")
 
-MAX_BYTES = 256 << 20  # a call's tensor arguments; larger calls are left to the first real call
-_CONVOLUTIONS = ("aten.convolution.", "aten.convolution_backward.", "aten._convolution.")
-_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", *_CONVOLUTIONS,
-        "aten._scaled_dot_product_flash_attention.", "aten._scaled_dot_product_efficient_attention.",
-        "aten._scaled_dot_product_cudnn_attention.")
+CONVOLUTIONS = ("aten.convolution.", "aten.convolution_backward.", "aten._convolution.")
 
 
-class _Skip(Exception):
-    """An argument a warm-up call cannot stand in for (a symbolic size, an unknown buffer)."""
-
-
-def specs(program: ir.Program) -> tuple[str, ...]:
-    """The library calls of ``program`` that a warm load may make beforehand, each as JSON text."""
-    known = _buffers(program)
-    out = []
-    for step in program.steps:
-        if not isinstance(step, ir.Extern) or not step.target.startswith(_OPS):
-            continue
-        try:
-            spec = {"op": step.target, "device": program.device,
-                    "args": [_encode(a, known) for a in step.args],
-                    "kwargs": {k: _encode(v, known) for k, v in step.kwargs}}
-            if _safe(spec):
-                out.append(json.dumps(spec, separators=(",", ":")))
-        except (_Skip, AttributeError, ValueError):  # AttributeError: an op this torch lacks
-            continue
-    return tuple(dict.fromkeys(out))  # a configuration once
-
-
-def _buffers(program: ir.Program) -> dict[str, tuple[ir.Layout, torch.dtype]]:
-    known = {i.name: (i.layout, i.dtype) for i in program.inputs if i.kind == "tensor" and i.dtype is not None}
-    for step in program.steps:
-        if isinstance(step, ir.Compute):
-            known[step.name] = (step.layout, step.dtype)
-        elif isinstance(step, ir.Extern) and step.layout is not None and step.dtype is not None:
-            known[step.name] = (step.layout, step.dtype)
-        elif isinstance(step, ir.Alias) and step.item is None and step.base in known:
-            known[step.name] = (step.layout, known[step.base][1])
-    return known
-
-
-def _encode(value: Any, known: dict[str, tuple[ir.Layout, torch.dtype]]) -> Any:
-    if isinstance(value, ir.BufRef):
-        if value.name not in known:
-            raise _Skip(value.name)
-        layout, dtype = known[value.name]
-        return {"tensor": [[_int(n) for n in layout.size], [_int(s) for s in layout.stride],
-                           _int(layout.offset), str(dtype).removeprefix("torch.")]}
-    if isinstance(value, (list, tuple)):
-        return [_encode(v, known) for v in value]
-    if value is None or isinstance(value, (bool, int, float)):
-        return value
-    if isinstance(value, sympy.Basic):
-        return _int(value)
-    raise _Skip(type(value).__name__)
-
-
-def _int(value: Any) -> int:
-    value = sympy.sympify(value)
-    if not value.is_Integer:
-        raise _Skip(str(value))
-    return int(value)
-
-
-def _safe(spec: dict[str, Any]) -> bool:
-    tensors = list(_tensors([spec["args"], list(spec["kwargs"].values())]))
-    if not tensors or any(not getattr(torch, t[3]).is_floating_point for t in tensors):
-        return False
-    if sum(_numel(t) * getattr(torch, t[3]).itemsize for t in tensors) > MAX_BYTES:
-        return False
-    op = _op(spec["op"])
-    names = [a.name for a in op._schema.arguments]
-    if "dropout_p" in names:
-        i = names.index("dropout_p")
-        p = spec["args"][i] if i < len(spec["args"]) else spec["kwargs"].get("dropout_p", 0.0)
-        return p == 0
-    return True
-
-
-def _tensors(value: Any) -> Iterable[list]:
-    if isinstance(value, dict) and "tensor" in value:
-        yield value["tensor"]
-    elif isinstance(value, list):
-        for v in value:
-            yield from _tensors(v)
-
-
-def _numel(tensor: list) -> int:
+# -------------------------------------------------------------------------------------- the format
+def numel(tensor: list) -> int:
+    """The elements a spec's tensor (``[size, stride, offset, dtype]``) spans in its storage."""
     size, stride, offset, _ = tensor
     if any(n == 0 for n in size):
         return 0
     return offset + 1 + sum((n - 1) * s for n, s in zip(size, stride))
 
 
-def _op(name: str) -> Any:
-    _, op, overload = name.split(".")
-    return getattr(getattr(torch.ops.aten, op), overload)
+def op(name: str) -> Any:
+    """The aten overload a spec names (``aten.mm.default``)."""
+    _, packet, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, packet), overload)
 
 
 # ------------------------------------------------------------------------------------------ making
@@ -158,13 +75,13 @@ def _make(spec: dict[str, Any]) -> Any:
     device = torch.device(spec["device"])
     args = [_decode(a, device) for a in spec["args"]]
     kwargs = {k: _decode(v, device) for k, v in spec["kwargs"].items()}
-    return _op(spec["op"])(*args, **kwargs)
+    return op(spec["op"])(*args, **kwargs)
 
 
 def _decode(value: Any, device: torch.device) -> Any:
     if isinstance(value, dict) and "tensor" in value:
         size, stride, offset, dtype = value["tensor"]
-        storage = torch.empty(_numel(value["tensor"]), dtype=getattr(torch, dtype), device=device)
+        storage = torch.empty(numel(value["tensor"]), dtype=getattr(torch, dtype), device=device)
         return storage.as_strided(size, stride, offset)
     if isinstance(value, list):
         return [_decode(v, device) for v in value]
@@ -173,25 +90,25 @@ def _decode(value: Any, device: torch.device) -> Any:
 
 _pending: list[threading.Thread] = []
 _made: list[int] = []  # calls each finished thread made, counted when it is joined
-_started: set[str] = set()  # each configuration once per process, and Triton's driver (``DRIVER``)
-DRIVER = "triton-driver"
+_started: set[str] = set()  # each configuration once per process
+_driver_started = False  # Triton's driver, started in the first thread (``start``'s ``driver``)
 BACKWARD_THREAD = "cgtrees-first-calls-backward"
 
 
-def start(forward: Sequence[str], backward: Sequence[str] = (), triton_driver: bool = False) -> None:
+def start(forward: Sequence[str], backward: Sequence[str] = (), driver: Callable[[], Any] | None = None) -> None:
     """Make the CUDA calls this process has not made before, in threads of their own: ``forward``,
-    the calls of modules run in the caller's thread (Triton's driver started first, if
-    ``triton_driver``), and ``backward``, those of modules run as a backward, on autograd's device
+    the calls of modules run in the caller's thread (Triton's driver started first by ``driver``,
+    once per process), and ``backward``, those of modules run as a backward, on autograd's device
     thread. Nothing when there is nothing to do or no CUDA."""
+    global _driver_started
     forward_calls, backward_calls = _new(forward), _new(backward)
-    triton_driver = triton_driver and DRIVER not in _started
-    if not (forward_calls or backward_calls or triton_driver) or not torch.cuda.is_available():
+    driver = None if _driver_started else driver
+    if not (forward_calls or backward_calls or driver) or not torch.cuda.is_available():
         return
-    if triton_driver:
-        _started.add(DRIVER)
+    _driver_started = _driver_started or driver is not None
     first = None
-    if forward_calls or triton_driver:
-        first = _begin(_run, (_ungrouped_convolutions(forward_calls), triton_driver), "cgtrees-first-calls")
+    if forward_calls or driver:
+        first = _begin(_run, (_ungrouped_convolutions(forward_calls), driver), "cgtrees-first-calls")
     if backward_calls:  # after the first thread: their tensors never add up (a warm step peaks as a cold one)
         _begin(_run_in_backward, (backward_calls, first), BACKWARD_THREAD)
 
@@ -210,11 +127,11 @@ def _ungrouped_convolutions(calls: list[dict[str, Any]]) -> list[dict[str, Any]]
     caller). A grouped one's plan is most of its cost (0.15-0.2 s on either thread): made here it
     only keeps the caller waiting at the join, so only when a device has no other convolution (one
     loads cuDNN for the process)."""
-    ungrouped = {call["device"] for call in calls if call["op"].startswith(_CONVOLUTIONS) and _groups(call) == 1}
+    ungrouped = {call["device"] for call in calls if call["op"].startswith(CONVOLUTIONS) and _groups(call) == 1}
     seen: set[str] = set()
     kept = []
     for call in calls:
-        if call["op"].startswith(_CONVOLUTIONS) and _groups(call) != 1:
+        if call["op"].startswith(CONVOLUTIONS) and _groups(call) != 1:
             if call["device"] in ungrouped or call["device"] in seen:
                 continue
             seen.add(call["device"])
@@ -224,7 +141,7 @@ def _ungrouped_convolutions(calls: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 def _groups(call: dict[str, Any]) -> Any:
     """A convolution call's ``groups`` argument (by schema position or keyword)."""
-    names = [a.name for a in _op(call["op"])._schema.arguments]
+    names = [a.name for a in op(call["op"])._schema.arguments]
     i = names.index("groups")
     return call["args"][i] if i < len(call["args"]) else call["kwargs"].get("groups", 1)
 
@@ -258,12 +175,12 @@ def wait() -> None:
             compat.clear_cublas_workspaces()
 
 
-def _run(calls: list[dict[str, Any]], triton_driver: bool) -> None:
-    if triton_driver:
+def _run(calls: list[dict[str, Any]], driver: Callable[[], Any] | None) -> None:
+    if driver is not None:
         try:
-            compat.triton_driver()
+            driver()
         except Exception as exc:  # noqa: BLE001 - the first launch starts it and reports
-            log.debug("cgtrees codegen: Triton's driver did not start beforehand (%s: %s)", type(exc).__name__, exc)
+            log.debug("cgtrees runtime: Triton's driver did not start beforehand (%s: %s)", type(exc).__name__, exc)
     _made.append(_make_all(calls))
 
 
@@ -279,7 +196,7 @@ def _make_all(calls: list[dict[str, Any]]) -> int:
                 devices.add(device)
                 made += 1
             except Exception as exc:  # noqa: BLE001 - the real call meets it and reports
-                log.debug("cgtrees codegen: a library call made beforehand failed (%s: %s): %s",
+                log.debug("cgtrees runtime: a library call made beforehand failed (%s: %s): %s",
                           type(exc).__name__, exc, spec["op"])
         for device in devices:  # joined means done, on the device too
             torch.cuda.current_stream(device).synchronize()
@@ -318,4 +235,4 @@ def _run_in_backward(calls: list[dict[str, Any]], after: threading.Thread | None
                 seed = torch.zeros(1, device=device, requires_grad=True)
                 _InBackward.apply(seed, some).backward(torch.ones(1, device=device))
         except Exception as exc:  # noqa: BLE001 - only time is lost
-            log.debug("cgtrees codegen: backward calls made beforehand failed (%s: %s)", type(exc).__name__, exc)
+            log.debug("cgtrees runtime: backward calls made beforehand failed (%s: %s)", type(exc).__name__, exc)
