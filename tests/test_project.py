@@ -1,5 +1,7 @@
 """The project's own promises: CI runs the README's test command; the README stays inside the
-repository and tells a GPU user how to install; the demo works and says what a CPU run is."""
+repository, says where cgtrees stands, lists every option and tells a GPU user how to install; the
+demo installs without the test extras, works and says what a CPU run is; the benchmark pages open
+with their tables and stay inside the repository."""
 
 import os
 import re
@@ -83,3 +85,47 @@ def test_pytest_hides_only_the_interpreters_expected_numpy_warnings(tmp_path):
     assert done.returncode == 0, done.stdout
     assert "1 passed, 2 warnings" in done.stdout, done.stdout
     assert "something else" in done.stdout and done.stdout.count("divide by zero encountered in log") == 1
+
+
+def test_readme_first_screen_says_where_cgtrees_stands_and_the_demo_needs_no_test_extras():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    first_screen = "\n".join(readme.splitlines()[:35])
+    assert "NVIDIA GPU" in first_screen and "docs/benchmarks.md" in first_screen
+    assert "On a CPU it is not faster" in first_screen  # CPU runs are for correctness, said up front
+    blocks = [b.strip() for b in re.findall(r"```bash\n(.*?)```", readme, re.S)]
+    demo = next(b for b in blocks if "python -m backend" in b and "torch==" in b)
+    assert "[test]" not in demo and "pytest" not in demo, demo
+
+
+def test_readme_lists_every_option_with_its_default_and_variable():
+    import dataclasses
+
+    from backend.config import Config
+
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    for f in dataclasses.fields(Config):
+        default = f'"{f.default}"' if isinstance(f.default, str) else repr(f.default)
+        row = f"| `{f.name}` | `{default}` | `CGTREES_{f.name.upper()}` |"
+        assert row in readme, f"README.md's option table lacks {row}"
+
+
+PAGES = ("docs/benchmarks.md", "docs/warm_start.md")
+OUTSIDE = re.compile(r"DESIGN\.md|\bissue \d+|(?<![\w.-])/(?:root|tmp|work|home)/")
+
+
+def test_benchmark_pages_open_with_their_table_and_point_only_inside_the_repository():
+    """Each page opens with its suite's table (every backend, with the GPU, torch and commit of its
+    rows), stays under 500 lines (dated readings live beside the results), and names nothing outside
+    the repository: no design notes, issue numbers or paths of the GPU machine."""
+    for page in PAGES:
+        text = open(os.path.join(ROOT, page)).read()
+        lines = text.splitlines()
+        assert len(lines) < 500, (page, len(lines))
+        assert not OUTSIDE.findall(text), (page, OUTSIDE.findall(text))
+        first = next(i for i, line in enumerate(lines) if line.startswith("| workload / mode | figure |"))
+        assert first < 20 and lines[first].endswith("| GPU | torch | commit |"), (page, first)
+        links = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if not t.startswith(("http://", "https://", "#"))]
+        named = {p.rstrip(".,:") for p in REPO_PATH.findall(text)}
+        missing = sorted({p for p in named if not os.path.exists(os.path.join(ROOT, p))} |
+                         {t for t in links if not os.path.exists(os.path.join(ROOT, "docs", t.split("#")[0]))})
+        assert not missing, f"{page} names files that are not in the repository: {missing}"
