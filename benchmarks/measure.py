@@ -1,4 +1,4 @@
-"""Timing, memory and error figures, defined as in DESIGN.md ("How figures are defined").
+"""Timing, memory and error figures, as the benchmark pages define them ("How to read the tables"):
 
 - time to first output(s): wall clock from the first call, synchronising the device after each;
 - per-call time: median over windows of many calls, timed with CUDA events on a GPU
