@@ -43,8 +43,8 @@ ones such as the precompile section of docs/warm_start.md), right after the own 
 reading of its misses (``--analysis``). ``--details`` writes what the page leaves out (each run's
 command, every target, start-up phases, profiles; for the real suite its full tables) to a file
 beside the results. Each table names the GPU, torch and commit of its rows: a result file's commit is
-its ``meta["commit"]`` (``git_commit``: ``+dirty`` when ``backend/`` had changes), or for older files
-the ``-at-<commit>`` in its name.
+its ``meta["commit"]`` (``--commit``, else ``git_commit``: ``+dirty`` when ``backend/`` had changes), or
+for older files the ``-at-<commit>`` in its name.
 
 Python byte code: an installed package has its modules compiled, but an image may ship none and set
 ``PYTHONDONTWRITEBYTECODE`` (the GPU machine does), so that every worker would compile from source
@@ -117,6 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--details", help="write what the page leaves out here, beside the result files (the runs' "
                    "commands, every target, start-up phases, profiles; the real suite's full tables)")
     p.add_argument("--note", default="", help="a line for the markdown report (e.g. what is partial)")
+    p.add_argument("--commit", help="the commit being measured, where git cannot tell (a copy of the tree "
+                   "without .git); default: git rev-parse, +dirty when backend/ has changes")
     p.add_argument("--title", default="", help="the markdown report's title (default: Benchmarks)")
     p.add_argument("--analysis", help="a markdown file: the report's reading of its misses, after the summary")
     p.add_argument("--from-json", help="comma-separated result files or folders (their *.json) to report on, "
@@ -456,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     command = "python benchmarks/run.py " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "command": command, "commit": None if args.from_json else git_commit()}
+            "command": command, "commit": None if args.from_json else args.commit or git_commit()}
 
     def save(rows: list[dict], kernels: dict | None = None) -> None:
         if args.out:  # after every row, so a run cut short still leaves its results

@@ -308,6 +308,10 @@ def test_the_page_opens_with_one_table_of_the_newest_runs_and_where_they_ran(tmp
     assert "- `1-own-at-aaaaaaa.json` (day 1, commit aaaaaaa): `python benchmarks/run.py --out 1.json`" in full
     assert "- `2-own.json` (day 2, commit bbbbbbb)" in full and "targets met: 1 of 2" in full
 
+    measured = run.stamp([_own_row("eager", 1e-3)], {"commit": "ccccccc"})  # a row of this call: its commit
+    assert measured[0]["commit"] == "ccccccc"
+    assert run.parse_args(["--commit", "ddddddd"]).commit == "ddddddd"  # where the tree has no .git
+
     run.main(["--from-json", f"{old},{new}", "--backends", "cgtrees", "--markdown", str(doc)])
     page = doc.read_text()
     assert "| workload / mode | figure | cgtrees | against target | GPU |" in page and "6000.0" not in page
