@@ -7,7 +7,7 @@ small tensors use one block of the next power of two.
 A pointwise kernel of ``HEAVY_LOADS`` loads or more per element (an unrolled 5x5 or 7x7 depthwise
 convolution: a window and a weight per tap) takes ``HEAVY_XBLOCK`` elements per program: Triton's
 compile time grows with the unrolled loads times the elements each thread holds (a 7x7 window with a
-fused GELU, sm_90: 2.4 s at 1024 elements, 1.2 s at 256; ``benchmarks/probe_compile_time.py``), and
+fused GELU, sm_90: 2.4 s at 1024 elements, 1.2 s at 256; ``benchmarks/probes/probe_compile_time.py``), and
 such a kernel has loads enough in flight at 2 elements a thread.
 
 Reductions: a row of at most ``PERSISTENT_LIMIT`` elements is reduced in registers ("persistent",
