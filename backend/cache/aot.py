@@ -40,11 +40,11 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from backend import codegen
 from backend.cache import backward_graph, compat, events, modules, wrappers
 from backend.cache.compat import Uncacheable
 from backend.cache.key import CacheKey, make_key
 from backend.cache.store import CorruptEntry, Store
+from backend.codegen import compat as codegen_compat
 from backend.compiled import AtenGraph, CompiledModule
 from backend.config import Config
 from backend.context import Constants, GraphContext
@@ -236,7 +236,7 @@ def start_first_calls(payload: dict[str, Any], config: Config) -> None:
             continue
         calls[part.get("runtime_kind", kind) == "backward"] += graph.library_calls
         binaries = binaries or bool(graph.binaries)
-    driver = codegen.triton_driver if binaries and not config.interpret else None
+    driver = codegen_compat.triton_driver if binaries and not config.interpret else None
     first_calls.start(calls[False], calls[True], driver)
 
 
