@@ -97,7 +97,7 @@ def test_without_torchs_static_launcher_tritons_launches(monkeypatch):
     monkeypatch.setattr(compat, "_static_launch_kernel", lambda: None)
     x, y = _inputs()
     cold = h.compile_fn(f, x, y)
-    warm = _warm_load(cold, cold.binaries(), name="triton_launcher")
+    warm = _warm_load(cold, cold.compiled().binaries, name="triton_launcher")
     for a, b in zip(h.run(warm, x, y), f(x, y)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     loaded = _loaded(warm)
@@ -107,7 +107,7 @@ def test_without_torchs_static_launcher_tritons_launches(monkeypatch):
 def test_a_warm_load_launches_the_stored_binaries_and_compiles_nothing():
     x, y = _inputs()
     cold = h.compile_fn(f, x, y)
-    records = cold.binaries()
+    records = cold.compiled().binaries
     assert set(records) == set(_kernels(cold)), records.keys()
     assert all(len(r) == 1 for r in records.values())
     warm = _warm_load(cold, records)
@@ -116,7 +116,7 @@ def test_a_warm_load_launches_the_stored_binaries_and_compiles_nothing():
     for a, b in zip(h.run(warm, x, y), f(x, y)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert all(k._jit is None for k in kernels.values())  # never decorated: nothing compiled or looked up
-    assert warm.binaries() == records  # what a second store would keep
+    assert warm.compiled().binaries == records  # what a second store would keep
     with open(warm.path) as file:
         assert file.read() == cold.source  # the file keeps the source as generated
 
@@ -144,7 +144,7 @@ def test_arguments_a_binary_does_not_fit_go_through_the_jit():
 def test_a_binary_that_does_not_load_is_dropped_for_the_jit(caplog):
     x, y = _inputs()
     cold = h.compile_fn(f, x, y)
-    records = cold.binaries()
+    records = cold.compiled().binaries
     name = sorted(records)[0]
     records[name][0]["binary"] = "bm90IGEgY3ViaW4="  # base64 of "not a cubin"
     warm = _warm_load(cold, records, name="damaged")

@@ -272,7 +272,7 @@ def test_failed_backward_capture_reruns_on_the_activations_it_freed(monkeypatch)
     real = node_mod.GraphNode._capture
 
     def failing(self, call, args):
-        if self.fn.kind != "backward":
+        if self.kind != "backward":
             return real(self, call, args)
 
         def free_then_fail(capture_args):
