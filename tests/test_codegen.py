@@ -504,7 +504,7 @@ def pw_fused_sigmoid_mul_add_0(x_1_ptr, add_ptr, xnumel, XBLOCK: tl.constexpr):
     tmp1 = tl.sigmoid(tmp0)
     tmp2 = tmp1 * tmp0
     tmp3 = tmp2 + 1.0
-    tl.store(add_ptr + (x0), tl.broadcast_to(tmp3, [XBLOCK]), xmask)
+    tl.store(add_ptr + (x0), tmp3, xmask)
 
 
 def call(args):

@@ -21,6 +21,7 @@ Index and size expressions are sympy expressions; symbolic sizes (``s0``...) sta
 from __future__ import annotations
 
 import enum
+import struct
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -63,10 +64,24 @@ class Load:
     indirect: tuple["Indirect", ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Const:
+    """A scalar. Two are equal when they are written the same: ``0.0`` and ``-0.0`` differ (``x + 0.0``
+    is not ``x + -0.0``), ``1`` and ``1.0`` and ``True`` differ, a NaN equals itself (dataclass
+    equality compares values with ``==``, which gets all three wrong for a kernel's caches)."""
+
     value: Any  # bool | int | float | sympy.Expr (a symbolic size used as data)
     dtype: torch.dtype
+
+    def _key(self) -> tuple:
+        v = self.value
+        return (float, struct.pack("<d", v), self.dtype) if isinstance(v, float) else (type(v), v, self.dtype)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Const) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 from backend.codegen import heuristics, ir, ops, printer
 from backend.codegen import kernel_facts as facts
 from backend.codegen.scheduler import Kernel, Member
-from backend.codegen.simplify import merge_dims
+from backend.codegen.simplify import fold, merge_dims
 
 INT32_LIMIT = 2**31 - 1
 
@@ -49,16 +49,29 @@ class KernelCode:
 
 @dataclass
 class _Scope:
+    """A block of the kernel (its body, or a loop over a row) and what it computed: by IR value
+    (``cache``) and by right-hand side (``texts``: two values that render alike, a row's mean and
+    the same mean inlined into the next member, are one variable). An inner scope sees its parents'."""
+
     parent: "_Scope | None"
     indent: str
     lines: list[str] = field(default_factory=list)
     cache: dict = field(default_factory=dict)
+    texts: dict[str, str] = field(default_factory=dict)
 
     def find(self, key: object) -> str | None:
         scope: _Scope | None = self
         while scope is not None:
             if key in scope.cache:
                 return scope.cache[key]
+            scope = scope.parent
+        return None
+
+    def find_text(self, text: str) -> str | None:
+        scope: _Scope | None = self
+        while scope is not None:
+            if text in scope.texts:
+                return scope.texts[text]
             scope = scope.parent
         return None
 
@@ -81,7 +94,6 @@ class KernelWriter:
         self.ptrs: dict[str, str] = {}
         self.ptr_dtypes: dict[str, torch.dtype] = {}
         self.row_vars: dict[str, str] = {}
-        self.in_range: dict[str, str] = {}  # an indirect index's variable -> its range check
         self.helpers: set[str] = set()
         self.libdevice = False
         self.two_d = kernel.is_reduction
@@ -92,6 +104,7 @@ class KernelWriter:
         bodies, stores = self._resolve()  # member loads -> registers / inlined expressions
         bodies, stores = self._follow_layout(bodies, stores)  # pointwise: walk the output in memory order
         bodies, stores, dims = self._simplify(bodies, stores)  # merge dims, name x*/r* symbols
+        bodies, self.targets = self._fold(bodies)  # constants computed, identities dropped
         self.dims = dims
         xnumel = sympy.Mul(*[n for _, n, red in dims if not red])
         rnumel = sympy.Mul(*[n for _, n, red in dims if red]) if self.two_d else None
@@ -161,6 +174,10 @@ class KernelWriter:
         stores = {k: sympy.expand(sympy.sympify(i).xreplace(subs)) for k, i in stores.items()}
         return bodies, stores, dims
 
+    def _fold(self, bodies: dict) -> tuple[dict, dict]:
+        return ({k: fold(b) for k, b in bodies.items()},
+                {k: tuple(fold(i) for i in t) for k, t in self.targets.items()})
+
     def _needs_int64(self, bodies: dict, stores: dict, dims: list) -> bool:
         maxes = {}
         for s, n, _ in dims:
@@ -184,9 +201,12 @@ class KernelWriter:
         scope.lines += [f"xoffset = {pid} * XBLOCK", f"xindex = xoffset + tl.arange(0, XBLOCK){shape}",
                         "xmask = xindex < xnumel"]
         scope.lines += self._decompose("x", "xindex")
-        if self.two_d:
-            base = "tl.arange(0, RBLOCK)[None, :]"
-            scope.lines.append(f"rbase = {base}.to(tl.int64)" if self.int64 else f"rbase = {base}")
+        if self.two_d and not self.cfg.persistent:  # each step of the row loop adds its offset
+            scope.lines.append(f"rbase = {self._rbase()}")
+
+    def _rbase(self) -> str:
+        base = "tl.arange(0, RBLOCK)[None, :]"
+        return f"{base}.to(tl.int64)" if self.int64 else base
 
     def _decompose(self, kind: str, flat: str) -> list[str]:
         dims = [(s, n) for s, n, red in self.dims if red == (kind == "r")]
@@ -202,7 +222,7 @@ class KernelWriter:
         if looped:
             scope.lines += ["rindex = roffset + rbase"]
         else:
-            scope.lines += ["rindex = rbase"]
+            scope.lines += [f"rindex = {self._rbase()}"]
         scope.lines += ["rmask = rindex < rnumel"] + self._decompose("r", "rindex")
 
     # ---------------------------------------------------------------------------------- emission
@@ -216,7 +236,8 @@ class KernelWriter:
                 value = self._full_value(bodies[m.name], scope)
                 masked = self._var(scope, f"tl.where(xmask & rmask, {value}, {self._identity(m)})")
                 scanned = self._var(scope, self._scan_text(m, masked))
-                self._store(m, _cast_text(scanned, m.step.body.dtype, m.step.dtype), stores[m.name], scope, full=True)
+                self._store(m, _cast_text(scanned, m.step.body.dtype, m.step.dtype), stores[m.name], scope, full=True,
+                            spans=True)
             elif m.role == "reduce":
                 value = self._full_value(bodies[m.name], scope)
                 masked = self._var(scope, f"tl.where(xmask & rmask, {value}, {self._identity(m)})")
@@ -224,7 +245,8 @@ class KernelWriter:
             elif m.role == "row":
                 self._emit_row(m, bodies, stores, scope)
             elif m.name in stores:
-                self._store(m, self.value(bodies[m.name], scope), stores[m.name], scope, full=True)
+                self._store(m, self.value(bodies[m.name], scope), stores[m.name], scope, full=True,
+                            spans=self._spans(bodies[m.name], full=True))
 
     def _emit_looped(self, outer: _Scope, bodies: dict, stores: dict) -> None:
         loop_of, avail = {}, {}
@@ -257,7 +279,8 @@ class KernelWriter:
                     acc = accs[m.name]
                     inner.lines.append(f"{acc} = tl.where(xmask & rmask, {self._combine(m, acc, value)}, {acc})")
                 elif m.name in stores:
-                    self._store(m, self.value(bodies[m.name], inner), stores[m.name], inner, full=True)
+                    self._store(m, self.value(bodies[m.name], inner), stores[m.name], inner, full=True,
+                                spans=self._spans(bodies[m.name], full=True))
             outer.lines += [inner.indent[len(outer.indent):] + line for line in inner.lines]
             for name, acc in accs.items():
                 self._finish_reduction(self.members[name], self._reduce_text(self.members[name], acc), outer, stores)
@@ -269,7 +292,8 @@ class KernelWriter:
         value = self.value(bodies[m.name], scope)
         self.row_vars[m.name] = self._var(scope, _cast_text(value, bodies[m.name].dtype, m.step.dtype))
         if m.name in stores:
-            self._store(m, self.row_vars[m.name], stores[m.name], scope, full=False)
+            self._store(m, self.row_vars[m.name], stores[m.name], scope, full=False,
+                        spans=self._spans(bodies[m.name], full=False))
 
     def _finish_reduction(self, m: Member, text: str, scope: _Scope, stores: dict) -> None:
         var = self._var(scope, text)
@@ -277,9 +301,10 @@ class KernelWriter:
         self.row_vars[m.name] = self._var(scope, _cast_text(var, result_dtype, m.step.dtype)) \
             if result_dtype != m.step.dtype else var
         if m.name in stores:
-            self._store(m, self.row_vars[m.name], stores[m.name], scope, full=False)
+            self._store(m, self.row_vars[m.name], stores[m.name], scope, full=False, spans=True)  # [XBLOCK, 1]
 
-    def _store(self, m: Member, value: str, index: sympy.Expr, scope: _Scope, full: bool) -> None:
+    def _store(self, m: Member, value: str, index: sympy.Expr, scope: _Scope, full: bool, spans: bool) -> None:
+        """Store ``value`` (which has the stored block's shape already where ``spans``)."""
         shape = ("[XBLOCK, RBLOCK]" if full else "[XBLOCK, 1]") if self.two_d else "[XBLOCK]"
         mask = "xmask & rmask" if (self.two_d and full) else "xmask"
         dtype = printer.TRITON_DTYPES[m.step.dtype]
@@ -288,22 +313,22 @@ class KernelWriter:
             value = f"tl.full({shape}, {_bf16_literal(value)}, tl.float32).to(tl.bfloat16)"
         elif _is_literal(value):
             value = f"tl.full({shape}, {value}, {dtype})"
-        else:
+        elif not spans:
             value = f"tl.broadcast_to({value}, {shape})"
         ptr = self._ptr(m.name, m.step.dtype)
         offset = printer.expr(index, triton=True)
         kinds = facts.symbol_kinds(index)
         if "x" not in kinds or (self.two_d and full and "r" not in kinds):  # pointer must span the block
-            offset += f" + tl.zeros({shape}, tl.int32)"
+            offset = _plus(offset, f"tl.zeros({shape}, tl.int32)")
         scope.lines.append(f"tl.store({ptr} + ({offset}), {value}, {mask})")
 
     def _scatter(self, m: Member, value: str, index: sympy.Expr, scope: _Scope) -> None:
         """Write (or atomically add) each element where its indices say, where they are in range."""
         subs, conds = {}, ["xmask"]
         for k, ind in enumerate(self.targets[m.name]):
-            var = self.value(ind, scope)
+            var, ok = self._indirect(ind, scope)
             subs[ir.indirect_symbol(k)] = sympy.Symbol(var, integer=True)
-            conds.append(self.in_range[var])
+            conds.append(ok)
         offset = printer.expr(sympy.sympify(index).xreplace(subs), triton=True)
         if "x" not in facts.symbol_kinds(index).union(*(facts.kinds(i) for i in self.targets[m.name])):
             offset += " + tl.zeros([XBLOCK], tl.int32)"  # pointers must span the block
@@ -332,7 +357,21 @@ class KernelWriter:
         dtype = printer.TRITON_DTYPES[body.dtype]
         if _is_literal(value):
             return self._var(scope, f"tl.full([XBLOCK, RBLOCK], {value}, {dtype})")
+        if self._spans(body, full=True):
+            return value
         return self._var(scope, f"tl.broadcast_to({value}, [XBLOCK, RBLOCK])")
+
+    def _spans(self, e: ir.Expr, full: bool) -> bool:
+        """Whether value ``e`` has its block's shape already: ``[XBLOCK, RBLOCK]`` (``full``) or
+        ``[XBLOCK, 1]`` in a reduction kernel, ``[XBLOCK]`` in a pointwise one. A load has its mask's
+        shape (``xmask & rmask`` where its index walks the row, else ``xmask``), a reduction's result
+        is ``[XBLOCK, 1]``, and an op has its operands' broadcast shape; where no operand shows the
+        shape, the value is broadcast (a constant, an index, a load of one address)."""
+        if self.two_d and full:
+            return any(isinstance(v, ir.Load) and "r" in facts.kinds(v) for v in ir.walk(e))
+        if self.two_d:
+            return any(isinstance(v, ir.Ref) or (isinstance(v, ir.Load) and "x" in facts.kinds(v)) for v in ir.walk(e))
+        return any(isinstance(v, ir.Load) and "x" in facts.kinds(v) for v in ir.walk(e))
 
     def _identity(self, m: Member) -> str:
         dtype = m.step.body.dtype
@@ -386,18 +425,18 @@ class KernelWriter:
     def value(self, e: ir.Expr, scope: _Scope) -> str:
         if isinstance(e, ir.Const):
             if isinstance(e.value, sympy.Expr):
-                return printer.expr(e.value, triton=True)
+                text = printer.expr(e.value, triton=True)
+                return text if e.value.is_Atom else f"({text})"  # an operand of the op it is in
             return printer.literal(e.value)
         if isinstance(e, ir.Ref):
             return self.row_vars[e.name]
+        if isinstance(e, ir.Indirect):
+            return self._indirect(e, scope)[0]
         hit = scope.find(e)
         if hit is not None:
             return hit
         if isinstance(e, ir.Load):
             text = self._load_text(e, scope)
-        elif isinstance(e, ir.Indirect):
-            scope.cache[e] = self._indirect_var(e, scope)
-            return scope.cache[e]
         elif isinstance(e, ir.IndexValue):
             index = printer.expr(e.index, triton=True)
             text = f"({index})" if e.index.free_symbols else f"tl.full([1], {index}, tl.int64)"
@@ -416,9 +455,9 @@ class KernelWriter:
         names = facts.symbol_kinds(e.index)
         if not names and self.interpret:  # the interpreter mixes 0-d and block values badly: load a block
             shape = "[XBLOCK, 1]" if self.two_d else "[XBLOCK]"
-            return f"tl.load({ptr} + {index} + tl.zeros({shape}, tl.int32), xmask, other=0)"
+            return f"tl.load({ptr} + {_plus(index, f'tl.zeros({shape}, tl.int32)')}, xmask, other=0)"
         if not names:
-            return f"tl.load({ptr} + {index})"
+            return f"tl.load({ptr} + {index})" if index != "0" else f"tl.load({ptr})"
         mask = "xmask & rmask" if "r" in names else "xmask"
         return f"tl.load({ptr} + ({index}), {mask}, other=0)"
 
@@ -427,19 +466,26 @@ class KernelWriter:
         need = facts.kinds(e) | {"x"}  # the mask has xmask's shape at least
         subs, conds = {}, [self._mask(need)]
         for k, ind in enumerate(e.indirect):
-            index = self.value(ind, scope)
+            index, ok = self._indirect(ind, scope)
             subs[ir.indirect_symbol(k)] = sympy.Symbol(index, integer=True)
-            conds.append(self.in_range[index])
+            conds.append(ok)
         if e.mask is not None:
             conds.append(self.value(e.mask, scope))
         offset = printer.expr(sympy.sympify(e.index).xreplace(subs), triton=True)
         if need - facts.kinds(ir.Load(e.buf, e.index, e.dtype, None, e.indirect)):  # pointers must span the mask
-            offset += f" + tl.zeros({self._shape(need)}, tl.int32)"
+            offset = _plus(offset, f"tl.zeros({self._shape(need)}, tl.int32)")
         return f"tl.load({ptr} + ({offset}), {' & '.join(conds)}, other=0)"
 
-    def _indirect_var(self, e: ir.Indirect, scope: _Scope) -> str:
-        """The index as int64 (negative ones wrapped where allowed), asserted to be in range; the
-        range check is kept (``in_range``) to mask the loads that use it."""
+    def _indirect(self, e: ir.Indirect, scope: _Scope) -> tuple[str, str]:
+        """The index as int64 (negative ones wrapped where allowed), asserted to be in range, and
+        its range check, which masks the loads that use it. Two indices of one value into
+        dimensions of other sizes share the variable, not the check: hence cached per ``Indirect``."""
+        hit = scope.find(e)
+        if hit is None:
+            hit = scope.cache[e] = self._indirect_vars(e, scope)
+        return hit
+
+    def _indirect_vars(self, e: ir.Indirect, scope: _Scope) -> tuple[str, str]:
         value = self.value(e.value, scope)
         if _is_literal(value):
             value = f"tl.full([1], {value}, tl.int64)"
@@ -452,8 +498,7 @@ class KernelWriter:
         low = f"-{printer.expr(e.size)}" if e.wrap else "0"
         message = f"index out of range: an index is outside [{low}, {printer.expr(e.size)})"
         scope.lines.append(f'tl.device_assert({ok}, "{message}", {mask})')
-        self.in_range[index] = ok
-        return index
+        return index, ok
 
     def _mask(self, kinds: set[str]) -> str:
         return "xmask & rmask" if "r" in kinds else "xmask"
@@ -473,9 +518,20 @@ class KernelWriter:
         return text.format(*args)
 
     def _var(self, scope: _Scope, text: str, prefix: str = "tmp") -> str:
+        """A variable holding ``text``: the one that holds it already where this scope or a parent
+        computed it, ``text`` itself where it is a name or a literal (no ``tmp5 = tmp4``), else a
+        new one. Accumulators (``acc``) are assigned again in their loop: always new."""
+        if prefix == "tmp":
+            if text.isidentifier() or _is_number(text):
+                return text
+            hit = scope.find_text(text)
+            if hit is not None:
+                return hit
         name = f"{prefix}{self.tmp}"
         self.tmp += 1
         scope.lines.append(f"{name} = {text}")
+        if prefix == "tmp":
+            scope.texts[text] = name
         return name
 
     def _ptr(self, buf: str, dtype: torch.dtype) -> str:
@@ -527,6 +583,17 @@ def _operand(e: sympy.Expr) -> str:
 
 def _is_literal(text: str) -> bool:
     return text[:1].isdigit() or text.startswith(("-", "float(", "True", "False"))
+
+
+def _is_number(text: str) -> bool:
+    """Whether ``text`` is one literal as ``printer.literal`` writes it (``-1.5``, ``float("inf")``)."""
+    return text in ("True", "False", 'float("nan")', 'float("inf")', 'float("-inf")') or \
+        text.lstrip("-").replace(".", "", 1).replace("e-", "", 1).replace("e+", "", 1).isdigit()
+
+
+def _plus(offset: str, more: str) -> str:
+    """``offset + more``, without a ``0 + `` in front."""
+    return more if offset == "0" else f"{offset} + {more}"
 
 
 def write_kernel(kernel: Kernel, name: str, interpret: bool) -> KernelCode:

@@ -170,7 +170,7 @@ def _call(program: ir.Program, items: list[Item], codes: dict[int, KernelCode],
         else:
             lay = item.layout
             lines.append(f"    {item.name} = torch.as_strided({item.base}, {_tuple(lay.size)}, {_tuple(lay.stride)}, "
-                         f"{item.base}.storage_offset() + {printer.expr(lay.offset)})")
+                         f"{_offset(item.base, lay.offset)})")
         if not isinstance(item, Kernel) and item.name in checks:
             lines.append(extern_strides.check_line(item.name, _tuple(checks[item.name].stride)))
         dead = sorted(n for n, at in last.items() if at == i and n not in outputs and n not in reuse.values())
@@ -208,6 +208,16 @@ def _allocate(step: ir.Compute, old: str | None) -> list[str]:
                 f"    del {old}"]
     return [f"    {step.name} = torch.empty_strided({_tuple(lay.size)}, {_tuple(lay.stride)}, dtype={step.dtype}, "
             "device=DEVICE)"]
+
+
+def _offset(base: str, offset: sympy.Expr) -> str:
+    """``base``'s storage offset plus ``offset`` (``x.storage_offset()``, not ``... + 0``)."""
+    offset = sympy.sympify(offset)
+    if offset == 0:
+        return f"{base}.storage_offset()"
+    if offset.is_number and offset < 0:
+        return f"{base}.storage_offset() - {printer.expr(-offset)}"
+    return f"{base}.storage_offset() + {printer.expr(offset)}"
 
 
 def _plan_reuse(items: list[Item], last: dict[str, int], pinned: set[str], outputs: set[str]) -> dict[str, str]:
