@@ -28,6 +28,7 @@ from backend.codegen import (  # noqa: F401  (register lowerings)
     lower_scan,
     lower_scatter,
     lower_views,
+    naming,
     ops,
 )
 from backend.codegen.lowering import (
@@ -55,6 +56,12 @@ class ExternTuple:
 
     def __init__(self, name: str) -> None:
         self.name = name
+
+
+def describe(node: torch.fx.Node) -> ir.Described:
+    """The node's line above the kernel it goes into, and the user's source line it came from."""
+    text = describe_node(node) if node.op == "call_function" else node.name
+    return ir.Described(text, naming.source_line(node.meta.get("stack_trace")))
 
 
 def describe_node(node: torch.fx.Node) -> str:
@@ -92,7 +99,7 @@ class GraphLowerer:
         self.origins: dict[torch.fx.Node, tuple[str, ...]] = {}
         self.names: set[str] = {n.name for n in gm.graph.nodes}
         self.used_names: set[str] = set()
-        self.described: dict[str, str] = {}
+        self.described: dict[str, ir.Described] = {}
         self.fallbacks: list[tuple[str, str]] = []
         self.ctx = LowerCtx(config.interpret, self, config.unfuse_addmm)
         self._current_origins: tuple[str, ...] = ()
@@ -100,7 +107,7 @@ class GraphLowerer:
     # ------------------------------------------------------------------------------------ entry
     def run(self) -> ir.Program:
         for node in self.gm.graph.nodes:
-            self.described[node.name] = describe_node(node) if node.op == "call_function" else node.name
+            self.described[node.name] = describe(node)
             getattr(self, f"_{node.op}")(node)
         program = ir.Program(tuple(self.inputs), tuple(self.steps), self.outputs, self.device(),
                              self.symbol_bindings(), tuple(self.described.items()))

@@ -333,6 +333,14 @@ class Input:
 
 
 @dataclass(frozen=True)
+class Described:
+    """An aten node as the comment above the kernel it went into shows it."""
+
+    text: str  # "name = aten.op.overload(args)"
+    source: str = ""  # the user's line it was traced from ("model.py:42 in forward: y = f(x)"), or ""
+
+
+@dataclass(frozen=True)
 class Program:
     """What one aten graph lowers to, before scheduling."""
 
@@ -341,4 +349,4 @@ class Program:
     outputs: tuple[Any, ...]  # buffer names, or plain values (None, ints, sympy)
     device: str
     symbols: tuple[tuple[str, str], ...]  # (symbol, python expression reading it from the inputs)
-    described: tuple[tuple[str, str], ...] = ()  # (node name, "name = aten.op(args)") for comments
+    described: tuple[tuple[str, Described], ...] = ()  # (node name, its line) for the kernels' comments

@@ -8,7 +8,6 @@ aten: the loaded module's fallback when a kernel fails to compile, kept beside t
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,38 +17,10 @@ import torch.fx
 
 from backend.codegen import extern_strides, ir, library_calls, printer
 from backend.codegen.kernel import HELPERS, KernelCode, write_kernel
+from backend.codegen.naming import kernel_name
+from backend.codegen.naming import origin_comment as _origin_comment
 from backend.codegen.scheduler import Item, Kernel, reads
 from backend.compiled import KernelLaunch
-
-PATTERNS = (  # reduction kernels named after what they compute, by the aten ops they came from
-    ("log_softmax", {"amax", "exp", "sum", "log"}),
-    ("softmax", {"amax", "exp", "sum", "div"}),
-    ("layernorm", {"var_mean", "rsqrt"}),
-    ("max_pool2d_backward", {"max_pool2d_with_indices_backward"}),
-    ("avg_pool2d_backward", {"avg_pool2d_backward"}),
-    ("max_pool2d", {"max_pool2d_with_indices"}),
-    ("avg_pool2d", {"avg_pool2d"}),
-)
-
-
-def op_names(described: dict[str, str], origins: tuple[str, ...]) -> list[str]:
-    names = []
-    for o in origins:
-        m = re.match(r"\w+ = (?:aten|torch\.ops\.\w+)\.(\w+)\.", described.get(o, ""))
-        if m and m.group(1) not in names:
-            names.append(m.group(1))
-    return names
-
-
-def kernel_name(kernel: Kernel, described: dict[str, str], i: int) -> str:
-    origins = tuple(o for m in kernel.members for o in m.step.origins)
-    names = op_names(described, origins)
-    if kernel.is_reduction:
-        for pattern, needs in PATTERNS:
-            if needs <= set(names):
-                return f"red_{pattern}_{i}"
-        return f"red_fused_{'_'.join(names[:4])}_{i}"
-    return f"pw_fused_{'_'.join(names[:4])}_{i}"
 
 
 # ------------------------------------------------------------------------------------------ module
@@ -107,15 +78,6 @@ def _precompile_list(codes: list[KernelCode]) -> tuple[KernelLaunch, ...]:
         out.append(KernelLaunch(code.name, tuple(str(d).removeprefix("torch.") for d in code.ptr_dtypes),
                                 tuple(int(n) for n in sizes), tuple(meta)))
     return tuple(out)
-
-
-def _origin_comment(kernel: Kernel, described: dict[str, str]) -> list[str]:
-    origins = list(dict.fromkeys(o for m in kernel.members for o in m.step.origins))
-    order = {name: i for i, name in enumerate(described)}
-    origins.sort(key=lambda o: order.get(o, 0))
-    shape = ", ".join(printer.expr(n) for n in kernel.ranges)
-    kind = f"reduction over dims {list(kernel.reduced)} of ({shape})" if kernel.is_reduction else f"pointwise ({shape})"
-    return [f"# {kind}; from:"] + [f"#   {described.get(o, o)}" for o in origins]
 
 
 def _stride_checks(program: ir.Program, items: list[Item]) -> dict[str, ir.Layout]:
