@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 import torch
@@ -108,7 +108,13 @@ class GraphLowerer:
     def run(self) -> ir.Program:
         for node in self.gm.graph.nodes:
             self.described[node.name] = describe(node)
-            getattr(self, f"_{node.op}")(node)
+            try:
+                self.NODE_KINDS[node.op](self, node)
+            except KeyError as exc:  # its message would show quoted
+                raise RuntimeError(_in_node(exc, node, self.described[node.name])) from exc
+            except Exception as exc:
+                exc.args = (_in_node(exc, node, self.described[node.name]), *exc.args[1:])
+                raise
         program = ir.Program(tuple(self.inputs), tuple(self.steps), self.outputs, self.device(),
                              self.symbol_bindings(), tuple(self.described.items()))
         self._check_bound(program)
@@ -196,6 +202,11 @@ class GraphLowerer:
             else:
                 outs.append(arg)
         self.outputs = tuple(outs)
+
+    NODE_KINDS: dict[str, Callable[["GraphLowerer", torch.fx.Node], None]] = {
+        "placeholder": _placeholder, "get_attr": _get_attr, "call_module": _call_module,
+        "call_method": _call_method, "call_function": _call_function, "output": _output,
+    }
 
     # ------------------------------------------------------------------------------------ lowering
     def _lower(self, node: torch.fx.Node) -> Any:
@@ -394,8 +405,9 @@ class GraphLowerer:
         if not is_library_op(node.target):
             counters.bump_gap(str(node.target))  # an op a kernel could have done: a fusion boundary we left
         self.fallbacks.append((node.name, reason))
-        log_once(log, f"fallback:{node.target}:{reason}", "cgtrees codegen: %s runs through aten (%s)",
-                 node.target, reason, level=logging.INFO)
+        source = self.described[node.name].source
+        log_once(log, f"fallback:{node.target}:{reason}", "cgtrees codegen: %s runs through aten (%s)%s",
+                 node.target, reason, f"; {node.name} from {source}" if source else "", level=logging.INFO)
         return self._extern(node, node.target, node.args, node.kwargs, node.meta.get("val"), node.name)
 
     def library_call(self, node: torch.fx.Node, target: torch._ops.OpOverload, args: tuple,
@@ -478,6 +490,14 @@ def is_library_op(target: Any) -> bool:
     """Whether an aten call is deliberate (a library kernel or a random op), not a missing lowering."""
     name = target.name() if isinstance(target, torch._ops.OpOverload) else str(target)
     return name.startswith(_LIBRARY_PREFIXES)
+
+
+def _in_node(exc: Exception, node: torch.fx.Node, described: ir.Described) -> str:
+    """``exc``'s message with the node being lowered (its aten op) and the user's source line, as
+    torch.fx's interpreter re-raises an error with the node and its stack trace."""
+    what = described.text if node.op == "call_function" else f"{node.name} = {node.op} {node.target}"
+    where = f"While lowering {what}" + (f"\n  from {described.source}" if described.source else "")
+    return f"{exc.args[0]}\n\n{where}" if exc.args else where
 
 
 def _map(fn: Any, value: Any) -> Any:
