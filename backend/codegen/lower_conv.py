@@ -10,7 +10,7 @@ order (on channels-last tensors neighbouring threads read neighbouring channels)
 
 Why generate them: cuDNN builds an execution plan for each configuration at its first call, per
 thread, and for channels-last depthwise convolutions that takes 0.15-0.4 s each on an H200 (torch
-2.11, cuDNN 9.19; ``benchmarks/probe_conv_first_calls.py``): about 2 s of mobilenet_v3_small's
+2.11, cuDNN 9.19; ``benchmarks/probes/probe_conv_first_calls.py``): about 2 s of mobilenet_v3_small's
 first inference call, in a warm process as in a cold one. A generated kernel is a stored binary
 in a warm process, and its consumers (batch norm's affine, the activation) fuse into it. On
 channels-last tensors the weights are first copied channels-innermost (``_weights``).

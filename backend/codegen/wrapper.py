@@ -17,8 +17,7 @@ import torch.fx
 
 from backend.codegen import extern_strides, ir, library_calls, printer
 from backend.codegen.kernel import HELPERS, KernelCode, write_kernel
-from backend.codegen.naming import kernel_name
-from backend.codegen.naming import origin_comment as _origin_comment
+from backend.codegen.naming import kernel_name, origin_comment
 from backend.codegen.scheduler import Item, Kernel, reads
 from backend.compiled import KernelLaunch
 
@@ -55,7 +54,7 @@ def module_source(header: list[str], program: ir.Program, items: list[Item], int
     for h in helpers:
         out += ["", HELPERS[h]]
     for kernel, code in codes:
-        out += ["", *_origin_comment(kernel, described), code.source]
+        out += ["", *origin_comment(kernel, described), code.source]
     out += ["", *_call(program, items, dict((id(k), c) for k, c in codes), checks), "",
             "def run(*args):", '    """Call the graph with positional arguments (for experiments)."""',
             "    return call(list(args))", ""]
