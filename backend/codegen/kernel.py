@@ -246,7 +246,7 @@ class KernelWriter:
                 self._emit_row(m, bodies, stores, scope)
             elif m.name in stores:
                 self._store(m, self.value(bodies[m.name], scope), stores[m.name], scope, full=True,
-                            spans=self._spans(bodies[m.name], full=True))
+                            spans=facts.spans_block(self.two_d, bodies[m.name], full=True))
 
     def _emit_looped(self, outer: _Scope, bodies: dict, stores: dict) -> None:
         loop_of, avail = {}, {}
@@ -280,7 +280,7 @@ class KernelWriter:
                     inner.lines.append(f"{acc} = tl.where(xmask & rmask, {self._combine(m, acc, value)}, {acc})")
                 elif m.name in stores:
                     self._store(m, self.value(bodies[m.name], inner), stores[m.name], inner, full=True,
-                                spans=self._spans(bodies[m.name], full=True))
+                                spans=facts.spans_block(self.two_d, bodies[m.name], full=True))
             outer.lines += [inner.indent[len(outer.indent):] + line for line in inner.lines]
             for name, acc in accs.items():
                 self._finish_reduction(self.members[name], self._reduce_text(self.members[name], acc), outer, stores)
@@ -293,7 +293,7 @@ class KernelWriter:
         self.row_vars[m.name] = self._var(scope, _cast_text(value, bodies[m.name].dtype, m.step.dtype))
         if m.name in stores:
             self._store(m, self.row_vars[m.name], stores[m.name], scope, full=False,
-                        spans=self._spans(bodies[m.name], full=False))
+                        spans=facts.spans_block(self.two_d, bodies[m.name], full=False))
 
     def _finish_reduction(self, m: Member, text: str, scope: _Scope, stores: dict) -> None:
         var = self._var(scope, text)
@@ -357,21 +357,9 @@ class KernelWriter:
         dtype = printer.TRITON_DTYPES[body.dtype]
         if _is_literal(value):
             return self._var(scope, f"tl.full([XBLOCK, RBLOCK], {value}, {dtype})")
-        if self._spans(body, full=True):
+        if facts.spans_block(self.two_d, body, full=True):
             return value
         return self._var(scope, f"tl.broadcast_to({value}, [XBLOCK, RBLOCK])")
-
-    def _spans(self, e: ir.Expr, full: bool) -> bool:
-        """Whether value ``e`` has its block's shape already: ``[XBLOCK, RBLOCK]`` (``full``) or
-        ``[XBLOCK, 1]`` in a reduction kernel, ``[XBLOCK]`` in a pointwise one. A load has its mask's
-        shape (``xmask & rmask`` where its index walks the row, else ``xmask``), a reduction's result
-        is ``[XBLOCK, 1]``, and an op has its operands' broadcast shape; where no operand shows the
-        shape, the value is broadcast (a constant, an index, a load of one address)."""
-        if self.two_d and full:
-            return any(isinstance(v, ir.Load) and "r" in facts.kinds(v) for v in ir.walk(e))
-        if self.two_d:
-            return any(isinstance(v, ir.Ref) or (isinstance(v, ir.Load) and "x" in facts.kinds(v)) for v in ir.walk(e))
-        return any(isinstance(v, ir.Load) and "x" in facts.kinds(v) for v in ir.walk(e))
 
     def _identity(self, m: Member) -> str:
         dtype = m.step.body.dtype

@@ -89,3 +89,16 @@ def index_values(e: ir.Expr) -> list[ir.IndexValue]:
 
 def refs(e: ir.Expr) -> set[str]:
     return {v.name for v in ir.walk(e) if isinstance(v, ir.Ref)}
+
+
+def spans_block(two_d: bool, e: ir.Expr, full: bool) -> bool:
+    """Whether value ``e`` has its block's shape already: ``[XBLOCK, RBLOCK]`` (``full``) or
+    ``[XBLOCK, 1]`` in a reduction kernel (``two_d``), ``[XBLOCK]`` in a pointwise one. A load has
+    its mask's shape (``xmask & rmask`` where its index walks the row, else ``xmask``), a
+    reduction's result is ``[XBLOCK, 1]``, and an op has its operands' broadcast shape; where no
+    operand shows the shape, the value is broadcast (a constant, an index, a load of one address)."""
+    if two_d and full:
+        return any(isinstance(v, ir.Load) and "r" in kinds(v) for v in ir.walk(e))
+    if two_d:
+        return any(isinstance(v, ir.Ref) or (isinstance(v, ir.Load) and "x" in kinds(v)) for v in ir.walk(e))
+    return any(isinstance(v, ir.Load) and "x" in kinds(v) for v in ir.walk(e))
