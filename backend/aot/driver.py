@@ -40,11 +40,12 @@ class Compilers:
     manager, for its backward), our partition's ``Split``, level 1's ``Recorder`` (on a miss), and
     the functions that may replace AOTAutograd's (``lean``, ``forward_call``)."""
 
-    def __init__(self, name: str, config: Config, num_inputs: int) -> None:
+    def __init__(self, name: str, config: Config, num_inputs: int,
+                 shared: runtime.SharedTree | None = None) -> None:
         self.name = name
         self.config = config
         self.num_inputs = num_inputs  # the Dynamo graph's
-        self.shared = runtime.SharedTree()
+        self.shared = shared or runtime.SharedTree()  # given: a loaded function's forward's
         self.split: Split | None = None
         self.recorder: Recorder | None = None
         # An inference graph in our own runtime wrapper, where AOTAutograd's wrappers would add
@@ -162,9 +163,7 @@ def compile_backward(name: str, config: Config, shared: runtime.SharedTree, gm: 
                      example_inputs: list[Any], static_saved: tuple[str, ...]) -> Callable[[list[Any]], Any]:
     """The backward a loaded precompiled function keeps uncompiled, compiled at its first call as
     AOTAutograd would (its kernel module from level 2 when one is there), in the forward's tree."""
-    compilers = Compilers(name, config, len(example_inputs))
-    compilers.shared = shared
-    return compilers.backward(gm, example_inputs, static_saved)
+    return Compilers(name, config, len(example_inputs), shared).backward(gm, example_inputs, static_saved)
 
 
 def _lean_inference(call: Callable[[list[Any]], Any], num_inputs: int,
