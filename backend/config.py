@@ -53,7 +53,17 @@ class Config:
                                 doc="run a float32/float64 addmm whose product feeds only pointwise kernels as "
                                     "mm, its bias added in those kernels (backend.codegen.lower_addmm)")
 
+    gemm_decisions: str = _field("measure", affects_codegen=True,
+                                 doc="how each GEMM's form is chosen (backend.codegen.gemm_choice): measure "
+                                     "(time the forms on the GPU at compile time: rows padded to 16 bytes or "
+                                     "not, addmm or mm with the bias in its consumers; as traced where "
+                                     "nothing can be timed), keep (as traced), rewrite (always rewritten), "
+                                     "align or unfuse (only that rewrite, always: tests)")
+
     def __post_init__(self) -> None:
+        if self.gemm_decisions not in _GEMM_MODES:
+            raise ValueError(f"cgtrees: gemm_decisions={self.gemm_decisions!r}; valid values: "
+                             f"{', '.join(_GEMM_MODES)}")
         mode = _LAYOUT_MODES.get(str(self.layout_opt).lower())
         if mode is None:
             raise ValueError(f"cgtrees: layout_opt={self.layout_opt!r}; valid values: auto, off, force")
@@ -92,6 +102,7 @@ class Config:
 
 _LAYOUT_MODES = {"auto": "auto", "1": "auto", "true": "auto", "on": "auto", "off": "off", "0": "off",
                  "false": "off", "force": "force"}
+_GEMM_MODES = ("measure", "keep", "rewrite", "align", "unfuse")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 

@@ -48,6 +48,8 @@ def sum_tolerance(expected: torch.Tensor, terms: int) -> dict:
 
 
 def config(**kw: Any) -> Config:
+    """A config for codegen tests; ``CGTREES_GEMM_DECISIONS`` (a test file's fixture) picks the GEMM forms."""
+    kw.setdefault("gemm_decisions", os.environ.get("CGTREES_GEMM_DECISIONS") or "measure")
     return Config(interpret=kw.pop("interpret", INTERPRET), **kw)
 
 

@@ -19,6 +19,13 @@ from backend.codegen.lower_views import split_remap
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 
 
+@pytest.fixture(autouse=True)
+def rewritten_gemms(monkeypatch):
+    """mm plus the bias in the consumer wherever it applies: on CPU nothing is timed, and GEMMs stay as traced
+    (``test_cpu_default_keeps_addmm_and_says_why``)."""
+    monkeypatch.setenv("CGTREES_GEMM_DECISIONS", "unfuse")
+
+
 # ------------------------------------------------------------------------------------------ helpers
 
 
@@ -166,6 +173,20 @@ def test_addmm_kept_where_the_bias_add_would_fuse_with_nothing(name):
     exact = f(x.double(), w.double(), b.double())
     for got, eager, ex in zip(outs, want, exact if isinstance(exact, tuple) else (exact,)):
         assert_scaled_close(got, eager, ex)
+
+
+def test_cpu_default_keeps_addmm_and_says_why(monkeypatch):
+    """With the default ``gemm_decisions=measure`` and no GPU to time on, the addmm stays one call,
+    and the module's header says so."""
+    monkeypatch.delenv("CGTREES_GEMM_DECISIONS")
+    x, w, b = torch.randn(6, 8), torch.randn(5, 8), torch.randn(5)
+    f = _linear_then(torch.relu)
+    m = compile_fn(f, x, w, b)
+    assert aten_call_targets(m) == ["aten.addmm.default"], m.source
+    lines = ("addmm: addmm [6, 8] x [8, 5] float32: rows as traced (no GPU to time on (cpu))",
+             "addmm: addmm [6, 8] x [8, 5] float32: addmm (no GPU to time on (cpu))")
+    assert m.graph.gemm_choices == lines
+    assert all(f"#   {line}" in m.source for line in lines), m.source
 
 
 def test_option_off_keeps_addmm():

@@ -83,12 +83,15 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
 
     gm = merged_sums.rewritten(gm)  # a bias gradient's sum next to the kernel of what it sums
     gm = input_writes.placed(gm)  # a running statistic's update next to the kernel of the statistic
-    program = GraphLowerer(gm, ctx.config).run()  # aten nodes -> IR steps (fallbacks as aten calls)
+    lowerer = GraphLowerer(gm, ctx.config)  # times GEMM forms on the device (gemm_choice)
+    program = lowerer.run()  # aten nodes -> IR steps (fallbacks as aten calls)
     items = schedule(program)  # steps -> fused kernels, aten calls, views
+    header = [*header, *lowerer.gemm.comment()]
     text = wrapper.module_source(header, program, items, ctx.config.interpret)  # the module's source
     counters.bump("kernels_generated", len(text.kernels))
     return CompiledGraph(text.source, facts, ctx.graph_hash, text.kernels, text.launches, text.precompile,
-                         text.library_calls, program.device, dynamic, "\n".join(wrapper.aten_call(gm)))
+                         text.library_calls, program.device, dynamic, "\n".join(wrapper.aten_call(gm)),
+                         gemm_choices=lowerer.gemm.lines())
 
 
 def _header(ctx: GraphContext) -> list[str]:

@@ -23,6 +23,11 @@ An addmm stays one aten call (the lowering's ``can_lower`` says why) where:
   backward. Unfused, the product is written by the GEMM and the sum again by the kernel (on
   vit_tiny's training step, 96 us of the forward's GELU kernels); the epilogue writes it once.
 
+Where all of that allows it, the two forms are timed on the device and the faster taken
+(``gemm_choice.GemmPlan.keeps_addmm``): cuBLAS picks its kernel per call, and on small float32
+shapes it gave addmm a gemv-like kernel ten times faster than mm's tile. Where nothing can be
+timed (CPU), the addmm stays one call unless ``gemm_decisions=rewrite``.
+
 ``beta = 0`` ignores the bias, NaN included, as eager does.
 """
 
@@ -71,7 +76,7 @@ def why_kept(node: torch.fx.Node, ctx: LowerCtx) -> str | None:
     beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
     if not all(isinstance(s, (int, float)) for s in (beta, alpha)) or alpha == 0:
         return f"beta={beta!r}, alpha={alpha!r}"
-    return _why_not_fused(node, ctx)
+    return _why_not_fused(node, ctx) or ctx.builder.gemm.keeps_addmm(node)
 
 
 def _why_not_fused(node: torch.fx.Node, ctx: LowerCtx) -> str | None:

@@ -23,6 +23,13 @@ pytestmark = pytest.mark.skipif(
     reason="needs CUDA (and compiled, not interpreted, Triton kernels)")
 
 DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def unfused(monkeypatch):
+    """The rewritten form wherever it applies (``gemm_decisions=unfuse``): by default the two forms
+    are timed and either may win (``test_gemm_choice_gpu.py``); here the rewrite's values are tested."""
+    monkeypatch.setenv("CGTREES_GEMM_DECISIONS", "unfuse")
 TOKENS, D, HIDDEN = (8, 128), 512, 2048
 
 

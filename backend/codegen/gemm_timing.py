@@ -1,0 +1,82 @@
+"""Timing one GEMM candidate on the device, at compile time (``gemm_choice`` decides with it).
+
+A candidate is a function of no arguments that launches its work on the current stream, its
+tensors allocated beforehand. It runs once (cuBLAS loads its kernel), once more under CUDA events
+to size a batch of ``reps`` calls that fills about ``_TARGET_US``, and then the batch is captured in
+one CUDA graph and replayed: the figure is GPU time, free of the host's launch cost, which on a
+small GEMM is larger than the kernel (a 2.6 us gemv launched from Python costs 10 us a call). The
+best of ``_REPLAYS`` replays, divided by ``reps``.
+
+Figures are kept for the process, keyed by the candidate's description (op, sizes, strides, dtype,
+device): a shape met again (the backward's GEMMs repeat the forward's; layers repeat) is not
+timed again. Timing needs a CUDA device that is not capturing a graph; ``unavailable`` says why not.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+_TARGET_US = 2000.0  # a batch's GPU time: long enough that a replay's launch is noise
+_MAX_REPS = 100
+_REPLAYS = 3
+_FIGURES: dict[str, float] = {}
+
+
+def unavailable(device: torch.device) -> str | None:
+    """None where candidates can be timed on ``device``, else why not."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"no GPU to time on ({device})"
+    if torch.cuda.is_current_stream_capturing():
+        return "compiled while a CUDA graph is being captured"
+    return None
+
+
+def time_us(key: str, device: torch.device, candidate: Callable[[], None]) -> float:
+    """Microseconds of GPU time per call of ``candidate`` (memoised under ``key``)."""
+    if key in _FIGURES:
+        return _FIGURES[key]
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            candidate()  # loads the kernel; cuBLAS may also allocate its workspace here
+            reps = _reps(_once_us(candidate))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(reps):
+                    candidate()
+            graph.replay()
+            best = min(_replay_us(graph) for _ in range(_REPLAYS)) / reps
+        torch.cuda.current_stream().wait_stream(stream)
+        del graph
+    _FIGURES[key] = best
+    return best
+
+
+def _once_us(candidate: Callable[[], None]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    candidate()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0
+
+
+def _reps(once_us: float) -> int:
+    return max(1, min(_MAX_REPS, int(_TARGET_US / max(once_us, 1.0))))
+
+
+def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0
+
+
+def forget() -> None:
+    """Drop the figures (tests time the same shapes afresh)."""
+    _FIGURES.clear()
