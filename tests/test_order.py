@@ -29,7 +29,7 @@ def test_hoist_puts_a_value_for_the_backward_after_its_last_input():
     names = _names(gm.graph)
     assert names.index("cos") > names.index("mm_1"), names  # traced after the second product
     output = next(iter(gm.graph.find_nodes(op="output")))
-    order.hoist(gm.graph, keep=order._ancestors([output.args[0][0]]))
+    order.hoist(gm.graph, keep=order.ancestors([output.args[0][0]]))
     names = _names(gm.graph)
     assert names[names.index("mm") + 1: names.index("mm") + 3] == ["cos", "mul"], names
     assert names[:2] == ["x_1", "w_1"]  # the inputs' order is the calling convention
@@ -43,7 +43,7 @@ def test_hoist_keeps_values_after_the_inputs():
         return torch.mm(x, w), x.exp()
     gm = make_fx(f)(torch.randn(4, 4), torch.randn(4, 4))
     output = next(iter(gm.graph.find_nodes(op="output")))
-    order.hoist(gm.graph, keep=order._ancestors([output.args[0][0]]))
+    order.hoist(gm.graph, keep=order.ancestors([output.args[0][0]]))
     assert _names(gm.graph)[:3] == ["x_1", "w_1", "exp"], _names(gm.graph)
 
 
@@ -55,7 +55,7 @@ def test_sink_puts_a_recomputed_value_before_its_first_reader():
     gm = make_fx(g)(torch.randn(4, 4), torch.randn(4, 4))
     names = _names(gm.graph)
     assert names.index("exp") < names.index("mm"), names
-    order.sink(gm.graph, anchors=order._descendants(n for n in gm.graph.nodes if compat.is_tangent(n)))
+    order.sink(gm.graph, anchors=order.descendants(n for n in gm.graph.nodes if compat.is_tangent(n)))
     names = _names(gm.graph)
     assert names[names.index("mm") + 1: names.index("mm") + 4] == ["exp", "add", "mul_1"], names
     gm.recompile()

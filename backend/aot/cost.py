@@ -1,15 +1,18 @@
 """The partitioner's cost model: what a value costs to keep, and what may be recomputed.
 
 Recomputing is allowed for ops that are cheap next to a memory round trip and deterministic:
-pointwise math, views, casts, constants, and *row* reductions. Never recomputed: matrix products,
-convolutions, attention, random ops, in-place/mutating ops, anything we do not know, and reductions
-that are not row reductions.
+pointwise math, views, casts, constants, a scatter of one value (a loss's one-hot: codegen writes
+it as a ``where``), and *row* reductions. Never recomputed: matrix products, convolutions,
+attention, random ops, in-place/mutating ops, anything we do not know, and reductions that are not
+row reductions.
 
 A row reduction reduces the trailing dimensions of its input, at most ``ROW_LIMIT`` elements per
-output (layer norm's statistics, softmax's max and sum): codegen reduces each row in one program,
-and the backward reads that row anyway, so recomputing it costs little. A reduction over leading
-dimensions (batch norm's per-channel statistics over N, H, W) or over a large extent is a pass of
-its own over the whole tensor: its small result is saved instead.
+output (layer norm's statistics, softmax's max and sum over an attention row): codegen holds each
+row in registers, and the backward reads that row anyway, so recomputing it costs little. A longer
+row (a language model's vocabulary, 50257 logits) is reduced in a loop of its own over the row: a
+backward that recomputed its max and sum of exponentials would read the logits twice, so its
+per-row statistics are saved instead (a float32 per row). A reduction over leading dimensions
+(batch norm's per-channel statistics over N, H, W) is a pass of its own over the whole tensor too.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from typing import Any
 import torch
 import torch.fx
 
+from backend.codegen.heuristics import PERSISTENT_LIMIT
+
 aten = torch.ops.aten
 
-ROW_LIMIT = 1 << 16
+ROW_LIMIT = PERSISTENT_LIMIT  # the longest row codegen reduces in registers, without a loop
 
 _REDUCTIONS = {
     aten.sum, aten.mean, aten.amax, aten.amin, aten.prod, aten.var, aten.var_mean, aten.std,
@@ -67,6 +72,8 @@ def is_recomputable(node: torch.fx.Node) -> bool:
         return False
     if torch.Tag.nondeterministic_seeded in target.tags:
         return False
+    if target is aten.scatter.value:  # one value written wherever the index says: deterministic
+        return True
     if torch.Tag.pointwise in target.tags or target.overloadpacket in _RECOMPUTABLE_PACKETS:
         return True
     return target.overloadpacket in _REDUCTIONS and _is_row_reduction(node)
@@ -95,8 +102,20 @@ def is_view(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _VIEWS
 
 
-def _is_row_reduction(node: torch.fx.Node) -> bool:
-    """Does ``node`` reduce only trailing dimensions, at most ``ROW_LIMIT`` elements per output?"""
+def splits_kernels(node: torch.fx.Node) -> bool:
+    """Whether a value that may not be recomputed lies between kernels: a library call, a column
+    reduction. A reduction over a long row (saved rather than recomputed: ``ROW_LIMIT``) does not:
+    codegen reduces the row in the kernel that reads it, beside its pointwise readers."""
+    if node.op != "call_function" or is_recomputable(node):
+        return False
+    packet = getattr(node.target, "overloadpacket", None)
+    return not (packet in _REDUCTIONS and _is_row_reduction(node, limit=None))
+
+
+def _is_row_reduction(node: torch.fx.Node, limit: int | None = ROW_LIMIT) -> bool:
+    """Does ``node`` reduce only trailing dimensions, at most ``limit`` elements per output (None:
+    any number), and keep some? A reduction of every dimension (a loss's count of the targets it counts) is one
+    value: recomputed, it is a kernel of its own in the backward, saved it is a few bytes."""
     val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return False
@@ -104,7 +123,8 @@ def _is_row_reduction(node: torch.fx.Node) -> bool:
     extent = 1
     for d in dims:
         extent *= _hint(val.shape[d])
-    return dims == list(range(val.dim() - len(dims), val.dim())) and extent <= ROW_LIMIT
+    trailing = dims == list(range(val.dim() - len(dims), val.dim()))
+    return trailing and (limit is None or extent <= limit) and (len(dims) < val.dim() or extent <= 1)
 
 
 def _reduced_dims(node: torch.fx.Node, ndim: int) -> list[int]:

@@ -12,6 +12,10 @@ pointwise and reduction parts and can fuse them:
   batch and spatial dimensions: cuDNN adds a bias with one more aten kernel after the convolution (on
   the H100, 40 kernels and 0.3 ms of convnext_atto's 1.7 ms inference call); our add fuses into the
   convolution's consumers. On CPU the bias stays in the call (mkldnn adds it inside its kernel).
+- nll_loss_forward -> the target's entry of each row as a sum over the row of a one-hot ``where``
+  (``nll_loss_picks``), not a ``gather``: codegen reads that sum as the one entry it picks
+  (``codegen/one_hot.py``) from the log-softmax's expression, whose statistics it keeps per row, where
+  a ``gather`` needs the log-softmax written to memory whole (a float32 per logit).
 - convolution_backward's bias gradient -> a sum over every dimension but the channels (a fused,
   layout-following reduction of ours), the weight and input gradients staying one aten call: asked
   for the bias gradient too, aten computes it with its own reduction kernel, slow on channels-last
@@ -83,10 +87,35 @@ def convolution_backward_bias_apart(grad_output, input, weight, bias_sizes, stri
     return grad_input, grad_weight, grad_bias
 
 
+def nll_loss_picks(self, target, weight, reduction, ignore_index):
+    """``nll_loss_forward`` (input ``[N, C]`` or ``[C]``, target ``[N]`` or ``[]``) as eager computes
+    it: ``-self[n, target[n]] * weight[target[n]]``, 0 where the target is ``ignore_index``, summed
+    or averaged over the total weight of the counted rows. The entry is picked by a sum over the
+    classes of a one-hot ``where`` whose one-hot is a ``scatter`` of ``True``: codegen checks its
+    index is in range (eager raises on a target out of range, as our kernel then does)."""
+    channel = 1 if self.dim() == 2 else 0
+    valid = target != ignore_index
+    safe = torch.where(valid, target, 0).unsqueeze(channel)
+    one_hot = torch.zeros_like(self, dtype=torch.bool).scatter(channel, safe, True)
+    picked = torch.where(one_hot, self, 0).sum(channel)
+    if weight is not None:
+        picked = picked * weight[safe.squeeze(channel)]
+    result = torch.where(valid, -picked, 0)
+    if reduction == 0 and self.dim() == 2:  # 'none'
+        return result, self.new_full((), 0.0)
+    if weight is not None:
+        total = torch.where(valid, weight[safe.squeeze(channel)], 0).sum()
+    else:
+        total = valid.sum().to(self.dtype)
+    result = result.sum()
+    return (result / total if reduction == 1 else result), total
+
+
 @functools.lru_cache(maxsize=1)
 def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
     table = {op: fn for op, fn in core_aten_decompositions().items() if not is_attention(op)}
     table.update(get_decompositions(list(EXTRA_DECOMPOSED)))
     table[aten.convolution.default] = convolution_bias_apart
     table[aten.convolution_backward.default] = convolution_backward_bias_apart
+    table[aten.nll_loss_forward.default] = nll_loss_picks
     return table

@@ -26,8 +26,8 @@ from backend.aot.cost import is_recomputable
 def place(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int) -> None:
     """Reorder both halves in place (see the module docstring)."""
     output = next(iter(fw.graph.find_nodes(op="output")))
-    hoist(fw.graph, keep=_ancestors(a for a in output.args[0][:num_fwd_outputs] if isinstance(a, torch.fx.Node)))
-    sink(bw.graph, anchors=_descendants(n for n in bw.graph.nodes if compat.is_tangent(n)))
+    hoist(fw.graph, keep=ancestors(a for a in output.args[0][:num_fwd_outputs] if isinstance(a, torch.fx.Node)))
+    sink(bw.graph, anchors=descendants(n for n in bw.graph.nodes if compat.is_tangent(n)))
     fw.recompile()
     bw.recompile()
 
@@ -76,11 +76,11 @@ def _place(node: torch.fx.Node, movable: set[torch.fx.Node], placed: set[torch.f
         stack.extend((a, False) for a in reversed(current.all_input_nodes) if a in movable and a not in placed)
 
 
-def _ancestors(roots) -> set[torch.fx.Node]:
+def ancestors(roots) -> set[torch.fx.Node]:
     return _reach(roots, lambda n: n.all_input_nodes)
 
 
-def _descendants(roots) -> set[torch.fx.Node]:
+def descendants(roots) -> set[torch.fx.Node]:
     return _reach(roots, lambda n: n.users)
 
 

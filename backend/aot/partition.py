@@ -22,7 +22,7 @@ import networkx as nx
 import torch.fx
 
 from backend.aot import compat, layout, order
-from backend.aot.cost import is_recomputable, is_view, reads_from_memory, saved_bytes
+from backend.aot.cost import is_recomputable, is_view, reads_from_memory, saved_bytes, splits_kernels
 
 _SOURCE, _SINK = "__source__", "__sink__"
 
@@ -94,9 +94,12 @@ def _written_anyway(graph: torch.fx.Graph, backward: set[torch.fx.Node], num_fwd
     """Forward values that exist in memory whether saved or not: inputs, what library calls
     return or read (cost.reads_from_memory), the forward's outputs, values read on both sides of
     a library call (a residual stream: a kernel boundary lies between its readers), and views of
-    these. Saving one of them costs memory only; saving another costs a write in the forward too."""
+    these. Saving one of them costs memory only; saving another costs a write in the forward too.
+    Readers that only the backward needs do not count: they run in the forward only where the cut
+    saves them, and then beside their inputs (``order.hoist``)."""
     output = next(iter(graph.find_nodes(op="output")))
     out = {a for a in output.args[0][:num_fwd_outputs] if isinstance(a, torch.fx.Node)}
+    runs = order.ancestors(out)  # what the forward computes for its own outputs
     calls = 0  # library calls so far, in program order
     segment: dict[torch.fx.Node, int] = {}
     for node in graph.nodes:
@@ -104,11 +107,11 @@ def _written_anyway(graph: torch.fx.Graph, backward: set[torch.fx.Node], num_fwd
             continue
         if node.op == "placeholder" or not is_recomputable(node):
             out.add(node)
-            calls += node.op != "placeholder"
+            calls += splits_kernels(node)
         segment[node] = calls
         out.update(reads_from_memory(node))
     for node, at in segment.items():
-        if any(segment.get(user, at) > at for user in node.users):
+        if any(segment.get(user, at) > at for user in node.users if user in runs):
             out.add(node)
     for node in graph.nodes:
         if is_view(node) and node.all_input_nodes and node.all_input_nodes[0] in out:

@@ -3,8 +3,8 @@
 Every kernel reads: program id -> offsets -> masks -> loads -> compute -> store (the Triton
 tutorials' shape). Pointwise kernels are 1-D over ``xnumel`` elements. Reduction kernels are 2-D
 blocks ``[XBLOCK rows, RBLOCK columns]``; a persistent one holds its whole row in registers, a looped
-one walks the row in one loop per dependent reduction (softmax: max, then sum of exp; the output
-is written in a last loop).
+one walks the row in one loop per dependent reduction, a softmax's max and sum of exponentials in
+one (``online_softmax``; the output is written in a last loop).
 
 Which way a warp's lanes walk a 2-D block is Triton's choice, per load: its coalescing pass puts
 them along the dimension whose contiguity its axis analysis proves. A load contiguous along a kept
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-from backend.codegen import heuristics, ir, ops, printer
+from backend.codegen import heuristics, ir, online_softmax, ops, printer
 from backend.codegen import kernel_facts as facts
 from backend.codegen.scheduler import Kernel, Member
 from backend.codegen.simplify import fold, merge_dims
@@ -249,15 +249,8 @@ class KernelWriter:
                             spans=facts.spans_block(self.two_d, bodies[m.name], full=True))
 
     def _emit_looped(self, outer: _Scope, bodies: dict, stores: dict) -> None:
-        loop_of, avail = {}, {}
-        for m in self.kernel.members:
-            level = max((avail[r] for r in facts.refs(bodies[m.name])), default=0)
-            if m.role == "row":
-                avail[m.name] = level
-            else:
-                loop_of[m.name] = level
-                if m.role == "reduce":
-                    avail[m.name] = level + 1
+        online = online_softmax.pairs(self.kernel.members, bodies)  # {sum of exp: its max}, one loop
+        loop_of, avail = facts.loop_levels(self.kernel.members, bodies, online)
         loops = max(loop_of.values(), default=0) + 1
         for loop in range(loops):
             for m in self.kernel.members:
@@ -268,25 +261,41 @@ class KernelWriter:
                 if m.role == "reduce" and loop_of[m.name] == loop:
                     accs[m.name] = self._var(outer, f"tl.full([XBLOCK, RBLOCK], {self._identity(m)}, "
                                                     f"{printer.TRITON_DTYPES[m.step.body.dtype]})", prefix="acc")
+            if not accs and not any(loop_of.get(m.name) == loop and m.name in stores for m in self.kernel.members):
+                continue  # its members are read in registers only, by members of later loops
             outer.lines.append("for roffset in range(0, rnumel, RBLOCK):")
             inner = _Scope(outer, outer.indent + "    ")
             self._row_loop_header(inner, looped=True)
             for m in self.kernel.members:
-                if loop_of.get(m.name) != loop:
+                if loop_of.get(m.name) != loop or m.name in online:
                     continue
                 if m.role == "reduce":
                     value = self._full_value(bodies[m.name], inner)
                     acc = accs[m.name]
-                    inner.lines.append(f"{acc} = tl.where(xmask & rmask, {self._combine(m, acc, value)}, {acc})")
+                    combined = self._combine(m, acc, value)
+                    for total in [s for s, top in online.items() if top == m.name]:  # before the max grows
+                        combined = self._online_step(acc, accs[total], value, inner)
+                    inner.lines.append(f"{acc} = tl.where(xmask & rmask, {combined}, {acc})")
                 elif m.name in stores:
                     self._store(m, self.value(bodies[m.name], inner), stores[m.name], inner, full=True,
                                 spans=facts.spans_block(self.two_d, bodies[m.name], full=True))
             outer.lines += [inner.indent[len(outer.indent):] + line for line in inner.lines]
             for name, acc in accs.items():
-                self._finish_reduction(self.members[name], self._reduce_text(self.members[name], acc), outer, stores)
+                m = self.members[name]
+                text = online_softmax.total(accs[online[name]], acc, self._var(outer, online_softmax.shift(
+                    self.row_vars[online[name]]))) if name in online else self._reduce_text(m, acc)
+                self._finish_reduction(m, text, outer, stores)
         for m in self.kernel.members:
             if m.role == "row" and avail[m.name] == loops:
                 self._emit_row(m, bodies, stores, outer)
+
+    def _online_step(self, acc_m: str, acc_s: str, value: str, scope: _Scope) -> str:
+        """Add ``value`` to a running sum of exponentials (``online_softmax``); the new running max."""
+        grown = self._var(scope, online_softmax.grown(acc_m, value))
+        shifted = self._var(scope, online_softmax.shift(grown))
+        rescaled = online_softmax.rescaled(acc_m, acc_s, value, shifted)
+        scope.lines.append(f"{acc_s} = tl.where(xmask & rmask, {rescaled}, {acc_s})")
+        return grown
 
     def _emit_row(self, m: Member, bodies: dict, stores: dict, scope: _Scope) -> None:
         value = self.value(bodies[m.name], scope)

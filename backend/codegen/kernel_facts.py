@@ -102,3 +102,24 @@ def spans_block(two_d: bool, e: ir.Expr, full: bool) -> bool:
     if two_d:
         return any(isinstance(v, ir.Ref) or (isinstance(v, ir.Load) and "x" in kinds(v)) for v in ir.walk(e))
     return any(isinstance(v, ir.Load) and "x" in kinds(v) for v in ir.walk(e))
+
+
+def loop_levels(members: tuple, bodies: dict, together: dict[str, str]) -> tuple[dict[str, int], dict[str, int]]:
+    """A looped reduction kernel's loops over the row: ``loop_of`` (the loop each member other than
+    a row member is computed in: one past the last loop whose results it reads) and ``avail`` (the
+    loop before which each reduction's or row member's value is known). A member of ``together``
+    (a sum of ``exp(a - max)``, ``online_softmax``) is reduced in the loop of its partner."""
+    loop_of: dict[str, int] = {}
+    avail: dict[str, int] = {}
+    for m in members:
+        if m.name in together:  # its other reads are its partner's: known by the partner's loop
+            level = loop_of[together[m.name]]
+        else:
+            level = max((avail[r] for r in refs(bodies[m.name])), default=0)
+        if m.role == "row":
+            avail[m.name] = level
+        else:
+            loop_of[m.name] = level
+            if m.role == "reduce":
+                avail[m.name] = level + 1
+    return loop_of, avail

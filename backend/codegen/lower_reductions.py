@@ -1,5 +1,7 @@
 """Lowerings of reductions: sum, mean, prod, amax, amin, argmax, argmin, any/all, var, var_mean.
 
+A sum of a one-hot along its dimension is the element it picks, no reduction (``one_hot``).
+
 Each reduction becomes a ``Compute`` step over the input's index space with some dimensions
 reduced; float inputs accumulate in float32 (half types) or their own type. ``mean`` is a sum
 followed by a pointwise division; ``var``/``var_mean`` are two passes (the mean, then the sum of
@@ -16,7 +18,7 @@ from typing import Any
 import sympy
 import torch
 
-from backend.codegen import heuristics, ir
+from backend.codegen import heuristics, ir, one_hot
 from backend.codegen import kernel_facts as facts
 from backend.codegen.ir import Op
 from backend.codegen.lowering import (
@@ -116,8 +118,12 @@ def _acc_dtype(dtype: torch.dtype, out: torch.dtype) -> torch.dtype:
 def _sum(ctx: LowerCtx, x: TensorValue, dims: Any = None, keepdim: bool = False, *,
          dtype: torch.dtype | None = None) -> TensorValue:
     meta = ctx.out_meta()
-    return _reduce(ctx, x, _dims(x, dims), ir.Reduce.SUM, _acc_dtype(x.dtype, meta.dtype), meta_layout(meta),
-                   ctx.node.name, meta.dtype)
+    dims, acc = _dims(x, dims), _acc_dtype(x.dtype, meta.dtype)
+    pick = one_hot.picked(ctx.builder, x.body, x.size, dims[0]) if len(dims) == 1 and x.size else None
+    if pick is not None:  # a one-hot's sum: the one element it picks
+        size = tuple(sympy.Integer(1) if d in dims else n for d, n in enumerate(x.size))
+        return _from_keepdim(TensorValue(size, acc, cast(pick, acc)), meta, dims, meta.dtype)
+    return _reduce(ctx, x, dims, ir.Reduce.SUM, acc, meta_layout(meta), ctx.node.name, meta.dtype)
 
 
 @lowering(aten.prod.dim_int, aten.prod.default)
