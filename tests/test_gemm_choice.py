@@ -5,8 +5,6 @@ timing itself needs a GPU (``tests/gpu/test_gemm_choice_gpu.py``)."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,24 +19,23 @@ pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen run
 VOCAB = 1001  # not a multiple of 4: float32 rows of 4004 bytes
 
 
-def test_padded_meta_pads_the_last_dimension_to_16_bytes():
-    bf16 = torch.empty(8, 1024, 50257, dtype=torch.bfloat16, device="meta")
-    assert gemm_choice.padded_meta(bf16).stride() == (1024 * 50264, 50264, 1)
-    f32 = torch.empty(16, VOCAB, device="meta")
-    assert gemm_choice.padded_meta(f32).stride() == (1004, 1)
-    assert gemm_choice.padded_meta(torch.empty(16, 1024, device="meta")) is None  # aligned already
-    assert gemm_choice.padded_meta(torch.empty(VOCAB, 16, device="meta").t()) is None  # not contiguous
+def _gemm_node(fn, *inputs):
+    from codegen_helpers import trace
+
+    gm = trace(fn, *inputs)
+    return next(n for n in gm.graph.nodes if n.target in gemm_choice.GEMMS)
 
 
-@pytest.mark.parametrize("meta, aligned", [
-    (torch.empty(16, 64), True), (torch.empty(16, VOCAB), False),
-    (torch.empty(VOCAB, 16).t(), True), (torch.empty(16, VOCAB).t(), False),  # column-major: ld 16, then 1001
-    (torch.empty(1, VOCAB), True),  # one row: no leading dimension to align
-    (torch.empty_strided((16, VOCAB), (1004, 1)), True),
-    (torch.empty(16, 64, dtype=torch.bfloat16)[:, 1:], False),  # the address is off by two bytes
+@pytest.mark.parametrize("a, b, want", [
+    (torch.randn(16, 32), torch.randn(32, VOCAB), (16, 32, 1004)),  # N
+    (torch.randn(16, VOCAB), torch.randn(VOCAB, 8), (16, 1004, 8)),  # K
+    (torch.randn(VOCAB, 16).t(), torch.randn(VOCAB, 8), (16, 1004, 8)),  # K; M = 16 column-major: aligned
+    (torch.randn(16, VOCAB).t(), torch.randn(16, 8), (1004, 16, 8)),  # M, column-major: its leading dimension
+    (torch.randn(VOCAB, 16), torch.randn(16, 8), None),  # M row-major: rows only, nothing to pad
+    (torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 1003, dtype=torch.bfloat16), (8, 16, 1008)),
 ])
-def test_aligned_reads_the_leading_dimension_and_the_address(meta, aligned):
-    assert gemm_choice._aligned(meta) is aligned
+def test_padded_sizes_are_the_unaligned_sizes_rounded_to_16_bytes(a, b, want):
+    assert gemm_choice.padded_sizes(_gemm_node(torch.mm, a, b)) == want
 
 
 class LMHead(torch.nn.Module):
@@ -67,17 +64,13 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=8 * eps, atol=8 * eps * max(want.abs().max().item(), 1.0))
 
 
-def _padded_buffers(source: str) -> list[str]:
-    """The strides of buffers ``call`` allocates with rows of 1004 (1001 padded to 16 bytes)."""
-    return re.findall(r"torch\.empty_strided\(\(?\[?[0-9, ]+\]?\)?, \(?\[?([0-9, ]*1004[0-9, ]*)", source)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lm_head_with_aligned_rows_trains_as_eager(dtype):
-    """The forward writes the logits into rows of 1004 (``mm.out``) and copies them to their traced
-    layout where they leave the graph; the backward's kernel writes the logits' gradient padded, and
-    both of its GEMMs read it so. Values and every gradient as eager's."""
+    """Each of the three GEMMs runs at padded sizes (the forward's N, the backward's K and M), the
+    pads are written by the kernels that compute them or copy the weight, and the logits leave the
+    graph in their traced layout. Values and every gradient as eager's."""
     vocab = VOCAB if dtype == torch.float32 else 1003  # bfloat16 rows: a multiple of 8 pads
+    padded = 1004 if dtype == torch.float32 else 1008
     model = LMHead(vocab).to(dtype)
     ids, labels = torch.randint(0, vocab, (2, 6)), torch.randint(0, vocab, (2, 6))
     want = _train(model, model, ids, labels)
@@ -85,17 +78,22 @@ def test_lm_head_with_aligned_rows_trains_as_eager(dtype):
     got = _train(model, torch.compile(model, backend=comp.backend), ids, labels)
     comp.check()
     forward, backward = comp.modules
-    assert "aten.mm.out(" in forward.source and "_rows = torch.empty_strided(" in forward.source, forward.source
-    assert "aligned rows" in forward.source.split("\nimport")[0], forward.source
-    padded = 1004 if dtype == torch.float32 else 1008
-    assert f", {padded}, 1)" in backward.source or f"({padded}, 1)" in backward.source, backward.source
+    lines = [line for m in comp.modules for line in m.graph.gemm_choices]
+    rows = 12 if dtype == torch.float32 else 16  # 2 x 6 tokens: a multiple of 4, not of 8
+    name = str(dtype).removeprefix("torch.")
+    assert lines == [f"mm: mm [12, 32] x [32, {vocab}] {name}: padded to 12x32x{padded} (gemm_decisions=align)",
+                     f"mm_1: mm [{vocab}, 12] x [12, 32] {name}: padded to {padded}x{rows}x32 (gemm_decisions=align)",
+                     f"mm_2: mm [12, {vocab}] x [{vocab}, 32] {name}: padded to 12x{padded}x32 (gemm_decisions=align)"]
+    assert all(f"#   {line}" in m.source for m in comp.modules for line in m.graph.gemm_choices)
+    assert f"(32, {padded}), (1, 32)" in forward.source, forward.source  # the weight, padded by a copy
+    assert f"(12, {padded}), ({padded}, 1)" in backward.source, backward.source  # the gradient, written padded
     assert got[1].stride() == want[1].stride() == (6 * vocab, vocab, 1)  # the output in its traced layout
     for g, w in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
         _close(g.float(), w.float()) if dtype == torch.float32 else \
             torch.testing.assert_close(g.float(), w.float(), rtol=2e-2, atol=2e-2 * max(w.abs().max().item(), 1.0))
 
 
-def test_keep_and_default_on_cpu_leave_rows_as_traced():
+def test_keep_and_default_on_cpu_leave_gemms_as_traced():
     model = LMHead()
     ids, labels = torch.randint(0, VOCAB, (2, 6)), torch.randint(0, VOCAB, (2, 6))
     for mode in ("keep", "measure"):
@@ -103,11 +101,11 @@ def test_keep_and_default_on_cpu_leave_rows_as_traced():
         torch._dynamo.reset()
         _train(model, torch.compile(model, backend=comp.backend), ids, labels)
         comp.check()
-        assert all("aten.mm.out(" not in m.source and "1004" not in m.source for m in comp.modules)
-    assert all(line.endswith("rows as traced (no GPU to time on (cpu))") for line in comp.modules[0].graph.gemm_choices)
+        assert all("1004" not in m.source for m in comp.modules)
+    assert all(line.endswith("as traced (no GPU to time on (cpu))") for line in comp.modules[0].graph.gemm_choices)
 
 
-def test_a_padded_value_leaving_the_graph_is_copied_to_its_traced_strides():
+def test_a_padded_result_leaving_the_graph_is_copied_to_its_traced_strides():
     """The product is the output itself and, through a view, a second output."""
 
     def f(a, b):
@@ -116,30 +114,24 @@ def test_a_padded_value_leaving_the_graph_is_copied_to_its_traced_strides():
 
     a, b = torch.randn(6, 16), torch.randn(16, VOCAB)
     m = compile_fn(f, a, b, cfg=config(gemm_decisions="align"))
+    assert m.graph.gemm_choices == ("mm: mm [6, 16] x [16, 1001] float32: padded to 6x16x1004 (gemm_decisions=align)",)
     outs = m.call([a, b])
     assert [o.stride() for o in outs] == [(VOCAB, 1), (3 * VOCAB, VOCAB, 1)]
     for got, want in zip(outs, f(a, b)):
         _close(got, want)
 
 
-def test_a_storage_with_another_view_or_an_output_is_not_padded():
-    """An operand whose rows could be padded only if every reader takes the padded strides: a
-    graph output, or a view gemm_choice does not replay (``as_strided``), keeps them traced."""
+def test_a_transposed_output_keeps_the_traced_form():
+    """An output traced non-contiguous (the product's transpose) cannot be restored by a contiguous
+    copy: the GEMM stays as traced, and its line says why."""
 
-    def as_output(x, w):
-        g = x.exp()  # [6, VOCAB], unaligned rows, read by the GEMM and returned
-        return g @ w, g
+    def f(a, b):
+        return (a @ b).t()
 
-    def strided_view(x, w):
-        g = x.exp()
-        return g @ w, g.as_strided((3, 2), (1, 5)).sum()
-
-    x, w = torch.randn(6, VOCAB), torch.randn(VOCAB, 8)
-    for f in (as_output, strided_view):
-        m = compile_fn(f, x, w, cfg=config(gemm_decisions="align"))
-        assert "1004" not in m.source.split("def call")[1], m.source
-        for got, want in zip(m.call([x, w]), f(x, w)):
-            _close(got, want)
+    a, b = torch.randn(6, 16), torch.randn(16, VOCAB)
+    m = compile_fn(f, a, b, cfg=config(gemm_decisions="align"))
+    assert "not padded: output 0 was traced with strides (1, 1001)" in m.graph.gemm_choices[0], m.graph.gemm_choices
+    _close(m.call([a, b])[0], f(a, b))
 
 
 def test_choices_travel_in_the_record_and_the_mode_is_checked():

@@ -30,6 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -41,6 +42,9 @@ from backend.compiled import CompiledGraph, GraphFacts, has_symbolic_shapes
 from backend.config import Config
 from backend.context import GraphContext
 from backend.logs import log_once
+
+if TYPE_CHECKING:
+    from backend.codegen.gemm_choice import GemmPlan
 
 log = logging.getLogger("backend.codegen")
 
@@ -77,13 +81,15 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
         source = "\n".join([*header, "import math", "import operator", "", "import torch", "",
                             "aten = torch.ops.aten", "", "", *wrapper.aten_call(gm, "call"), ""])
         return CompiledGraph(source, facts, ctx.graph_hash, launches=aten_launches(gm), device="cpu", dynamic=dynamic)
-    from backend.codegen import input_writes, merged_sums
+    from backend.codegen import gemm_choice, input_writes, merged_sums
     from backend.codegen.graph import GraphLowerer
     from backend.codegen.scheduler import schedule
 
     gm = merged_sums.rewritten(gm)  # a bias gradient's sum next to the kernel of what it sums
     gm = input_writes.placed(gm)  # a running statistic's update next to the kernel of the statistic
-    lowerer = GraphLowerer(gm, ctx.config)  # times GEMM forms on the device (gemm_choice)
+    gemms = gemm_choice.GemmPlan.of(gm, ctx.config.gemm_decisions)  # GEMM forms, timed on the device
+    gm = _padded(gm, gemms)  # GEMMs of unaligned sizes padded where that was faster
+    lowerer = GraphLowerer(gm, ctx.config, gemms)
     program = lowerer.run()  # aten nodes -> IR steps (fallbacks as aten calls)
     items = schedule(program)  # steps -> fused kernels, aten calls, views
     header = [*header, *lowerer.gemm.comment()]
@@ -92,6 +98,18 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
     return CompiledGraph(text.source, facts, ctx.graph_hash, text.kernels, text.launches, text.precompile,
                          text.library_calls, program.device, dynamic, "\n".join(wrapper.aten_call(gm)),
                          gemm_choices=lowerer.gemm.lines())
+
+
+def _padded(gm: torch.fx.GraphModule, gemms: "GemmPlan") -> torch.fx.GraphModule:
+    """``gm`` with the GEMMs ``gemms`` pads rewritten (``gemm_padding``); as it was, each choice
+    noted as not taken, where the rewrite would change an output's layout."""
+    from backend.codegen import gemm_padding
+
+    try:
+        return gemm_padding.padded(gm, gemms.pads)
+    except gemm_padding.NotPadded as exc:
+        gemms.undo_pads(str(exc))
+        return gm
 
 
 def _header(ctx: GraphContext) -> list[str]:

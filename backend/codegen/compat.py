@@ -25,6 +25,10 @@ memory, no tensor descriptors, no programmatic dependent launch), else by Triton
 makes that launcher per signature from C source that it builds with the host compiler on first use
 (about 1.2 s each on the device machine, when its cache directory is empty): a cold process paid
 2.5 s of its first call for decode's two signatures.
+
+``refresh_meta(gm)``: every node's meta value computed again from its placeholders' (a graph pass
+added nodes), under the fake mode they were traced in; ``real_tensors()``: a context in which
+tensors are real even where the compiler was called under a fake mode (timing a GEMM on the device).
 """
 
 from __future__ import annotations
@@ -414,3 +418,20 @@ def boxed_graph_module(gm: object) -> object:
     graph.output(graph.graph_copy(gm.graph, {}))
     graph.set_codegen(codegen())
     return torch.fx.GraphModule(gm, graph)
+
+
+def refresh_meta(gm: Any) -> None:
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+    mode = detect_fake_mode(vals)
+    if mode is None:
+        raise NotImplementedError("the graph's inputs carry no fake tensors")
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*vals)
+
+
+def real_tensors() -> Any:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()

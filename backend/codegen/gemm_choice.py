@@ -2,29 +2,31 @@
 
 Two choices, each between forms that compute the same values:
 
-- **Aligned rows.** cuBLAS runs its fast tensor-core kernels only where each matrix's leading
-  dimension is a multiple of 16 bytes. GPT-2's vocabulary (50257 columns) breaks that for all three
-  of the LM head's GEMMs, and cuBLAS falls back to ``align1`` kernels (on the H200, 15.5 ms a
-  training step against 2.4 ms aligned). The aligned form lays the unaligned matrices out with
-  their rows padded to 16 bytes: the GEMM writes its result into a padded buffer (``mm.out``), and
-  an operand that a kernel of ours writes (the loss's gradient) is written padded where it is
-  computed, at no cost. Every reader goes through the buffer's own strides; only where a padded
-  value leaves the graph is it copied to its traced layout, and that copy is timed with the form.
+- **Padded to aligned sizes.** cuBLAS runs its fast tensor-core kernels only where the GEMM's
+  sizes and leading dimensions are multiples of 16 bytes. GPT-2's vocabulary (50257) breaks that
+  for all three of the LM head's GEMMs, and cuBLAS runs ``align1`` kernels instead (H100, bfloat16:
+  6.6, 4.5 and 4.3 ms a step). The padded form multiplies operands with zero rows and columns
+  appended up to aligned sizes and reads its result through a slice (``gemm_padding``): a pad of a
+  value our kernels compute is written by the kernel that computes it, a pad of an input or of a
+  library call's result is a copy, and a padded result that leaves the graph is copied to its
+  traced layout. Padding the leading dimension alone did not help the forward's or the input
+  gradient's GEMM on the H100 (the unaligned size did), so the sizes are padded.
 - **Bias in the epilogue or in the consumer.** A float32 ``addmm`` whose product feeds only our
   pointwise kernels may run as ``mm``, its bias added by those kernels (``lower_addmm``). cuBLAS
-  picks its kernel per call: on [16,256] x [256,256] it gave ``addmm`` a 2.6 us gemv-like kernel and
-  ``mm`` a 29 us tile, so no fixed rule holds either way.
+  picks its kernel per call: on [16,256] x [256,256] it gave ``addmm`` a 3 us gemv-like kernel and
+  ``mm`` a 31 us tile (H100), so no fixed rule holds either way.
 
-``gemm_decisions`` (config) says how: ``measure`` (the default) times both forms with
-``gemm_timing`` and takes the rewritten form only where it is faster by more than ``MARGIN``, so
-a choice never loses more than that to its alternative on the shape timed; where nothing can be
-timed (a CPU, the interpreter, a graph compiled during a capture) GEMMs stay as traced. ``keep``
-never rewrites; ``rewrite`` always does where the rewrite applies, and ``align`` and ``unfuse`` only
-the one choice (tests of the rewritten forms).
-Each choice is a line of the generated module's header and of ``CompiledGraph.gemm_choices``: the
-cache keeps the module, so a warm start times nothing.
+``gemm_decisions`` (config) says how: ``measure`` (the default) times both forms, copies
+included, with ``gemm_timing``, and takes the rewritten one only where it is faster by more than
+``MARGIN``: a choice never loses more than that to its alternative on the shape timed. Where
+nothing can be timed (a CPU, the interpreter, a graph compiled during a capture) GEMMs stay as
+traced. ``keep`` never rewrites; ``rewrite`` always does where a rewrite applies, ``align`` and
+``unfuse`` only the one (tests of the rewritten forms). Each choice is a line of the generated
+module's header and of ``CompiledGraph.gemm_choices``; the cache keeps the module, so a warm start
+times nothing.
 
-Alignment applies to 2-D ``mm`` and ``addmm`` with static sizes; batched products are left as traced.
+Padding applies to 2-D ``mm`` and ``addmm`` (a 1-D bias) with static sizes; batched products are
+left as traced.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import Callable
 import torch
 import torch.fx
 
-from backend.codegen import gemm_timing
+from backend.codegen import compat, gemm_timing
 
 aten = torch.ops.aten
 
@@ -44,11 +46,6 @@ MARGIN = 0.02  # a rewrite must be this much faster than the traced form
 MODES = {"measure": ("measure", "measure"), "keep": ("keep", "keep"), "rewrite": ("rewrite", "rewrite"),
          "align": ("rewrite", "keep"), "unfuse": ("keep", "rewrite")}
 GEMMS = frozenset({aten.mm.default, aten.addmm.default})
-# views replayed on a padded buffer's strides (``replay``); a padded buffer has no other view
-VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
-                   aten.t.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.default,
-                   aten.squeeze.dim, aten.squeeze.dims})
-_RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
 _ALIGN_BYTES = 16
 
 
@@ -77,7 +74,7 @@ class GemmPlan:
         self.mode, self.device = mode, device
         self._align_mode, self._bias_mode = MODES[mode]
         self.choices: list[Choice] = []
-        self.padded: dict[str, tuple[int, ...]] = {}  # node name -> strides of its padded buffer
+        self.pads: dict[str, tuple[int, int, int]] = {}  # GEMM node name -> (M, K, N) it is padded to
         self._addmm: dict[str, str | None] = {}
         self._untimed = gemm_timing.unavailable(device) if mode == "measure" else f"gemm_decisions={mode}"
         if self._align_mode != "keep":
@@ -90,10 +87,6 @@ class GemmPlan:
         return GemmPlan(gm, mode, _device(gm))
 
     # ------------------------------------------------------------------------------ what lowering asks
-    def padded_strides(self, node: torch.fx.Node) -> tuple[int, ...] | None:
-        """The strides ``node``'s buffer takes in place of its traced ones, or None."""
-        return self.padded.get(node.name)
-
     def keeps_addmm(self, node: torch.fx.Node) -> str | None:
         """None where addmm ``node`` (which ``lower_addmm`` could unfuse) runs as mm plus the bias in
         its consumers, else why it stays one addmm."""
@@ -109,13 +102,13 @@ class GemmPlan:
         if self._bias_mode == "rewrite":
             self.choices.append(Choice(node.name, gemm, "mm, bias in its consumers", (), self._untimed))
             return None
-        if self._untimed or not _static(node) or node.name in self.padded:
-            why = self._untimed or ("symbolic sizes" if not _static(node) else "its result is aligned")
+        if self._untimed or not _static(node):
+            why = self._untimed or "symbolic sizes"
             self.choices.append(Choice(node.name, gemm, "addmm", (), why))
             return why
         product = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device="meta")
-        timings = self._time({"addmm": _gemm_form(bias, a, b, product, False, self.device),
-                              "mm": _gemm_form(None, a, b, product, False, self.device)})
+        timings = self._time({"addmm": _gemm_form(bias, a, b, product, self.device),
+                              "mm": _gemm_form(None, a, b, product, self.device)})
         if timings is None:
             return self._note(node, gemm, "addmm", (), "too large to time")
         if timings["mm"] < timings["addmm"] * (1 - MARGIN):
@@ -123,6 +116,13 @@ class GemmPlan:
             return None
         self._note(node, gemm, "addmm", tuple(timings.items()), "timed")
         return f"timed: addmm {timings['addmm']:.1f} us, mm {timings['mm']:.1f} us"
+
+    def undo_pads(self, why: str) -> None:
+        """The padded forms are not taken after all (``gemm_padding.NotPadded``)."""
+        for i, c in enumerate(self.choices):
+            if c.node in self.pads:
+                self.choices[i] = Choice(c.node, c.gemm, "as traced", c.timings, f"not padded: {why}")
+        self.pads.clear()
 
     def comment(self) -> list[str]:
         """The module header's lines for the choices."""
@@ -134,166 +134,104 @@ class GemmPlan:
     def lines(self) -> tuple[str, ...]:
         return tuple(c.line() for c in self.choices)
 
-    # ----------------------------------------------------------------------------------- alignment
+    # ------------------------------------------------------------------------------------- padding
     def _align(self, node: torch.fx.Node) -> None:
-        out = node.meta["val"]
         a_node, b_node = node.args[1:3] if node.target is aten.addmm.default else node.args[:2]
-        padded: dict[str, tuple[int, ...]] = {}
-        aligned = []
-        for operand in (a_node, b_node):
-            meta = operand.meta["val"]
-            if _aligned(meta):
-                aligned.append(meta)
-                continue
-            found = self._pad_operand(operand)
-            if found is None:
-                aligned.append(meta)
-                continue
-            views, operand_meta = found
-            padded.update(views)
-            aligned.append(operand_meta)
-        copy = False
-        out_aligned = out
-        if not _aligned(out):
-            metas = _padded_views(node, allow_output=True)
-            if metas is not None:
-                out_aligned, copy = metas[node], any(u.op == "output" for m in metas for u in m.users)
-                padded.update(_strides(metas))
-        if not padded:
+        a, b = a_node.meta["val"], b_node.meta["val"]
+        to = padded_sizes(node)
+        if to is None:
             return
-        gemm = _gemm_text(node, a_node.meta["val"], b_node.meta["val"])
-        if self._align_mode == "rewrite":
-            self.padded.update(padded)
-            self.choices.append(Choice(node.name, gemm, "aligned rows", (), self._untimed))
-            return
-        if self._untimed:
-            self.choices.append(Choice(node.name, gemm, "rows as traced", (), self._untimed))
+        gemm = _gemm_text(node, a, b)
+        if self._align_mode == "rewrite" or self._untimed:
+            taken = "padded to " + _sizes_text(to) if self._align_mode == "rewrite" else "as traced"
+            if self._align_mode == "rewrite":
+                self.pads[node.name] = to
+            self.choices.append(Choice(node.name, gemm, taken, (), self._untimed))
             return
         bias = node.args[0].meta["val"] if node.target is aten.addmm.default else None
-        traced = _gemm_form(bias, a_node.meta["val"], b_node.meta["val"], out, False, self.device)
-        rewritten = _gemm_form(bias, *aligned, out_aligned, copy, self.device)
-        timings = self._time({"rows as traced": traced, "aligned rows" + (" + copy out" if copy else ""): rewritten})
+        out = node.meta["val"]
+        copies = tuple(_copied(x) for x in (a_node, b_node))
+        leaves = _leaves_graph(node)
+        padded_form = "padded to " + _sizes_text(to) + (" + copy out" if leaves else "")
+        timings = self._time({
+            "as traced": _gemm_form(bias, a, b, out, self.device),
+            padded_form: _padded_form(bias, a, b, to, copies, leaves, self.device)})
         if timings is None:
-            self._note(node, gemm, "rows as traced", (), "too large to time")
+            self._note(node, gemm, "as traced", (), "too large to time")
             return
-        (_, traced_us), (form, aligned_us) = timings.items()
-        if aligned_us < traced_us * (1 - MARGIN):
-            self.padded.update(padded)
-            self._note(node, gemm, form, tuple(timings.items()), "timed")
+        if timings[padded_form] < timings["as traced"] * (1 - MARGIN):
+            self.pads[node.name] = to
+            self._note(node, gemm, padded_form, tuple(timings.items()), "timed")
         else:
-            self._note(node, gemm, "rows as traced", tuple(timings.items()), "timed")
-
-    def _pad_operand(self, operand: torch.fx.Node) -> tuple[dict[str, tuple[int, ...]], torch.Tensor] | None:
-        """The strides that align ``operand``: of the node it views (through views) and of every
-        view of that node (whichever of them is written to memory takes its padded strides), and
-        the operand's meta under them; None where its storage cannot take padded rows."""
-        storage = operand
-        while storage.target in VIEWS:
-            storage = storage.args[0]
-        if storage.op != "call_function" or not isinstance(storage.meta.get("val"), torch.Tensor):
-            return None
-        metas = _padded_views(storage, allow_output=storage.target in GEMMS)
-        if metas is None or operand not in metas or not _aligned(metas[operand]):
-            return None
-        return _strides(metas), metas[operand]
+            self._note(node, gemm, "as traced", tuple(timings.items()), "timed")
 
     # -------------------------------------------------------------------------------------- timing
     def _time(self, forms: dict[str, tuple[str, Callable[[], Callable[[], None]], int]]) -> dict[str, float] | None:
-        free, _ = torch.cuda.mem_get_info(self.device)
-        if sum(nbytes for _, _, nbytes in forms.values()) * 2 > free:
-            return None
-        out = {}
-        for name, (key, build, _) in forms.items():
-            run = build()
-            out[name] = gemm_timing.time_us(key, self.device, run)
-            del run
-        return out
+        with compat.real_tensors():  # the compiler may be called under a fake mode
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if sum(nbytes for _, _, nbytes in forms.values()) * 2 > free:
+                return None
+            return {name: gemm_timing.time_us(key, self.device, build) for name, (key, build, _) in forms.items()}
 
     def _note(self, node: torch.fx.Node, gemm: str, taken: str, timings: tuple, why: str) -> str:
         self.choices.append(Choice(node.name, gemm, taken, timings, why))
         return why
 
 
-# ------------------------------------------------------------------------------------------ layouts
-def replay(view: torch.fx.Node, source: torch.Tensor) -> torch.Tensor | None:
-    """View op ``view`` applied to ``source`` (a meta tensor with the strides its buffer really has),
-    or None where those strides do not allow it without a copy."""
-    try:
-        if view.target in _RESHAPES:
-            return source.view(view.args[1])
-        return view.target(source, *view.args[1:], **view.kwargs)
-    except RuntimeError:
+# ------------------------------------------------------------------------------------------ sizes
+def quantum(dtype: torch.dtype) -> int:
+    """Elements in 16 bytes."""
+    return max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+
+
+def padded_sizes(node: torch.fx.Node) -> tuple[int, int, int] | None:
+    """(M, K, N) of GEMM ``node`` padded where padding could help, or None where nothing needs it:
+    K and N where they are not multiples of 16 bytes, and M where the first operand is
+    column-major (M is then its leading dimension; a row-major operand's M only counts rows)."""
+    a_node, b_node = node.args[1:3] if node.target is aten.addmm.default else node.args[:2]
+    a, b = a_node.meta["val"], b_node.meta["val"]
+    if node.target is aten.addmm.default and node.args[0].meta["val"].dim() != 1:
         return None
+    q = quantum(a.dtype)
+    (m, k), n = a.shape, b.shape[1]
+    up = [-(-int(x) // q) * q for x in (m, k, n)]
+    column_major = a.stride(0) == 1 and m > 1
+    to = (up[0] if column_major else int(m), up[1], up[2])
+    return None if to == (int(m), int(k), int(n)) else to
 
 
-def strided(meta: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
-    """A meta-device tensor of ``meta``'s sizes and dtype with ``strides``."""
-    return torch.empty_strided(tuple(meta.shape), strides, dtype=meta.dtype, device="meta")
+def _sizes_text(to: tuple[int, int, int]) -> str:
+    return "x".join(map(str, to))
 
 
-def padded_meta(meta: torch.Tensor) -> torch.Tensor | None:
-    """A meta tensor as ``meta`` (contiguous) with its rows padded to 16 bytes; None where the rows
-    are aligned already or ``meta`` is not contiguous."""
-    if meta.dim() < 2 or not meta.is_contiguous() or meta.storage_offset() != 0:
-        return None
-    quantum = max(1, _ALIGN_BYTES // meta.element_size())
-    n = int(meta.shape[-1])
-    if n % quantum == 0 or n == 1:
-        return None
-    row = -(-n // quantum) * quantum
-    strides, step = [], 1
-    for size in reversed([*meta.shape[:-1], row]):
-        strides.append(step)
-        step *= int(size)
-    strides.reverse()
-    return strided(meta, tuple(strides))
+def _copied(operand: torch.fx.Node) -> bool:
+    """Whether padding ``operand`` copies it (an input, or a library call's result, through
+    transposes) rather than having the kernel that computes it write it padded."""
+    from backend.codegen.gemm_padding import TRANSPOSES
+
+    while operand.target in TRANSPOSES:
+        operand = operand.args[0]
+    return operand.op != "call_function" or operand.target in GEMMS or _is_library(operand.target)
 
 
-def _padded_views(storage: torch.fx.Node, allow_output: bool) -> dict[torch.fx.Node, torch.Tensor] | None:
-    """``storage`` with padded rows and every view of it (through ``VIEWS``) as replayed on them;
-    None where its rows need no padding, a view cannot be replayed, another kind of view reads it,
-    or (unless ``allow_output``) it or a view of it is a graph output."""
-    start = padded_meta(storage.meta["val"])
-    if start is None:
-        return None
-    metas, pending = {storage: start}, [storage]
+def _is_library(target: object) -> bool:
+    name = target.name() if isinstance(target, torch._ops.OpOverload) else ""
+    return name.startswith(("aten::convolution", "aten::_scaled_dot_product", "aten::bmm", "aten::baddbmm"))
+
+
+def _leaves_graph(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value, or a view of it, is a graph output (then copied to its layout)."""
+    from backend.codegen.gemm_padding import VIEWS
+
+    pending = [node]
     while pending:
-        node = pending.pop()
-        for user in node.users:
+        value = pending.pop()
+        for user in value.users:
             if user.op == "output":
-                if not allow_output:
-                    return None
-            elif user.target in VIEWS:
-                meta = replay(user, metas[node])
-                if meta is None:
-                    return None
-                metas[user] = meta
+                return True
+            if user.target in VIEWS:
                 pending.append(user)
-            elif _is_view(user.target):
-                return None
-    return metas
-
-
-def _strides(metas: dict[torch.fx.Node, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-    return {node.name: tuple(int(s) for s in meta.stride()) for node, meta in metas.items()}
-
-
-def _is_view(target: object) -> bool:
-    schema = getattr(target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-
-
-def _aligned(meta: torch.Tensor) -> bool:
-    """Whether a 2-D operand's leading dimension and address are multiples of 16 bytes."""
-    if meta.dim() != 2:
-        return True
-    quantum = max(1, _ALIGN_BYTES // meta.element_size())
-    s0, s1 = (int(s) for s in meta.stride())
-    n0, n1 = (int(n) for n in meta.shape)
-    lead = s0 if s1 == 1 else s1 if s0 == 1 else None
-    if lead is None or (s1 == 1 and n0 == 1) or (s0 == 1 and s1 != 1 and n1 == 1):
-        return True  # not a BLAS layout (aten copies it) or a single row: nothing to align
-    return lead % quantum == 0 and int(meta.storage_offset()) % quantum == 0
+    return False
 
 
 def _static(node: torch.fx.Node) -> bool:
@@ -337,26 +275,56 @@ def _nbytes(*metas: torch.Tensor | None) -> int:
     return total
 
 
-def _gemm_form(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, copy: bool,
+def _gemm_form(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                device: torch.device) -> tuple[str, Callable[[], Callable[[], None]], int]:
-    """A timed form: ``out = bias + a @ b`` into ``out``'s layout, plus a copy to a contiguous
-    tensor where ``copy``."""
-    key = f"{'addmm' if bias is not None else 'mm'} {_describe(a)} x {_describe(b)} -> {_describe(out)} " \
-          f"{a.dtype} {device}{' copy' if copy else ''}"
+    """The traced form: ``out = bias + a @ b`` on the traced layouts."""
+    key = f"{'addmm' if bias is not None else 'mm'} {_describe(a)} x {_describe(b)} {a.dtype} {device}"
 
     def build() -> Callable[[], None]:
-        ta, tb, tc = _tensor(a, device), _tensor(b, device), _tensor(out, device)
+        ta, tb = _tensor(a, device), _tensor(b, device)
         tbias = _tensor(bias, device) if bias is not None else None
-        contiguous = torch.empty(tuple(out.shape), dtype=out.dtype, device=device) if copy else None
+        tc = torch.empty(tuple(out.shape), dtype=out.dtype, device=device)
+        if tbias is not None:
+            return lambda: torch.addmm(tbias, ta, tb, out=tc)
+        return lambda: torch.mm(ta, tb, out=tc)
+
+    return key, build, _nbytes(a, b, out, bias)
+
+
+def _padded_form(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, to: tuple[int, int, int],
+                 copies: tuple[bool, bool], leaves: bool, device: torch.device):
+    """The padded form: operands padded (a copy where ``copies`` says so, else written padded by
+    their producer, for free), the product at the padded sizes, its slice copied out if ``leaves``."""
+    m, k, n = to
+    a_to, b_to = _padded_like(a, (m, k)), _padded_like(b, (k, n))
+    key = f"padded {'addmm' if bias is not None else 'mm'} {_describe(a)} x {_describe(b)} to {to} copies " \
+          f"{copies} out {leaves} {a.dtype} {device}"
+
+    def build() -> Callable[[], None]:
+        ta, tb = _tensor(a_to, device), _tensor(b_to, device)
+        sources = [_tensor(x, device) if copy else None for x, copy in zip((a, b), copies)]
+        tbias = _tensor(torch.empty(n, dtype=bias.dtype, device="meta"), device) if bias is not None else None
+        tc = torch.empty((m, n), dtype=a.dtype, device=device)
+        out = torch.empty(tuple(int(x) for x in (a.shape[0], b.shape[1])), dtype=a.dtype, device=device)
 
         def run() -> None:
+            for src, dst in zip(sources, (ta, tb)):
+                if src is not None:
+                    dst[: src.shape[0], : src.shape[1]].copy_(src)
             if tbias is not None:
                 torch.addmm(tbias, ta, tb, out=tc)
             else:
                 torch.mm(ta, tb, out=tc)
-            if contiguous is not None:
-                contiguous.copy_(tc)
+            if leaves:
+                out.copy_(tc[: out.shape[0], : out.shape[1]])
 
         return run
 
-    return key, build, _nbytes(a, b, out, bias) + (_nbytes(out) if copy else 0)
+    return key, build, _nbytes(a_to, b_to, a, b) + 2 * m * n * a.element_size()
+
+
+def _padded_like(meta: torch.Tensor, sizes: tuple[int, int]) -> torch.Tensor:
+    """A meta matrix of ``sizes``, column-major where ``meta`` is (a transposed operand stays one)."""
+    column_major = meta.stride(0) == 1 and meta.shape[0] > 1 and meta.stride(1) != 1
+    strides = (1, sizes[0]) if column_major else (sizes[1], 1)
+    return torch.empty_strided(sizes, strides, dtype=meta.dtype, device="meta")

@@ -1,7 +1,8 @@
 """Timing one GEMM candidate on the device, at compile time (``gemm_choice`` decides with it).
 
 A candidate is a function of no arguments that launches its work on the current stream, its
-tensors allocated beforehand. It runs once (cuBLAS loads its kernel), once more under CUDA events
+tensors allocated beforehand (by the ``build`` that makes it, called only where the figure is not
+known yet). It runs once (cuBLAS loads its kernel), once more under CUDA events
 to size a batch of ``reps`` calls that fills about ``_TARGET_US``, and then the batch is captured in
 one CUDA graph and replayed: the figure is GPU time, free of the host's launch cost, which on a
 small GEMM is larger than the kernel (a 2.6 us gemv launched from Python costs 10 us a call). The
@@ -33,10 +34,12 @@ def unavailable(device: torch.device) -> str | None:
     return None
 
 
-def time_us(key: str, device: torch.device, candidate: Callable[[], None]) -> float:
-    """Microseconds of GPU time per call of ``candidate`` (memoised under ``key``)."""
+def time_us(key: str, device: torch.device, build: Callable[[], Callable[[], None]]) -> float:
+    """Microseconds of GPU time per call of the candidate ``build()`` makes (its tensors allocated
+    there, once), memoised under ``key``."""
     if key in _FIGURES:
         return _FIGURES[key]
+    candidate = build()
     with torch.cuda.device(device):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

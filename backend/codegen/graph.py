@@ -89,7 +89,7 @@ def _target_name(target: Any) -> str:
 
 
 class GraphLowerer:
-    def __init__(self, gm: torch.fx.GraphModule, config: Config) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, config: Config, gemm: gemm_choice.GemmPlan | None = None) -> None:
         self.gm = gm
         self.interpret = config.interpret
         self.env: dict[torch.fx.Node, Any] = {}
@@ -102,9 +102,7 @@ class GraphLowerer:
         self.used_names: set[str] = set()
         self.described: dict[str, ir.Described] = {}
         self.fallbacks: list[tuple[str, str]] = []
-        self.gemm = gemm_choice.GemmPlan.of(gm, config.gemm_decisions)  # timed GEMM forms (gemm_choice)
-        # values whose buffer is laid out apart from their trace (aligned GEMM rows): their meta as it is
-        self.actual_metas: dict[torch.fx.Node, torch.Tensor] = {}
+        self.gemm = gemm or gemm_choice.GemmPlan.of(gm, "keep")  # timed GEMM forms (gemm_choice)
         self.ctx = LowerCtx(config.interpret, self, config.unfuse_addmm)
         self._current_origins: tuple[str, ...] = ()
 
@@ -199,9 +197,7 @@ class GraphLowerer:
         outs = []
         results = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
         for arg in results:
-            if isinstance(arg, torch.fx.Node) and arg in self.actual_metas:
-                outs.append(self._traced_copy(arg))
-            elif isinstance(arg, torch.fx.Node) and isinstance(self.env.get(arg), TensorValue):
+            if isinstance(arg, torch.fx.Node) and isinstance(self.env.get(arg), TensorValue):
                 outs.append(self.materialize(arg))
             elif isinstance(arg, torch.fx.Node):
                 outs.append(self.env[arg])
@@ -282,11 +278,7 @@ class GraphLowerer:
             return value
         name = self._claim(node.name + suffix)
         meta = node.meta.get("val")
-        padded = self.gemm.padded_strides(node) if suffix == "" else None
-        if padded is not None and tuple(sym(s) for s in meta.shape) == value.size:
-            layout = ir.Layout(value.size, tuple(sympy.Integer(s) for s in padded))
-            self.actual_metas[node] = gemm_choice.strided(meta, padded)
-        elif suffix == "" and isinstance(meta, torch.Tensor) and tuple(sym(s) for s in meta.shape) == value.size:
+        if suffix == "" and isinstance(meta, torch.Tensor) and tuple(sym(s) for s in meta.shape) == value.size:
             layout = meta_layout(meta)
         else:
             layout = ir.Layout(value.size, ir.contiguous_strides(value.size))
@@ -296,29 +288,6 @@ class GraphLowerer:
         self.meta_offsets[name] = sym(meta.storage_offset()) if suffix == "" and isinstance(meta, torch.Tensor) \
             else sympy.Integer(0)
         return load_buffer(name, layout, value.dtype)
-
-    def _traced_copy(self, node: torch.fx.Node) -> str:
-        """A copy of ``node``'s value (laid out apart from its trace) in its traced layout: what
-        leaves the graph has the strides it was traced with."""
-        value, meta = self.env[node], node.meta["val"]
-        name = self._claim(node.name + "_traced")
-        layout = meta_layout(meta)
-        self.steps.append(ir.Compute(name, layout, value.dtype, value.size, value.body, origins=(node.name,)))
-        self.layouts[name] = layout
-        self.meta_offsets[name] = sympy.Integer(0)
-        return name
-
-    def view_meta(self, node: torch.fx.Node) -> torch.Tensor:
-        """View ``node``'s meta as the buffer it views really is: its traced meta, or, where that
-        buffer's rows are padded (``gemm_choice``), the view replayed on the padded strides."""
-        source = node.args[0]
-        if source not in self.actual_metas:
-            return node.meta["val"]
-        meta = gemm_choice.replay(node, self.actual_metas[source])
-        if meta is None:
-            raise NotImplementedError(f"{node.target} of a buffer with padded rows")
-        self.actual_metas[node] = meta
-        return meta
 
     def add_reduction(self, name: str, layout: ir.Layout, dtype: torch.dtype, ranges: tuple, reduced: tuple,
                       kind: ir.Reduce, body: ir.Expr, node: torch.fx.Node) -> TensorValue:
@@ -469,12 +438,6 @@ class GraphLowerer:
             isinstance(val.node.expr, sympy.Symbol)
         # a data-dependent scalar (``.item()``) is bound to its own symbol, which later sizes use
         name = self._claim(str(val.node.expr) if unbacked else base)
-        padded = self.gemm.padded_strides(node) if base == node.name else None
-        if padded is not None:  # the product written into a buffer with aligned rows (``gemm_choice``)
-            device, val = val.device, gemm_choice.strided(val, padded)
-            self.actual_metas[node] = val
-            kwargs = (*kwargs, ("out", ir.BufRef(self._padded_buffer(node, val, device))))
-            target = target.overloadpacket.out
         view = any(r.alias_info is not None for r in target._schema.returns)
         layout = meta_layout(val) if isinstance(val, torch.Tensor) else None
         check = not extern_strides.trusted(target)  # aten may return other strides than traced
@@ -489,15 +452,6 @@ class GraphLowerer:
         if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
             return val.node.expr
         return val
-
-    def _padded_buffer(self, node: torch.fx.Node, val: torch.Tensor, device: torch.device) -> str:
-        name = self._claim(node.name + "_rows")
-        layout = meta_layout(val)
-        self.steps.append(ir.Extern(name, "torch.empty_strided", (list(layout.size), list(layout.stride)),
-                                    (("dtype", val.dtype), ("device", device)), origins=(node.name,)))
-        self.layouts[name] = layout
-        self.meta_offsets[name] = sympy.Integer(0)
-        return name
 
     # ---------------------------------------------------------------------------- program facts
     def device(self) -> str:

@@ -8,7 +8,8 @@ followed by a pointwise division; ``var``/``var_mean`` are two passes (the mean,
 squared deviations), which the scheduler puts in one kernel. A long reduction with few output rows
 is split in two stages (``heuristics.split_reduction``): partial results over chunks, then the
 reduction of the partials; whether it is a row or a column reduction is read off the input's
-strides (a channels-last BatchNorm's statistics are columns).
+strides (a channels-last BatchNorm's statistics are columns). A softmax's max and sum are not split:
+they are one pass over the row (``online_softmax``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import sympy
 import torch
 
-from backend.codegen import heuristics, ir, one_hot
+from backend.codegen import heuristics, ir, one_hot, online_softmax
 from backend.codegen import kernel_facts as facts
 from backend.codegen.ir import Op
 from backend.codegen.lowering import (
@@ -57,7 +58,8 @@ def _reduce(ctx: LowerCtx, x: TensorValue, dims: tuple[int, ...], kind: ir.Reduc
             return TensorValue((), out, ir.Const(0, out))
         return TensorValue((), out, cast(x.body, out))
     body = cast(x.body, acc)
-    split = heuristics.split_reduction(x.size, dims, _reduces_rows(x, dims)) if kind in SPLITTABLE else None
+    whole = kind not in SPLITTABLE or online_softmax.in_softmax(ctx.node)  # one pass over the row: not split
+    split = None if whole else heuristics.split_reduction(x.size, dims, _reduces_rows(x, dims))
     if split is None:
         return ctx.add_reduction(name, layout, out, x.size, dims, kind, body)
     return _split_reduce(ctx, TensorValue(x.size, acc, body), dims, kind, layout, name, out, split)

@@ -2,9 +2,7 @@
 
 A view of a materialized buffer is exact and free: its size, strides and storage offset come from
 the node's meta (which matches the buffer, since every buffer we allocate follows its node's meta),
-so any view op works, ``as_strided`` included. The exception is a buffer whose rows are padded for a
-GEMM (``gemm_choice``): its views, which that module restricts to ``gemm_choice.VIEWS``, are replayed
-on its padded strides (``LowerCtx.view_meta``). A view of a value that is not materialized remaps
+so any view op works, ``as_strided`` included. A view of a value that is not materialized remaps
 the index symbols (permute, expand, unsqueeze, squeeze, select, slice, transpose, and reshapes that
 split dimensions or add or drop size-1 ones); other reshapes of such values realize the value first.
 """
@@ -42,11 +40,10 @@ def view_op(remap):
     def lower(ctx: LowerCtx, x: TensorValue, *args: Any, **kwargs: Any) -> TensorValue:
         meta = ctx.out_meta()
         if x.view is not None:
-            return _buffer_view(ctx, x, ctx.view_meta())
+            return _buffer_view(ctx, x, meta)
         subs = remap(x, meta_size(meta), *args, **kwargs)
         if subs is None:  # not a pure index remap: materialize, then view the buffer
-            x = ctx.realize_input(x)
-            return _buffer_view(ctx, x, ctx.view_meta())
+            return _buffer_view(ctx, ctx.realize_input(x), meta)
         return _remap(x, meta_size(meta), subs)
 
     return lower

@@ -159,11 +159,6 @@ class LowerCtx:
         """The storage offset (in the node metas) of the tensor that buffer ``buf`` points at."""
         return self.builder.meta_offsets[buf]
 
-    def view_meta(self) -> torch.Tensor:
-        """The current node's meta as a view of the buffer its input is: the traced meta, unless that
-        buffer's rows are padded for a GEMM (``gemm_choice``)."""
-        return self.builder.view_meta(self.node)
-
     def out_meta(self, i: int | None = None) -> torch.Tensor:
         val = self.node.meta["val"]
         return val[i] if i is not None else val

@@ -17,11 +17,20 @@ seen only ``-inf``: a masked logit, or nothing yet), ``exp(-inf - -inf)`` would 
 is taken as 0 there and the lane's sum stays 0; a row of ``-inf`` only has ``m = -inf``, ``s = 0``
 (two loops: NaN, then whatever reads ``a - m`` is NaN either way). A ``+inf`` or a NaN makes the
 sum NaN, as ``exp(inf - inf)`` does in two loops.
+
+Such a pair is not split in two stages over a row's chunks (``heuristics.split_reduction``, for
+few long rows): its max and sum would be two split reductions, the difference ``a - m`` that both
+the sum and the output read a buffer between them, six kernels where one does (``in_softmax``).
 """
 
 from __future__ import annotations
 
+import torch
+import torch.fx
+
 from backend.codegen import ir
+
+aten = torch.ops.aten
 
 _NEG_INF = 'float("-inf")'
 
@@ -72,3 +81,40 @@ def rescaled(acc_m: str, acc_s: str, a: str, shifted: str) -> str:
 def total(acc_m: str, acc_s: str, shifted: str) -> str:
     """The row's sum from its lanes' running maxima and sums (``shifted``: the row's ``shift``)."""
     return f"tl.sum({acc_s} * tl.exp({acc_m} - {shifted}), 1)[:, None]"
+
+
+def in_softmax(node: torch.fx.Node) -> bool:
+    """Whether an ``amax`` or ``sum`` node is a softmax's max or sum of exponentials: ``m =
+    amax(x, d)`` read by ``sub(x, m)``, whose ``exp`` is summed over ``d`` (the decompositions'
+    form of softmax, log-softmax and a cross-entropy's log-sum-exp)."""
+    if node.target == aten.sum.dim_IntList:
+        e = node.args[0]
+        sub = e.args[0] if _is(e, aten.exp.default) else None
+        top = sub.args[1] if _is(sub, aten.sub.Tensor) else None
+        return _is(top, aten.amax.default) and _softmax_max(top)
+    return _is(node, aten.amax.default) and _softmax_max(node)
+
+
+def _softmax_max(top: torch.fx.Node) -> bool:
+    x, dims = top.args[0], _dims(top)
+    for sub in top.users:
+        if not (_is(sub, aten.sub.Tensor) and sub.args[0] is x and sub.args[1] is top):
+            continue
+        for e in sub.users:
+            if _is(e, aten.exp.default) and any(_is(s, aten.sum.dim_IntList) and _dims(s) == dims for s in e.users):
+                return True
+    return False
+
+
+def _is(node: object, target: object) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
+
+
+def _dims(node: torch.fx.Node) -> tuple[int, ...] | None:
+    """A reduction's dimensions, non-negative (None: every dimension)."""
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    val = node.args[0].meta.get("val")
+    if dims is None or not isinstance(val, torch.Tensor):
+        return None
+    dims = [dims] if isinstance(dims, int) else dims
+    return tuple(sorted(d % max(val.dim(), 1) for d in dims))
