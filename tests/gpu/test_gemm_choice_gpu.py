@@ -95,7 +95,15 @@ def test_the_taken_form_is_within_5_percent_of_the_other_timed_afresh(case):
         mine = figures.pop(form)
         other = min(figures.values())
         assert mine <= LIMIT * other, f"{case}: took {taken} at {mine} us against {other} us\n{line}"
-    torch.testing.assert_close(module.call(list(inputs))[0], fn(*inputs), rtol=2e-2, atol=2e-2)
+    _scaled_close(module.call(list(inputs))[0], fn(*inputs), fn(*[x.double() for x in inputs]), inputs[0].dtype)
+
+
+def _scaled_close(got: torch.Tensor, eager: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> None:
+    """No further from the float64 result than twice eager's error plus a few roundings at the
+    scale of the values: a padded GEMM is another cuBLAS kernel, which sums in another order."""
+    eps = torch.finfo(dtype).eps  # of the operands
+    ours, theirs = ((x.double() - exact).abs().max().item() for x in (got, eager))
+    assert ours <= 2 * theirs + 4 * eps * exact.abs().max().item(), (ours, theirs)
 
 
 def test_lm_head_50257_is_padded_and_trains_as_eager():
