@@ -96,7 +96,7 @@ class KernelWriter:
         self.row_vars: dict[str, str] = {}
         self.helpers: set[str] = set()
         self.libdevice = False
-        self.two_d = kernel.is_reduction
+        self.two_d = kernel.two_d
         self.targets: dict[str, tuple[ir.Indirect, ...]] = {}  # a scatter's indices, as its body sees them
 
     # -------------------------------------------------------------------------------------- entry

@@ -18,6 +18,9 @@ calls that do not read the open kernel's buffers run before it, so an aten call 
 fusable steps does not split them; once a step was passed over, aten calls keep their order.
 Softmax, log_softmax, layer norm forward and backward each end up as one kernel.
 
+A pointwise kernel over rows longer than a block that reads values of each row walks rows and
+columns as a looped reduction does (``_by_rows``): its row values are computed once a row block.
+
 Scatters and scans are kernels of their own (``Compute.alone``): a scatter writes where its data
 says, so no other step may read its buffer in the same kernel, and a scan's element depends on
 its whole row. A scatter writes into a buffer an earlier step filled (``writes_input``): steps
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from backend.codegen import ir
+from backend.codegen import heuristics, ir
 
 _MAX_PERMUTATIONS = 24  # ways to map a permuted step onto a kernel's dimensions that are tried
 WINDOW_LOADS = 9  # loads of one buffer per element that make a step a window (a 3x3 convolution's)
@@ -66,6 +69,12 @@ class Kernel:
 
     @property
     def is_reduction(self) -> bool:
+        """Some member reduces (``reduced`` alone may be a pointwise kernel's rows: ``_by_rows``)."""
+        return any(m.role == "reduce" for m in self.members)
+
+    @property
+    def two_d(self) -> bool:
+        """Its blocks are rows x columns (``[XBLOCK, RBLOCK]``, ``reduced`` the columns)."""
         return bool(self.reduced)
 
 
@@ -83,7 +92,8 @@ class _Open:
         return {m.name for m in self.members} | {a.name for a in self.deferred}
 
     def close(self) -> list[Item]:
-        return [Kernel(self.ranges, self.reduced, tuple(self.members)), *self.deferred]
+        reduced = self.reduced or _by_rows(self.ranges, self.members)
+        return [Kernel(self.ranges, reduced, tuple(self.members)), *self.deferred]
 
     # ---------------------------------------------------------------------------------- joining
     def role_of(self, step: ir.Compute) -> tuple[str, dict] | None:
@@ -197,6 +207,26 @@ class _Open:
                 if load.buf == member.name and (m.role != member.role or sympy.expand(load.index - target) != 0):
                     return False
         return True
+
+
+def _by_rows(ranges: tuple[sympy.Expr, ...], members: list[Member]) -> tuple[int, ...]:
+    """The columns of a pointwise kernel over rows longer than a block that reads values of the
+    row (a loss's gradient reads each row's max, log-sum-exp, target and scale beside its logits):
+    it walks ``[rows, columns]`` blocks as a looped reduction does, so what depends on the row
+    alone is computed once a block of the row, not once an element, and no element's row and column
+    are divided out of its flat index. Only where every member writes its rows contiguously."""
+    n = sympy.sympify(ranges[-1]) if len(ranges) > 1 else sympy.Integer(0)
+    if not members or not n.is_number or int(n) <= heuristics.PERSISTENT_LIMIT:
+        return ()
+    column = ir.index_symbol(len(ranges) - 1)
+    for m in members:
+        if m.role != "full" or m.step.alone or m.step.writes_input or sympy.diff(m.store_index(), column) != 1:
+            return ()
+    loads = [ld.index for m in members for ld in ir.loads(m.body())]
+    if not any(ir.is_kernel_symbol(s) and s != column for i in loads for s in sympy.sympify(i).free_symbols
+               if column not in sympy.sympify(i).free_symbols):
+        return ()
+    return (len(ranges) - 1,)
 
 
 def _window_runs_along(member: Member, reduced: tuple[int, ...]) -> bool:
