@@ -47,7 +47,8 @@ def time_us(key: str, device: torch.device, build: Callable[[], Callable[[], Non
             candidate()  # loads the kernel; cuBLAS may also allocate its workspace here
             reps = _reps(_once_us(candidate))
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
+            # thread_local: another thread's CUDA calls (a warm load's first calls) are not the capture's
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 for _ in range(reps):
                     candidate()
             graph.replay()
