@@ -47,10 +47,11 @@ GPT-2 small under `torch.compile(DDP(model))` on 2 GPUs. Training is bf16 autoca
 a fused AdamW (SGD for ResNet-50) run eagerly for every backend. Each row is a fresh process with empty
 caches. *ms/step*: the median of 20 steps, each synchronized, after 3 first and 5 warm-up steps;
 *compile s*: the first 3 steps' wall time minus 3 median steps (compilation, warm-up runs, CUDA-graph
-recording); *peak GB*: `max_memory_reserved` from before the first step (CUDA-graph pools counted);
-errors: the first step's loss (inference: output) and four parameters' gradients against an eager step
-from the same weights in the same process, relative to the largest magnitude of eager's; eager's own row
-is its run-to-run noise."""
+recording); *peak GB*: `max_memory_reserved` from before the first step (CUDA-graph pools counted;
+*peak allocated*, `max_memory_allocated`, leaves out what a replay writes in its pool); errors: the
+first step's loss (inference: output) and four parameters' gradients against an eager step from the same
+weights in the same process, relative to the largest magnitude of eager's (at least 1e-3 of the largest
+of the four, for gradients); eager's own row is its run-to-run noise."""
 
 
 # --- loading ---------------------------------------------------------------------------------------
@@ -233,8 +234,11 @@ def _clean(text: str) -> str:
 
 
 def not_measured(rows: list[dict]) -> list[str]:
-    return [f"- {r['model']} / {r['backend']}: {r.get('status')}: {_clean(r.get('error'))[:300]}"
-            for r in rows if not r.get("ok")]
+    lines = []
+    for r in (r for r in rows if not r.get("ok")):
+        status, error = str(r.get("status")), _clean(r.get("error"))[:300]
+        lines.append(f"- {r['model']} / {r['backend']}: {error if error.startswith(status) else f'{status}: {error}'}")
+    return lines
 
 
 def block(rows: list[dict]) -> str:
@@ -292,15 +296,16 @@ def progress(row: dict) -> str:
 
 def screen(rows: list[dict]) -> str:
     """The summary printed at the end of a call: a line per row, cgtrees / inductor per model, what failed."""
-    head = f"{'model':15} {'backend':15} {'ms/step':>8} {'min':>8} {'max':>8} {'rate/s':>8} {'compile s':>9} " \
-           f"{'peak GB':>7} {'loss rel':>8} {'grad rel':>8} status"
+    head = f"{'model':15} {'backend':15} {'ms/step':>8} {'min':>8} {'max':>8} {'x ind':>6} {'rate/s':>8} " \
+           f"{'compile s':>9} {'peak GB':>7} {'loss rel':>8} {'grad rel':>8} status"
     lines = [head, "-" * len(head)]
     for model in models(rows):
         for r in (r for r in rows if r["model"] == model):
             key = "loss" if r.get("mode") == "train" else "out"
             lines.append(f"{model:15} {r['backend']:15} {_fmt(_get(r, 'step_ms'), '{:.1f}'):>8} "
                          f"{_fmt(_get(r, 'step_ms_min'), '{:.1f}'):>8} {_fmt(_get(r, 'step_ms_max'), '{:.1f}'):>8} "
-                         f"{_rate(_get(r, 'throughput')):>8} {_fmt(_get(r, 'compile_s'), '{:.1f}'):>9} "
+                         f"{_fmt(ratio(rows, model, r['backend']), '{:.2f}'):>6} {_rate(_get(r, 'throughput')):>8} "
+                         f"{_fmt(_get(r, 'compile_s'), '{:.1f}'):>9} "
                          f"{_fmt(_get(r, 'peak_reserved_gb'), '{:.1f}'):>7} "
                          f"{_fmt(_get(r, f'{key}_rel_err'), '{:.0e}'):>8} {_fmt(_get(r, 'grad_rel_err'), '{:.0e}'):>8} "
                          f"{r.get('status')}")

@@ -260,17 +260,32 @@ def _union_us(kernels: list[tuple[str, float, float]]) -> float:
 
 
 def profile(step: Callable[[], None], device: torch.device, steps: int, step_ms: float | None) -> dict:
+    """``kernel_profile`` of ``steps`` more steps. On CUDA the profiler traces the device only (a CPU
+    trace of an eager 1B-parameter step is ~10^5 events, which take long to read back); should that
+    trace fail or hold no kernel, it runs again with the CPU traced too."""
     from torch.profiler import ProfilerActivity
+
+    if device.type != "cuda":
+        return kernel_profile(_kernels(step, device, steps, [ProfilerActivity.CPU]), steps, step_ms)
+    try:
+        kernels = _kernels(step, device, steps, [ProfilerActivity.CUDA])
+    except Exception:
+        kernels = []
+    if not kernels:
+        kernels = _kernels(step, device, steps, [ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    return kernel_profile(kernels, steps, step_ms)
+
+
+def _kernels(step: Callable[[], None], device: torch.device, steps: int, activities: list) -> list:
+    """(name, start us, end us) of every device event (kernels, copies, memsets) over ``steps`` steps."""
     from torch.profiler import profile as torch_profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
         for _ in range(steps):
             step()
         sync(device)
     cuda = torch.autograd.DeviceType.CUDA
-    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == cuda]
-    return kernel_profile(kernels, steps, step_ms)
+    return [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == cuda]
 
 
 # --- a row -----------------------------------------------------------------------------------------
@@ -411,9 +426,9 @@ def run_ranks(spec: dict, argv: list[str]) -> dict:
             with open(logs[rank], "w") as log:
                 procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                               stdout=log, stderr=subprocess.STDOUT))
-        _wait_all(procs)
-        rows = [json.loads(p.read_text()) if p.exists() else None for p in (Path(tmp) / f"rank{r}.json"
-                                                                             for r in range(world))]
+        results = [Path(tmp) / f"rank{r}.json" for r in range(world)]
+        _wait_all(procs, results)
+        rows = [json.loads(p.read_text()) if p.exists() else None for p in results]
         tails = [log.read_text()[-1500:] for log in logs]
     if rows[0] is None:
         return {**spec, "status": "error", "ok": False,
@@ -425,17 +440,21 @@ def run_ranks(spec: dict, argv: list[str]) -> dict:
     return row
 
 
-def _wait_all(procs: list[subprocess.Popen], grace_s: float = 60.0) -> None:
-    """Until every rank exits; once one fails, the others get ``grace_s`` (a collective may wait on it forever)."""
+def _wait_all(procs: list[subprocess.Popen], results: list[Path], grace_s: float = 60.0) -> None:
+    """Until every rank is done: exited, or wrote its result (it writes it after leaving the process
+    group, and may linger in its compile workers' shutdown). Once a rank fails the others get
+    ``grace_s``, since a collective may wait forever on a rank that died; what is left is killed."""
     failed_at = None
-    while any(p.poll() is None for p in procs):
+    while not all(p.poll() is not None or r.exists() for p, r in zip(procs, results, strict=True)):
         if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
             failed_at = time.perf_counter()
         if failed_at is not None and time.perf_counter() - failed_at > grace_s:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+            break
         time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def _free_port() -> int:
