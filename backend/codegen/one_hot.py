@@ -10,17 +10,19 @@ once more before its gradient can be written. ``picked`` turns such a sum into t
 value per row: the forward reads one logit per row, the backward's gradient becomes one pointwise
 pass over the logits.
 
-The sum's body must be, up to factors and masks that do not vary along the summed dimension ``d``
-(``mul``, ``neg``, casts, ``where(c, ., 0)``), a ``where(x_d == t, v, 0)`` whose ``t`` does not vary
-along ``d`` either (``eq`` of the dimension's index, or the ``where`` of a one-hot scatter). The
-value is ``v`` at ``x_d = t``: every load of ``v`` that walks ``d`` reads at the indirect index
-``t``. A ``t`` that is already a checked index (``ir.Indirect``, a one-hot scatter's: eager raises on
-one out of range, our kernel asserts) is used as it is; any other ``t`` is checked only to mask its
-loads, and where it is out of range the sum is 0, as written. A buffer computed pointwise over the
-same space (a product the backward reads twice is written to memory first) is looked through.
+The sum's body must be, up to factors (``mul``), signs, casts and masks that do not vary along the
+summed dimension ``d`` (``where(c, ., 0)``), a ``where(x_d == t, v, 0)`` (or ``x_d == t`` cast to
+numbers: ``F.one_hot``) whose ``t`` does not vary along ``d`` either (``eq`` of the dimension's
+index, or the ``where`` of a one-hot scatter). The value is ``v`` (times the factors) at ``x_d = t``:
+every load that walks ``d`` reads at the indirect index ``t``. A ``t`` that is already a checked
+index (``ir.Indirect``, a one-hot scatter's: eager raises on one out of range, our kernel asserts)
+is used as it is; any other ``t`` is checked only to mask its loads, and where it is out of range
+the sum is 0, as written. A buffer computed pointwise over the same space (a product the backward
+reads twice is written to memory first) is looked through.
 
-Not kept: a factor that is infinite or NaN turns the sum's zeros into NaN (``0 * inf``), while the
-picked value keeps ``v(t) * inf``, as eager's own ``nll_loss_backward`` does (its zeros are zeros).
+Not kept: a factor that is infinite or NaN where the one-hot is 0 turns the sum's zeros into NaN
+(``0 * inf``), while the picked value only sees the factor at ``t``, as eager's own
+``nll_loss_backward`` does (its zeros are zeros).
 """
 
 from __future__ import annotations
@@ -68,13 +70,17 @@ def _one_hot(e: ir.Expr, sym: sympy.Symbol) -> tuple[ir.Expr, ir.Expr] | None:
             inner = _one_hot(args[1], sym)
             return None if inner is None else (inner[0], Op("where", (args[0], inner[1], args[2]), e.dtype))
         return None
-    if e.name == "mul":
+    if e.name == "mul":  # the other factor is taken at x_d = t too, whether it varies along d or not
         for hot, factor in ((0, 1), (1, 0)):
-            if not _varies(args[factor], sym):
-                inner = _one_hot(args[hot], sym)
-                if inner is not None:
-                    pair = (inner[1], args[factor]) if hot == 0 else (args[factor], inner[1])
-                    return inner[0], Op("mul", pair, e.dtype)
+            inner = _one_hot(args[hot], sym)
+            if inner is not None:
+                pair = (inner[1], args[factor]) if hot == 0 else (args[factor], inner[1])
+                return inner[0], Op("mul", pair, e.dtype)
+        return None
+    if e.name in _CASTS and e.args[0].dtype == torch.bool and e.dtype != torch.bool:  # a one-hot as numbers
+        target = _target(args[0], sym)
+        if target is not None and not _varies(target, sym):
+            return target, Const(1.0 if e.dtype.is_floating_point else 1, e.dtype)
         return None
     if e.name == "neg" or (e.name in _CASTS and e.dtype != torch.bool):
         inner = _one_hot(args[0], sym)
