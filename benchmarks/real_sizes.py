@@ -242,7 +242,9 @@ def _resnet50(smoke: bool) -> nn.Module:
 
 
 def resnet50_train(device: torch.device, smoke: bool, seed: int) -> Case:
-    batch, size, classes = (2, 32, 10) if smoke else (64, 224, 1000)
+    # Smoke: 4 images of 64x64, so that the last stage's batch norm sees 16 values per channel; over
+    # 2 (2 images of 32x32 end 1x1) its gradients are ~1e10 and no two programs agree on them.
+    batch, size, classes = (4, 64, 10) if smoke else (64, 224, 1000)
     return _vision_case(_resnet50(smoke), device, batch, size, classes, seed, train=True, channels_last=True,
                         optimizer=sgd)
 

@@ -51,7 +51,8 @@ recording); *peak GB*: `max_memory_reserved` from before the first step (CUDA-gr
 *peak allocated*, `max_memory_allocated`, leaves out what a replay writes in its pool); errors: the
 first step's loss (inference: output) and four parameters' gradients against an eager step from the same
 weights in the same process, relative to the largest magnitude of eager's (at least 1e-3 of the largest
-of the four, for gradients); eager's own row is its run-to-run noise."""
+of the four, for gradients); eager's own row is its run-to-run noise, and bf16 against fp32 (eager, the
+same weights) is the scale of bf16's rounding."""
 
 
 # --- loading ---------------------------------------------------------------------------------------
@@ -160,7 +161,8 @@ def error_table(rows: list[dict]) -> str:
     slash = " / ".join(SHORT[b] for b in BACKENDS)
     compiled = tuple(b for b in BACKENDS if b != "eager")
     head = ["model", f"loss or output rel. error ({slash})", f"loss or output abs. error ({slash})",
-            f"gradient rel. error, worst ({slash})", "cgtrees's worst gradient", f"peak allocated GB ({slash})",
+            f"gradient rel. error, worst ({slash})", "cgtrees's worst gradient",
+            "eager bf16 against fp32, rel. (loss / gradient)", f"peak allocated GB ({slash})",
             f"steady reserved GB ({slash})", "cgtrees ms/step min-max",
             f"graph breaks ({' / '.join(SHORT[b] for b in compiled)})"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -173,11 +175,18 @@ def error_table(rows: list[dict]) -> str:
             f"{_get(cg, 'step_ms_min'):.1f}-{_get(cg, 'step_ms_max'):.1f}"
         cells = [model, _per_backend(rows, model, f"{key}_rel_err", _err),
                  _per_backend(rows, model, f"{key}_abs_err", _err), _per_backend(rows, model, "grad_rel_err", _err),
-                 f"`{worst}`" if worst else "-", _per_backend(rows, model, "peak_allocated_gb", _gb),
+                 f"`{worst}`" if worst else "-", _autocast(_row(rows, model, "eager")),
+                 _per_backend(rows, model, "peak_allocated_gb", _gb),
                  _per_backend(rows, model, "steady_reserved_gb", _gb), spread,
                  " / ".join(_breaks(_row(rows, model, b)) for b in compiled)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _autocast(eager: dict | None) -> str:
+    """bf16 autocast's own error against an fp32 step (the eager row measures it): the scale of rounding."""
+    loss, grad = (_get(eager, f"autocast_{k}_rel_err") for k in ("loss", "grad"))
+    return "-" if loss is None else f"{_err(loss)} / {_err(grad)}"
 
 
 def _err(v: float | None) -> str:

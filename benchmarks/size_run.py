@@ -1,23 +1,29 @@
 """Run the real-size suite (``real_sizes.py``): each (model, backend) in a fresh process, one JSON per call.
 
 On the GPU machine, one call per line, each within the device tool's 10 minutes (``--budget 540``:
-no row starts after 540 s, none runs past it, rows left are written as not run; estimates are for
-an H100, cold compile included):
+no row starts after 540 s, none runs past it, rows left are written as not run), each writing one
+JSON file into ``$OUT``; the times are estimates for an H100 with cold compiles, the first call
+of a machine also priming byte code (below):
 
-    python benchmarks/size_run.py --models gpt2_small --budget 540 --out-dir OUT                  # ~6 min
-    python benchmarks/size_run.py --models bert_base --budget 540 --out-dir OUT                   # ~5 min
-    python benchmarks/size_run.py --models vit_b16_infer,resnet50_infer --budget 540 --out-dir OUT  # ~6 min
-    python benchmarks/size_run.py --models vit_b16_train --budget 540 --out-dir OUT               # ~5 min
-    python benchmarks/size_run.py --models resnet50_train --budget 540 --out-dir OUT              # ~6 min
-    python benchmarks/size_run.py --models llama_1b --backends eager,inductor --budget 540 --out-dir OUT   # ~5 min
-    python benchmarks/size_run.py --models llama_1b --backends reduce-overhead,cgtrees --budget 540 --out-dir OUT
-    python benchmarks/size_run.py --models gpt2_small_ddp --budget 540 --out-dir OUT   # 2 GPUs (nvidia-h100-x2), ~7 min
+    python benchmarks/size_run.py --models gpt2_small --budget 540 --out-dir $OUT                    # ~5-6 min
+    python benchmarks/size_run.py --models bert_base --budget 540 --out-dir $OUT                     # ~5 min
+    python benchmarks/size_run.py --models vit_b16_infer,resnet50_infer --budget 540 --out-dir $OUT  # ~5 min
+    python benchmarks/size_run.py --models vit_b16_train --budget 540 --out-dir $OUT                 # ~5 min
+    python benchmarks/size_run.py --models resnet50_train --budget 540 --out-dir $OUT                # ~6 min
+    # ~4 and ~6 min
+    python benchmarks/size_run.py --models llama_1b --backends eager,inductor --budget 540 --out-dir $OUT
+    python benchmarks/size_run.py --models llama_1b --backends reduce-overhead,cgtrees --budget 540 --out-dir $OUT
+    # 2 GPUs (the nvidia-h100-x2 kind; skipped on one GPU), ~4 and ~6 min
+    python benchmarks/size_run.py --models gpt2_small_ddp --backends eager,inductor --budget 540 --out-dir $OUT
+    python benchmarks/size_run.py --models gpt2_small_ddp --backends reduce-overhead,cgtrees --budget 540 --out-dir $OUT
 
-then, on any machine, the files copied to ``benchmarks/results/real-size/``:
+A row that the budget cut is rerun alone (``--models M --backends B``): the report merges files,
+the newest measured row winning. Then, on any machine, the files copied to
+``benchmarks/results/real-size/``:
 
     python benchmarks/size_report.py benchmarks/results/real-size --markdown docs/benchmarks.md
 
-and on a CPU, in seconds (tiny configs, eager and cgtrees, cgtrees's kernels through Triton's
+and on a CPU, in under a minute (tiny configs, eager and cgtrees, cgtrees's kernels through Triton's
 interpreter; timm and torchvision rows are skipped where they do not import):
 
     python benchmarks/size_run.py --smoke --models gpt2_small,llama_1b --out-dir /tmp/size-smoke

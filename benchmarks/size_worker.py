@@ -28,7 +28,10 @@ fresh cache directories. A worker, in order (``measure_row``):
 
 A relative error is the largest absolute difference over the largest magnitude of the reference
 (for a loss: over its absolute value). The eager row's errors are eager against itself: the noise
-floor of nondeterministic kernels.
+floor of nondeterministic kernels. Under autocast the eager row also compares its reference with
+an fp32 step from the same weights (``autocast_loss_rel_err``, ``autocast_grad_rel_err``, ...): the
+scale of bf16's rounding, which a compiled row's errors are read against (a randomly initialised
+ResNet-50's gradients differ by ~100% between bf16 and fp32 at small batches).
 
 A DDP model (``Spec.world`` > 1) runs as one process per rank started by this worker (rank 0's
 figures are the row's, ``rank_step_ms`` has each rank's median); it is skipped without enough
@@ -39,6 +42,7 @@ happened in), never a crash: an out-of-memory row keeps what it measured before.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -122,6 +126,14 @@ def make_step(case: real_sizes.Case, fn: Callable, opt: torch.optim.Optimizer | 
             opt.step()
             opt.zero_grad(set_to_none=True)
     return step
+
+
+def reference(case: real_sizes.Case, model: torch.nn.Module, chosen: list[tuple[str, torch.nn.Parameter]]) -> Values:
+    """One eager step without an optimizer step (the weights stay as they are), its gradients cleared."""
+    want = Values()
+    make_step(case, model, None, False, want, chosen)()
+    model.zero_grad(set_to_none=True)
+    return want
 
 
 def sync(device: torch.device) -> None:
@@ -301,9 +313,11 @@ def measure_row(spec: dict, row: dict, phase: Callable[[str], None]) -> None:
     row.update(items_per_step=case.items * spec["world"], unit=case.unit,
                params_m=sum(p.numel() for p in case.model.parameters()) / 1e6)
     phase("eager reference")
-    want = Values()
-    make_step(case, model, None, False, want, chosen)()
-    model.zero_grad(set_to_none=True)
+    want = reference(case, model, chosen)
+    if spec["backend"] == "eager" and case.autocast:  # the scale of bf16's rounding, for reading the errors
+        phase("fp32 reference")
+        fp32 = reference(dataclasses.replace(case, autocast=False), model, chosen)
+        row.update({f"autocast_{k}": v for k, v in errors(want, fp32, case.train).items() if k != "loss"})
     phase("compile call")
     mark = spec["backend"] in GRAPH_BACKENDS
     if mark:  # imports torch._inductor.cudagraph_trees (about a second): the loop's cost, not the backend's

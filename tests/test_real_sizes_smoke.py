@@ -36,31 +36,38 @@ def test_smoke_measures_gpt2_and_llama_and_skips_vision_with_a_message(tmp_path)
 
     for (model, backend), r in rows.items():
         name = f"{model}/{backend}"
-        if model == "vit_b16_infer":
-            if r["status"] == "skipped":  # the CPU machine: timm/torchvision do not import
-                assert "vit_b16_infer needs timm/torchvision" in r["error"], r["error"]
-                continue
+        vision = model == "vit_b16_infer"
+        if vision and r["status"] == "skipped":  # the CPU machine: timm/torchvision do not import
+            assert "vit_b16_infer needs timm/torchvision" in r["error"], r["error"]
+            continue
         assert r["ok"] and r["status"] == "ok", f"{name}: {r['error']}\n{r.get('traceback', '')}"
-        assert r["device"] == "cpu" and r["smoke"] and r["mode"] == "train" and r["world"] == 1
-        for key in FIELDS:
+        assert r["device"] == "cpu" and r["smoke"] and r["world"] == 1 and r["mode"] == ("infer" if vision else "train")
+        for key in FIELDS if not vision else ("step_ms", "throughput", "first3_s", "out_abs_err", "out_rel_err"):
             assert key in r, f"{name}: no {key}"
         assert 0 < r["step_ms_min"] <= r["step_ms"] <= r["step_ms_max"] and len(r["step_ms_all"]) == 2, name
         assert 0 < r["first_step_s"] <= r["first3_s"], name
-        assert r["items_per_step"] == 2 * 16 and r["unit"] == "tokens", name
+        assert (r["items_per_step"], r["unit"]) == ((2, "images") if vision else (2 * 16, "tokens")), name
         assert math.isclose(r["throughput"], r["items_per_step"] / r["step_ms"] * 1e3), name
-        assert math.isfinite(r["loss"]) and 4 < r["loss"] < 7, f"{name}: loss {r['loss']} (ln 256 = 5.5)"
-        assert len(r["grad_errors"]) == 4, f"{name}: {r['grad_errors']}"
-        # bf16 autocast: eager against itself is exact; cgtrees rounds differently (1e-3-1e-2 measured).
-        bound = 0.0 if backend == "eager" else 5e-2
-        assert r["loss_rel_err"] <= bound and r["grad_rel_err"] <= bound, \
-            f"{name}: loss {r['loss_rel_err']}, gradient {r['worst_grad']} {r['grad_rel_err']}"
-        assert r["peak_reserved_gb"] if r["device"] == "cuda" else "peak_reserved_gb" not in r, name
+        # bf16: eager against itself is exact (nondeterminism would show here); cgtrees rounds otherwise
+        # (1e-3-1e-2 measured on the language models).
+        bound = 1e-6 if backend == "eager" else 5e-2
+        if vision:  # inference: the output is compared, no gradient
+            assert r["out_rel_err"] <= bound and "grad_rel_err" not in r, f"{name}: output off by {r['out_rel_err']}"
+        else:
+            assert math.isfinite(r["loss"]) and 4 < r["loss"] < 7, f"{name}: loss {r['loss']} (ln 256 = 5.5)"
+            assert len(r["grad_errors"]) == 4, f"{name}: {r['grad_errors']}"
+            assert r["loss_rel_err"] <= bound and r["grad_rel_err"] <= bound, \
+                f"{name}: loss {r['loss_rel_err']}, gradient {r['worst_grad']} {r['grad_rel_err']}"
+        assert "peak_reserved_gb" not in r, name  # CUDA only
+        if backend == "eager" and not vision:  # bf16 autocast against fp32: rounding, not 0, not wild
+            assert 0 < r["autocast_loss_rel_err"] < 0.1 and 0 < r["autocast_grad_rel_err"] < 1, r
+        assert ("autocast_loss_rel_err" in r) == (backend == "eager" and not vision), name
         if backend == "cgtrees":
             ours = r["counters"]["cgtrees"]
             assert ours.get("kernels_generated", 0) > 0 and ours.get("graph_fallbacks", 0) == 0, f"{name}: {ours}"
             assert r["compile_s"] > 0, name
 
-    # The report over that folder: the smoke rows, said to be smoke rows, and the vision rows not measured.
+    # The report over that folder: the smoke rows, said to be smoke rows.
     size_report = bench("size_report")
     loaded, metas = size_report.load([str(out)])
     block = size_report.block(loaded)
@@ -172,7 +179,8 @@ def _profile(gemm, generated, idle):
 
 def test_report_block_holds_the_table_errors_and_the_profile_of_each_miss(tmp_path):
     size_report, run = bench("size_report"), bench("run")
-    rows = [_row("gpt2_small", "eager", 200.0), _row("gpt2_small", "inductor", 100.0, profile=_profile(60, 20, 4.5)),
+    rows = [_row("gpt2_small", "eager", 200.0, autocast_loss_rel_err=2e-3, autocast_grad_rel_err=5e-2),
+            _row("gpt2_small", "inductor", 100.0, profile=_profile(60, 20, 4.5)),
             _row("gpt2_small", "reduce-overhead", 98.0),
             _row("gpt2_small", "cgtrees", 110.0, profile=_profile(60, 28, 6.5)),
             {"model": "llama_1b", "backend": "cgtrees", "mode": "train", "sizes": "1.1B, 4 x 1024 tok",
@@ -184,7 +192,7 @@ def test_report_block_holds_the_table_errors_and_the_profile_of_each_miss(tmp_pa
            "41.0k / 81.9k / 83.6k / 74.5k tok/s | 39.0 / 39.0 / 39.0 | 20.5 / 20.5 / 20.5 / 20.5 | " \
            "H100 80GB HBM3 | 2.11.0+cu130 | - |" in block
     assert "| gpt2_small | 1e-04 / 1e-04 / 1e-04 / 1e-04 | 1e-03 / 1e-03 / 1e-03 / 1e-03 | " \
-           "3e-03 / 3e-03 / 3e-03 / 3e-03 | `transformer.wte.weight` | 18.0 / 18.0 / 18.0 / 18.0 | " \
+           "3e-03 / 3e-03 / 3e-03 / 3e-03 | `transformer.wte.weight` | 2e-03 / 5e-02 | 18.0 / 18.0 / 18.0 / 18.0 | " \
            "19.0 / 19.0 / 19.0 / 19.0 | 108.9-112.2 | 3 / 3 / 3 |" in block
     # The miss: its profile beside Inductor's, then its top kernels; reduce-overhead is faster: no profile.
     assert "| gpt2_small / inductor | 100.0 | 60.00 | 10.00 | 20.00 | 1.00 | 4.00 | 0.00 | 0.50 | 95.50 | 4.50 |" \
