@@ -159,7 +159,8 @@ def _lm_case(model: nn.Module, device: torch.device, batch: int, seq: int, vocab
     model.to(device)
     ids = torch.randint(vocab, (batch, seq), generator=_gen(seed), device="cpu")
     if masked:  # BERT's masked LM: predict 15% of positions, the others ignored (-100)
-        labels = torch.where(torch.rand(batch, seq, generator=_gen(seed + 1), device="cpu") < 0.15, ids, -100)
+        masked_at = torch.rand(batch, seq, generator=_gen(seed + 1), device="cpu") < 0.15
+        labels = torch.where(masked_at, ids, torch.full_like(ids, -100))
     else:  # causal LM: the model shifts the labels itself
         labels = ids
     ids, labels = ids.to(device), labels.to(device)

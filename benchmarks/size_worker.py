@@ -11,7 +11,8 @@ fresh cache directories. A worker, in order (``measure_row``):
    (the first, last and two between) go to the host, and the gradients are cleared;
 3. calls ``torch.compile`` (before the clock: the call imports Dynamo, alike for every backend);
 4. times the first 3 steps, each synchronized (``first_step_s``, ``first3_s``); the first step's
-   loss and gradients, taken before its optimizer step, give the errors against the reference
+   loss and gradients, copied to the host (inside that time) before its optimizer step, give the
+   errors against the reference
    (``loss_abs_err``/``loss_rel_err`` or ``out_*`` for inference; ``grad_abs_err``/``grad_rel_err``,
    the worst of the parameters compared, named in ``worst_grad``; every one in ``grad_errors``);
 5. runs warm-up steps, then timed steps, each timed alone between ``torch.cuda.synchronize()``
@@ -68,6 +69,7 @@ COMPILE_ARGS = {"inductor": {}, "reduce-overhead": {"mode": "reduce-overhead"}, 
 BACKENDS = ("eager", *COMPILE_ARGS)
 GRAPH_BACKENDS = ("reduce-overhead", "cgtrees")  # a step begins with cudagraph_mark_step_begin()
 GB = 2**30
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,6 @@ class Plan:
 
 
 SMOKE_PLAN = Plan(warmup=0, steps=2, profile_steps=1)
-
-
-class Skipped(Exception):
-    """The row cannot run here (too few GPUs): skipped, not failed."""
 
 
 # --- one step ------------------------------------------------------------------------------------
@@ -369,7 +367,7 @@ def run_row(spec: dict) -> dict:
     try:
         measure_row(spec, row, phase)
         row.update(status="ok", ok=True)
-    except (real_sizes.MissingPackage, Skipped) as exc:
+    except real_sizes.MissingPackage as exc:
         row.update(status="skipped", error=str(exc))
     except Exception as exc:  # out of memory included: the row keeps what it measured
         row.update(error=f"{now['name']}: {type(exc).__name__}: {exc}"[:2000], traceback=traceback.format_exc()[-4000:])
@@ -432,7 +430,9 @@ def run_ranks(spec: dict, argv: list[str]) -> dict:
     if not spec["device"].startswith("cuda") and not spec["smoke"]:
         return {**spec, "status": "skipped", "ok": False,
                 "error": f"needs {world} GPUs; a CPU runs it with --smoke only"}
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world)}
+    # NVLink multicast stays off: the device machines set these, and a rank has them whatever we were started with
+    env = {**os.environ, **NO_MULTICAST, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "WORLD_SIZE": str(world)}
     with tempfile.TemporaryDirectory(prefix="cgtrees-ranks-") as tmp:
         procs, logs = [], [Path(tmp) / f"rank{r}.log" for r in range(world)]
         for rank in range(world):
