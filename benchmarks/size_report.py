@@ -146,7 +146,8 @@ def main_table(rows: list[dict]) -> str:
         any_row = next(r for r in rows if r["model"] == model)
         r = ratio(rows, model)
         unit = "img/s" if any_row.get("unit") == "images" or "img" in any_row.get("sizes", "") else "tok/s"
-        cells = [model, any_row.get("mode", "?"), any_row.get("sizes", "?"),
+        sizes = "tiny (smoke)" if any_row.get("smoke") else any_row.get("sizes", "?")
+        cells = [model, any_row.get("mode", "?"), sizes,
                  *(_fmt(_get(_row(rows, model, b), "step_ms"), "{:.1f}") for b in BACKENDS),
                  _fmt(r, "{:.2f}x"), _per_backend(rows, model, "throughput", _rate) + f" {unit}",
                  _per_backend(rows, model, "compile_s", lambda v: _fmt(v, "{:.1f}"), compiled),
@@ -266,8 +267,10 @@ def block(rows: list[dict]) -> str:
     if found:
         body += ["Per step, from `torch.profiler` over 5 steps: device ms by kernel category; busy: the union "
                  "of the kernels' intervals; idle: the median step less busy.", "", profile_tables(rows, found), ""]
-    else:
+    elif any(ratio(rows, m) is not None for m in models(rows)):
         body += ["None: every cgtrees and reduce-overhead row is at most Inductor's step.", ""]
+    else:
+        body += ["No row has an Inductor row beside it to compare with.", ""]
     gone = not_measured(rows)
     if gone:
         body += ["### Rows not measured", "", *gone, ""]

@@ -72,7 +72,8 @@ def test_smoke_measures_gpt2_and_llama_and_skips_vision_with_a_message(tmp_path)
     loaded, metas = size_report.load([str(out)])
     block = size_report.block(loaded)
     assert block.startswith(size_report.BEGIN) and block.rstrip().endswith(size_report.END)
-    assert "**Smoke rows**" in block and "| gpt2_small | train | 124M, 8 x 1024 tok |" in block
+    assert "**Smoke rows**" in block and "| gpt2_small | train | tiny (smoke) |" in block
+    assert "No row has an Inductor row beside it" in block
     assert len(metas) == 1
 
 
