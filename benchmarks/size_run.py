@@ -69,7 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default: cuda if available (cpu for --smoke)")
     p.add_argument("--budget", type=float, default=None,
                    help="seconds: no row starts after this long, none runs past it")
-    p.add_argument("--timeout", type=float, default=570.0, help="seconds per row's process")
+    p.add_argument("--timeout", type=float, default=420.0,
+                   help="seconds per row's process (a hung row leaves the others time; a real row takes ~1-3 min)")
     p.add_argument("--warmup", type=int, default=5, help="steps after the first 3, untimed")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--profile-steps", type=int, default=5, help="profiled steps (CUDA), 0: none")

@@ -12,9 +12,9 @@ fresh cache directories. A worker, in order (``measure_row``):
 3. calls ``torch.compile`` (before the clock: the call imports Dynamo, alike for every backend);
 4. times the first 3 steps, each synchronized (``first_step_s``, ``first3_s``); the first step's
    loss and gradients, copied to the host (inside that time) before its optimizer step, give the
-   errors against the reference
-   (``loss_abs_err``/``loss_rel_err`` or ``out_*`` for inference; ``grad_abs_err``/``grad_rel_err``,
-   the worst of the parameters compared, named in ``worst_grad``; every one in ``grad_errors``);
+   errors against the reference (``loss_abs_err``/``loss_rel_err``, ``out_*`` for inference;
+   ``grad_abs_err``/``grad_rel_err``, the worst parameter named in ``worst_grad``, each one in
+   ``grad_errors``);
 5. runs warm-up steps, then timed steps, each timed alone between ``torch.cuda.synchronize()``
    calls: ``step_ms`` is their median, with ``step_ms_min`` and ``step_ms_max``; ``compile_s`` is
    ``first3_s`` minus 3 x the median step: compilation, warm-up runs and CUDA-graph recording;
