@@ -4,7 +4,8 @@ real size (8192 x 50257 logits), kernel by kernel, for the backends named on the
     python tests/gpu/long_rows_probe.py cgtrees inductor eager   # each: compile, check, time
 
 ``cgtrees-by-elements`` is cgtrees with the loss's gradient as a flat pointwise kernel (what
-``scheduler._by_rows`` replaced), to see what walking rows and columns is worth. Per-kernel times
+``scheduler._by_rows`` replaced), to see what walking rows and columns is worth; ``cgtrees@RxW``
+loops over long rows ``R`` columns at a time with ``W`` warps. Per-kernel times
 are the profiler's device times per call; ``step`` is the median of 5 windows of 10 calls (CUDA
 events), graphs off for every backend. Not a test: a probe whose figures the issue quotes.
 """
@@ -30,7 +31,22 @@ def compiled(fn, name: str):
         from backend.codegen import scheduler
 
         scheduler._by_rows = lambda ranges, members: ()
+    if name.startswith("cgtrees@"):  # cgtrees@2048x16: looped row kernels of RBLOCK 2048, 16 warps
+        _loop_blocks(*map(int, name[len("cgtrees@"):].split("x")))
     return torch.compile(fn, backend="cgtrees", options={"cudagraphs": False, "cache": False})
+
+
+def _loop_blocks(rblock: int, warps: int) -> None:
+    from backend.codegen import heuristics
+
+    original = getattr(heuristics, "_probe_original", heuristics.reduction)
+    heuristics._probe_original = original
+
+    def reduction(xnumel, rnumel, inner, interpret):
+        cfg = original(xnumel, rnumel, inner, interpret)
+        return cfg if cfg.persistent or not inner else heuristics.Config(cfg.xblock, rblock, warps, False)
+
+    heuristics.reduction = reduction
 
 
 def per_kernel(step, calls: int = 10) -> list[tuple[float, str]]:
