@@ -114,8 +114,8 @@ def splits_kernels(node: torch.fx.Node) -> bool:
 
 def _is_row_reduction(node: torch.fx.Node, limit: int | None = ROW_LIMIT) -> bool:
     """Does ``node`` reduce only trailing dimensions, at most ``limit`` elements per output (None:
-    any number), and keep some? A reduction of every dimension (a loss's count of the targets it counts) is one
-    value: recomputed, it is a kernel of its own in the backward, saved it is a few bytes."""
+    any number), and keep some? A reduction of every dimension (a loss's count of its targets) is
+    one value: recomputed, it is a kernel of its own in the backward; saved, it is a few bytes."""
     val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return False
