@@ -28,7 +28,10 @@ makes that launcher per signature from C source that it builds with the host com
 
 ``refresh_meta(gm)``: every node's meta value computed again from its placeholders' (a graph pass
 added nodes), under the fake mode they were traced in; ``real_tensors()``: a context in which
-tensors are real even where the compiler was called under a fake mode (timing a GEMM on the device).
+tensors are real even where the compiler was called under a fake mode (timing a GEMM on the device);
+``clear_cublas_workspaces()``: drop cuBLAS's workspaces, which torch keeps per handle and stream
+(32 MiB each on an H100), after timing on a stream of our own; the runtime does the same around
+its recordings.
 """
 
 from __future__ import annotations
@@ -435,3 +438,11 @@ def real_tensors() -> Any:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     return unset_fake_temporarily()
+
+
+def clear_cublas_workspaces() -> None:
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and not torch.cuda.is_current_stream_capturing():
+        clear()

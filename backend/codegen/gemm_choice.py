@@ -171,7 +171,10 @@ class GemmPlan:
             free, _ = torch.cuda.mem_get_info(self.device)
             if sum(nbytes for _, _, nbytes in forms.values()) * 2 > free:
                 return None
-            return {name: gemm_timing.time_us(key, self.device, build) for name, (key, build, _) in forms.items()}
+            try:
+                return {name: gemm_timing.time_us(key, self.device, build) for name, (key, build, _) in forms.items()}
+            finally:
+                compat.clear_cublas_workspaces()  # the timing stream's, 32 MiB on an H100, kept by torch
 
     def _note(self, node: torch.fx.Node, gemm: str, taken: str, timings: tuple, why: str) -> str:
         self.choices.append(Choice(node.name, gemm, taken, timings, why))
@@ -262,8 +265,13 @@ def _describe(meta: torch.Tensor) -> str:
 
 
 def _tensor(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Random values from a generator of our own: timing must not move the user's random stream
+    (a cold process would then draw other numbers than a warm one, which times nothing)."""
     t = torch.empty_strided(tuple(meta.shape), tuple(meta.stride()), dtype=meta.dtype, device=device)
-    return t.normal_() if t.is_floating_point() else t.zero_()
+    if not t.is_floating_point():
+        return t.zero_()
+    generator = torch.Generator(device).manual_seed(0)
+    return t.normal_(generator=generator)
 
 
 def _nbytes(*metas: torch.Tensor | None) -> int:
