@@ -240,6 +240,8 @@ class GraphLowerer:
         if any(user.op == "output" for user in node.users):
             return True  # realize outputs where they are computed, so they fuse with their producers
         readers = sum(reads_values(user, node) for user in node.users)  # not ``copy``'s destination
+        if readers > 1 and _reads_nothing_along_rows(value):
+            readers = 1  # recomputed by each reader at no memory cost (a loss's one-hot times a row's scale)
         return readers > 1 or ir.size_of(value.body) > INLINE_LIMIT
 
     def _check_templates(self, value: Any) -> None:
@@ -492,6 +494,16 @@ def is_library_op(target: Any) -> bool:
     """Whether an aten call is deliberate (a library kernel or a random op), not a missing lowering."""
     name = target.name() if isinstance(target, torch._ops.OpOverload) else str(target)
     return name.startswith(_LIBRARY_PREFIXES)
+
+
+def _reads_nothing_along_rows(value: TensorValue) -> bool:
+    """Whether every load of ``value`` reads one element per row (its index is free of the last
+    dimension's symbol): written to memory, such a value would cost a write and a read of its whole
+    size, where each reader recomputes it from a row's data (one-hots, masks, per-row scales)."""
+    if not value.size or value.size[-1] == 1:
+        return False
+    last = ir.index_symbol(len(value.size) - 1)
+    return all(last not in sympy.sympify(load.index).free_symbols for load in ir.loads(value.body))
 
 
 def _in_node(exc: Exception, node: torch.fx.Node, described: ir.Described) -> str:

@@ -4,7 +4,8 @@ A view of a materialized buffer is exact and free: its size, strides and storage
 the node's meta (which matches the buffer, since every buffer we allocate follows its node's meta),
 so any view op works, ``as_strided`` included. A view of a value that is not materialized remaps
 the index symbols (permute, expand, unsqueeze, squeeze, select, slice, transpose, and reshapes that
-split dimensions or add or drop size-1 ones); other reshapes of such values realize the value first.
+split dimensions or add or drop size-1 ones, or merge dimensions its index expressions read as one:
+``merge_views``); other reshapes of such values realize the value first.
 """
 
 from __future__ import annotations
@@ -14,10 +15,17 @@ from typing import Any
 import sympy
 import torch
 
-from backend.codegen import ir
-from backend.codegen.lowering import LowerCtx, TensorValue, lowering, meta_layout, meta_size, sym
+from backend.codegen import ir, merge_views
+from backend.codegen.lowering import LOWERINGS, LowerCtx, TensorValue, lowering, meta_layout, meta_size, sym
 
 aten = torch.ops.aten
+_RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+_LIBRARY = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::_scaled_dot_product")
+
+
+def is_library(target: object) -> bool:
+    name = target.name() if isinstance(target, torch._ops.OpOverload) else ""
+    return name.startswith(_LIBRARY)
 
 
 def _buffer_view(ctx: LowerCtx, x: TensorValue, meta: torch.Tensor) -> TensorValue:
@@ -42,11 +50,22 @@ def view_op(remap):
         if x.view is not None:
             return _buffer_view(ctx, x, meta)
         subs = remap(x, meta_size(meta), *args, **kwargs)
+        if subs is None and ctx.node.target in _RESHAPES and _kernels_read(ctx.node):  # a merge (merge_views)
+            body = merge_views.merged_body(x.body, x.size, meta_size(meta))
+            if body is not None:
+                return TensorValue(meta_size(meta), x.dtype, body)
         if subs is None:  # not a pure index remap: materialize, then view the buffer
             return _buffer_view(ctx, ctx.realize_input(x), meta)
         return _remap(x, meta_size(meta), subs)
 
     return lower
+
+
+def _kernels_read(node: torch.fx.Node) -> bool:
+    """Whether only our kernels read ``node`` (a library call, or a graph output, would have it
+    written in the merged shape, apart from the kernel of the value it merges)."""
+    return all(user.op == "call_function" and user.target in LOWERINGS and not is_library(user.target)
+               for user in node.users)
 
 
 def _xs(n: int) -> tuple[sympy.Symbol, ...]:

@@ -1,0 +1,103 @@
+"""Values not written to memory where writing them costs a pass of their size (CPU, Triton's
+interpreter): a reshape that merges dimensions of a lazy value (``backend/codegen/merge_views.py``:
+GPT-2's loss reads ``logits.float().view(-1, V)``), and a value that reads one element per row
+read by several kernels (the loss backward's one-hot times a row's scale, ``graph._should_realize``).
+Before, GPT-2's loss wrote the float32 logits in the forward and again in the backward, and the
+one-hot in the backward: three passes of 1.6 GB each at 8 x 1024 x 50257."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import sympy
+import torch
+import torch.nn.functional as F
+from codegen_helpers import INTERPRET, Compiler, config
+
+from backend.codegen import ir, merge_views
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
+
+V = 1001
+LONG = 50257  # GPT-2's vocabulary: rows that loop (shorter rows save the log-softmax, by the partition's rule)
+X = ir.index_symbols(3)
+
+
+def _load(index: sympy.Expr, mask: ir.Expr | None = None) -> ir.Expr:
+    return ir.Op("cast", (ir.Load("logits", index, torch.bfloat16, mask),), torch.float32)
+
+
+def test_a_contiguous_run_merges_into_one_index():
+    body = _load(X[0] * 16 * V + X[1] * V + X[2])
+    merged = merge_views.merged_body(body, (2, 16, V), (32, V))
+    y = ir.index_symbols(2)
+    assert ir.loads(merged)[0].index == y[0] * V + y[1]
+
+
+@pytest.mark.parametrize("why, body", [
+    ("a permuted source", _load(X[1] * 2 * V + X[0] * V + X[2])),
+    ("a mask on a merged dimension", _load(X[0] * 16 * V + X[1] * V + X[2],
+                                           ir.Op("lt", (ir.IndexValue(X[1], torch.int64), ir.Const(8, torch.int64)),
+                                                 torch.bool))),
+])
+def test_anything_else_is_not_merged(why, body):
+    assert merge_views.merged_body(body, (2, 16, V), (32, V)) is None, why
+
+
+def test_a_split_or_a_reshape_that_merges_nothing_is_not_a_merge():
+    body = _load(X[0] * 16 * V + X[1] * V + X[2])
+    assert merge_views.merged_body(body, (2, 16, V), (2, 16, V)) is None
+    assert merge_views.merged_body(body, (2, 16, V), (4, 8, V)) is None
+
+
+def _float_buffers(source: str, columns: int) -> list[str]:
+    """The buffers ``call`` allocates with ``columns`` in their sizes, in float32."""
+    call = source.split("\ndef call(")[1]
+    return [m for m in re.findall(r"torch\.empty_strided\(([^\n]*)\)", call) if str(columns) in m and "float32" in m]
+
+
+@pytest.mark.parametrize("labels_ignored", [False, True])
+def test_the_loss_of_bf16_logits_writes_no_float32_copy_and_no_one_hot(labels_ignored):
+    """GPT-2's loss as transformers writes it (upcast, reshape, cross-entropy): the forward reads the
+    bf16 logits in its one long-row kernel, the backward writes only the bf16 gradient; values and
+    gradients as eager's."""
+
+    def loss(logits, labels):
+        return F.cross_entropy(logits.float().view(-1, LONG), labels.view(-1))
+
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 4, LONG) * 3).bfloat16()
+    labels = torch.randint(0, LONG, (2, 4))
+    if labels_ignored:
+        labels[0, :3] = -100
+    comp = Compiler(config())
+    xs = [logits.clone().requires_grad_() for _ in range(2)]
+    got = torch.compile(loss, backend=comp.with_our_partition)(xs[0], labels)
+    want = loss(xs[1], labels)
+    got.backward()
+    want.backward()
+    comp.check()
+    forward, backward = comp.modules
+    assert _float_buffers(forward.source, LONG) == [], forward.source
+    assert _float_buffers(backward.source, LONG) == [], backward.source
+    assert len(backward.graph.kernels) == 1, backward.source
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xs[0].grad.float(), xs[1].grad.float(), rtol=1e-2, atol=1e-2 * xs[1].grad.abs().max())
+
+
+def test_a_per_row_value_read_twice_is_recomputed_not_written():
+    """A one-hot times a row's scale, summed and used elementwise through a reshape (as the loss's
+    backward uses it): not a buffer of its own."""
+
+    def f(x, t, s):
+        hot = F.one_hot(t.view(-1), V).float() * s.view(-1, 1)
+        return x * hot.view(2, 4, V) + hot.sum(1).view(2, 4, 1)
+
+    x, t, s = torch.randn(2, 4, V), torch.randint(0, V, (2, 4)), torch.randn(2, 4)
+    comp = Compiler(config())
+    got = torch.compile(f, backend=comp.backend)(x, t, s)
+    comp.check()
+    (module,) = comp.modules
+    assert len(_float_buffers(module.source, V)) == 1, module.source  # the output alone
+    torch.testing.assert_close(got, f(x, t, s))
