@@ -38,6 +38,7 @@ import torch
 import torch.fx
 
 from backend.codegen import compat, gemm_timing
+from backend.codegen.lowering import is_library_op
 
 aten = torch.ops.aten
 
@@ -214,12 +215,7 @@ def _copied(operand: torch.fx.Node) -> bool:
 
     while operand.target in TRANSPOSES:
         operand = operand.args[0]
-    return operand.op != "call_function" or operand.target in GEMMS or _is_library(operand.target)
-
-
-def _is_library(target: object) -> bool:
-    name = target.name() if isinstance(target, torch._ops.OpOverload) else ""
-    return name.startswith(("aten::convolution", "aten::_scaled_dot_product", "aten::bmm", "aten::baddbmm"))
+    return operand.op != "call_function" or is_library_op(operand.target)
 
 
 def _leaves_graph(node: torch.fx.Node) -> bool:

@@ -37,6 +37,7 @@ from backend.codegen.lowering import (
     CannotLower,
     LowerCtx,
     TensorValue,
+    is_library_op,
     load_buffer,
     meta_layout,
     reads_values,
@@ -478,22 +479,6 @@ class GraphLowerer:
                     if isinstance(e, sympy.Symbol):
                         bound.setdefault(str(e), f"{inp.name}.{kind}({d})")
         return tuple(bound.items())
-
-
-# Ops handed to a vendor library or to torch on purpose (DESIGN.md: matmul, convolution, attention,
-# random). Every other aten call in a kernel module is a gap in our lowerings, counted apart.
-_LIBRARY_PREFIXES = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
-                     "aten::convolution", "aten::cudnn_convolution", "aten::_convolution",
-                     "aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention",
-                     "aten::_efficient_attention", "aten::_cudnn_attention",
-                     "aten::rand", "aten::randn", "aten::randint", "aten::bernoulli", "aten::native_dropout",
-                     "aten::normal", "aten::uniform", "aten::exponential", "aten::multinomial")
-
-
-def is_library_op(target: Any) -> bool:
-    """Whether an aten call is deliberate (a library kernel or a random op), not a missing lowering."""
-    name = target.name() if isinstance(target, torch._ops.OpOverload) else str(target)
-    return name.startswith(_LIBRARY_PREFIXES)
 
 
 def _reads_nothing_along_rows(value: TensorValue) -> bool:

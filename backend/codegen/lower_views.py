@@ -16,16 +16,19 @@ import sympy
 import torch
 
 from backend.codegen import ir, merge_views
-from backend.codegen.lowering import LOWERINGS, LowerCtx, TensorValue, lowering, meta_layout, meta_size, sym
+from backend.codegen.lowering import (
+    LOWERINGS,
+    LowerCtx,
+    TensorValue,
+    is_library_op,
+    lowering,
+    meta_layout,
+    meta_size,
+    sym,
+)
 
 aten = torch.ops.aten
 _RESHAPES = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
-_LIBRARY = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::_scaled_dot_product")
-
-
-def is_library(target: object) -> bool:
-    name = target.name() if isinstance(target, torch._ops.OpOverload) else ""
-    return name.startswith(_LIBRARY)
 
 
 def _buffer_view(ctx: LowerCtx, x: TensorValue, meta: torch.Tensor) -> TensorValue:
@@ -64,7 +67,7 @@ def view_op(remap):
 def _kernels_read(node: torch.fx.Node) -> bool:
     """Whether only our kernels read ``node`` (a library call, or a graph output, would have it
     written in the merged shape, apart from the kernel of the value it merges)."""
-    return all(user.op == "call_function" and user.target in LOWERINGS and not is_library(user.target)
+    return all(user.op == "call_function" and user.target in LOWERINGS and not is_library_op(user.target)
                for user in node.users)
 
 

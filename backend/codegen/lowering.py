@@ -314,3 +314,19 @@ def promoted(*args: Any) -> torch.dtype:
 def load_buffer(name: str, layout: ir.Layout, dtype: torch.dtype) -> TensorValue:
     syms = ir.index_symbols(len(layout.size))
     return TensorValue(layout.size, dtype, Load(name, layout.index(syms), dtype), view=(name, layout))
+
+
+# Ops handed to a vendor library or to torch on purpose (DESIGN.md: matmul, convolution, attention,
+# random). Every other aten call in a kernel module is a gap in our lowerings, counted apart.
+_LIBRARY_PREFIXES = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
+                     "aten::convolution", "aten::cudnn_convolution", "aten::_convolution",
+                     "aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention",
+                     "aten::_efficient_attention", "aten::_cudnn_attention",
+                     "aten::rand", "aten::randn", "aten::randint", "aten::bernoulli", "aten::native_dropout",
+                     "aten::normal", "aten::uniform", "aten::exponential", "aten::multinomial")
+
+
+def is_library_op(target: Any) -> bool:
+    """Whether an aten call is deliberate (a library kernel or a random op), not a missing lowering."""
+    name = target.name() if isinstance(target, torch._ops.OpOverload) else str(target)
+    return name.startswith(_LIBRARY_PREFIXES)
