@@ -229,7 +229,7 @@ def profile_tables(rows: list[dict], found: list[tuple[str, str, float]]) -> str
     top = ["| model | ms/step | launches/step | category | kernel |", "|---|---|---|---|---|"]
     for model, backend, _ in found:
         if backend == "cgtrees":
-            for k in ((_row(rows, model, backend) or {}).get("profile") or {}).get("top", []):
+            for k in ((_row(rows, model, backend) or {}).get("profile") or {}).get("top", [])[:10]:
                 top.append(f"| {model} | {k['ms']:.3f} | {k['launches']:g} | {k['category']} | "
                            f"`{_clean(k['name'])[:100]}` |")
     if len(top) > 2:

@@ -241,9 +241,13 @@ def category(name: str) -> str:
     return next((kind for kind, words in CATEGORIES if any(w in low for w in words)), "other")
 
 
+TOP_KERNELS = 40
+
+
 def kernel_profile(kernels: list[tuple[str, float, float]], steps: int, step_ms: float | None) -> dict:
     """Per step: device ms by category, busy ms (the union of the kernels' intervals), idle ms
-    (``step_ms`` minus busy) and the top 10 kernels (ms, launches, category). ``kernels``: (name,
+    (``step_ms`` minus busy) and the top ``TOP_KERNELS`` kernels (ms, launches, category; the report
+    shows 10, the file keeps more for reading a miss). ``kernels``: (name,
     start us, end us) of every kernel, copy and memset over ``steps`` steps."""
     by_kind = dict.fromkeys(CATEGORY_NAMES, 0.0)
     by_name: dict[str, list[float]] = {}
@@ -253,7 +257,7 @@ def kernel_profile(kernels: list[tuple[str, float, float]], steps: int, step_ms:
         total[0] += (end - start) / 1e3 / steps
         total[1] += 1
     busy = _union_us(kernels) / 1e3 / steps
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:10]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     return {"steps": steps, "categories_ms": by_kind, "busy_ms": busy,
             "idle_ms": None if step_ms is None else max(0.0, step_ms - busy), "kernels": len(kernels) // max(steps, 1),
             "top": [{"name": n[:160], "ms": ms, "launches": count / steps, "category": category(n)}
