@@ -256,11 +256,7 @@ def details(rows: list[dict], meta: dict) -> str:
 
 def splice(text: str, new_section: str) -> str:
     """``text`` with its real-model section replaced by ``new_section`` (appended if it had none)."""
-    start, stop = text.find(BEGIN), text.find(END)
-    if start < 0 or stop < start:
-        return text.rstrip("\n") + "\n\n" + new_section
-    rest = text[stop + len(END):].lstrip("\n")
-    return text[:start] + new_section + ("\n" + rest if rest else "")
+    return report.splice(text, new_section, BEGIN, END)
 
 
 def existing(text: str) -> str:

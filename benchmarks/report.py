@@ -259,6 +259,16 @@ def marked_blocks(text: str) -> str:
     return "\n".join(m.group(0) + "\n" for m in MARKED.finditer(text))
 
 
+def splice(text: str, block: str, begin: str, end: str) -> str:
+    """``text`` with its block between the markers ``begin`` and ``end`` replaced by ``block``
+    (which holds the markers), appended where it had none."""
+    start, stop = text.find(begin), text.find(end)
+    if start < 0 or stop < start:
+        return text.rstrip("\n") + "\n\n" + block
+    rest = text[stop + len(end):].lstrip("\n")
+    return text[:start] + block + ("\n" + rest if rest else "")
+
+
 def _fmt(fig: Figure, v: float | None) -> str:
     return "-" if v is None else fig.fmt.format(v)
 

@@ -213,13 +213,7 @@ def run_worker(spec: dict, env: dict, timeout: float, budget_cut: bool = False) 
                spec["backend"], "--mode", spec["mode"], "--device", spec["device"], "--phase", spec["phase"],
                "--result", str(result), "--launched", str(time.time())]
         cmd += [f"--{flag.replace('_', '-')}" for flag in ("profile", "profile_start", "smoke") if spec.get(flag)]
-        start = time.perf_counter()
-        with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, env=worker_environ(env, spec["backend"]), stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            rc = wait_for_result(proc, result, timeout)
-            stop_group(proc)
-        wall = time.perf_counter() - start
+        rc, wall = launch_worker(cmd, worker_environ(env, spec["backend"]), log, result, timeout)
         if result.exists():
             return {**json.loads(result.read_text()), "wall_s": wall}
         why = f"timed out after {timeout:.0f}s" if rc is None else f"exited {rc} without a result"
@@ -234,6 +228,17 @@ def worker_environ(env: dict, backend: str) -> dict:
     (``backend_names.worker_env``: ``CGTREES_PRECOMPILE_CACHE=1`` for cgtrees-pc)."""
     inherited = {k: v for k, v in os.environ.items() if k not in backend_names.PRECOMPILE_VARS}
     return {**inherited, **env, **backend_names.worker_env(backend)}
+
+
+def launch_worker(cmd: list[str], env: dict, log: Path, result: Path, timeout: float) -> tuple[int | None, float]:
+    """Run a worker process (its own session, output to ``log``) until it writes ``result``, dies or
+    times out, then kill what is left of it: ``wait_for_result``'s status and the wall seconds."""
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        rc = wait_for_result(proc, result, timeout)
+        stop_group(proc)
+    return rc, time.perf_counter() - start
 
 
 def wait_for_result(proc: subprocess.Popen, result: Path, timeout: float) -> int | None:

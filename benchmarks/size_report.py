@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 import real_sizes
+import report
 
 BEGIN, END = "<!-- real-size:begin -->", "<!-- real-size:end -->"
 BACKENDS = ("eager", "inductor", "reduce-overhead", "cgtrees")
@@ -280,11 +281,7 @@ def block(rows: list[dict]) -> str:
 
 def splice(text: str, new_block: str) -> str:
     """``text`` with its real-size block replaced by ``new_block`` (appended if it had none)."""
-    start, stop = text.find(BEGIN), text.find(END)
-    if start < 0 or stop < start:
-        return text.rstrip("\n") + "\n\n" + new_block
-    rest = text[stop + len(END):].lstrip("\n")
-    return text[:start] + new_block + ("\n" + rest if rest else "")
+    return report.splice(text, new_block, BEGIN, END)
 
 
 def write(path: str, rows: list[dict]) -> None:

@@ -43,7 +43,6 @@ import datetime
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +52,7 @@ from typing import Callable
 import real_sizes
 import size_report
 from backend_names import PRECOMPILE_VARS
-from run import NOT_RUN, Budget, git_commit, stop_group, wait_for_result
+from run import NOT_RUN, Budget, git_commit, launch_worker
 
 HERE = Path(__file__).resolve().parent
 BACKENDS = "eager,inductor,reduce-overhead,cgtrees"
@@ -129,13 +128,8 @@ def run_worker(spec: dict, args: argparse.Namespace, timeout: float, budget_cut:
         cmd = [sys.executable, str(HERE / "size_worker.py"), "--model", spec["model"], "--backend", spec["backend"],
                "--device", spec["device"], "--warmup", str(args.warmup), "--steps", str(args.steps),
                "--profile-steps", str(args.profile_steps), "--result", str(result)] + (["--smoke"] if smoke else [])
-        start = time.perf_counter()
-        with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, env=worker_env({**spec, "smoke": smoke}, Path(tmp), args.pycache),
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            rc = wait_for_result(proc, result, timeout)
-            stop_group(proc)
-        wall = time.perf_counter() - start
+        env = worker_env({**spec, "smoke": smoke}, Path(tmp), args.pycache)
+        rc, wall = launch_worker(cmd, env, log, result, timeout)
         if result.exists():
             return {**json.loads(result.read_text()), "process_s": wall}
         why = f"timed out after {timeout:.0f}s" if rc is None else f"exited {rc} without a result"
