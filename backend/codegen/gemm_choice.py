@@ -38,6 +38,7 @@ import torch
 import torch.fx
 
 from backend.codegen import compat, gemm_timing
+from backend.codegen.gemm_padding import TRANSPOSES, VIEWS
 from backend.codegen.lowering import is_library_op
 
 aten = torch.ops.aten
@@ -185,7 +186,7 @@ class GemmPlan:
 # ------------------------------------------------------------------------------------------ sizes
 def quantum(dtype: torch.dtype) -> int:
     """Elements in 16 bytes."""
-    return max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    return max(1, _ALIGN_BYTES // dtype.itemsize)
 
 
 def padded_sizes(node: torch.fx.Node) -> tuple[int, int, int] | None:
@@ -211,8 +212,6 @@ def _sizes_text(to: tuple[int, int, int]) -> str:
 def _copied(operand: torch.fx.Node) -> bool:
     """Whether padding ``operand`` copies it (an input, or a library call's result, through
     transposes) rather than having the kernel that computes it write it padded."""
-    from backend.codegen.gemm_padding import TRANSPOSES
-
     while operand.target in TRANSPOSES:
         operand = operand.args[0]
     return operand.op != "call_function" or is_library_op(operand.target)
@@ -220,8 +219,6 @@ def _copied(operand: torch.fx.Node) -> bool:
 
 def _leaves_graph(node: torch.fx.Node) -> bool:
     """Whether ``node``'s value, or a view of it, is a graph output (then copied to its layout)."""
-    from backend.codegen.gemm_padding import VIEWS
-
     pending = [node]
     while pending:
         value = pending.pop()
