@@ -48,6 +48,7 @@ import gc
 import json
 import math
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -242,26 +243,39 @@ def category(name: str) -> str:
 
 
 TOP_KERNELS = 40
+_INDEX = re.compile(r"_\d+$")
+
+
+def family(name: str) -> str:
+    """A generated kernel's name without its index in the module (``pw_fused_mul_sub_7`` and
+    ``pw_fused_mul_sub_40`` are one family): one layer's kernel, met once per layer, adds up."""
+    return _INDEX.sub("", name) if category(name) == "generated" else name
 
 
 def kernel_profile(kernels: list[tuple[str, float, float]], steps: int, step_ms: float | None) -> dict:
     """Per step: device ms by category, busy ms (the union of the kernels' intervals), idle ms
-    (``step_ms`` minus busy) and the top ``TOP_KERNELS`` kernels (ms, launches, category; the report
-    shows 10, the file keeps more for reading a miss). ``kernels``: (name,
+    (``step_ms`` minus busy), the top ``TOP_KERNELS`` kernels (ms, launches, category; the report
+    shows 10, the file keeps more for reading a miss) and the top ``TOP_KERNELS`` families of
+    kernels (``family``: generated kernels summed over their index). ``kernels``: (name,
     start us, end us) of every kernel, copy and memset over ``steps`` steps."""
     by_kind = dict.fromkeys(CATEGORY_NAMES, 0.0)
     by_name: dict[str, list[float]] = {}
+    by_family: dict[str, list[float]] = {}
     for name, start, end in kernels:
         by_kind[category(name)] += (end - start) / 1e3 / steps
-        total = by_name.setdefault(name, [0.0, 0])
-        total[0] += (end - start) / 1e3 / steps
-        total[1] += 1
+        for key, totals in ((name, by_name), (family(name), by_family)):
+            total = totals.setdefault(key, [0.0, 0])
+            total[0] += (end - start) / 1e3 / steps
+            total[1] += 1
     busy = _union_us(kernels) / 1e3 / steps
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     return {"steps": steps, "categories_ms": by_kind, "busy_ms": busy,
             "idle_ms": None if step_ms is None else max(0.0, step_ms - busy), "kernels": len(kernels) // max(steps, 1),
-            "top": [{"name": n[:160], "ms": ms, "launches": count / steps, "category": category(n)}
-                    for n, (ms, count) in top]}
+            "top": _top(by_name, steps), "top_families": _top(by_family, steps)}
+
+
+def _top(totals: dict[str, list[float]], steps: int) -> list[dict]:
+    top = sorted(totals.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    return [{"name": n[:160], "ms": ms, "launches": count / steps, "category": category(n)} for n, (ms, count) in top]
 
 
 def _union_us(kernels: list[tuple[str, float, float]]) -> float:

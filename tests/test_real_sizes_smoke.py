@@ -109,6 +109,12 @@ def test_kernels_fall_into_categories_and_idle_is_the_step_less_the_busy_union()
     assert prof["idle_ms"] == 0.0  # never negative: the step here is shorter than the busy time
     assert worker.kernel_profile(kernels, 2, 0.2)["idle_ms"] == pytest.approx(0.07)
     assert prof["top"][0] == {"name": "nvjet_a", "ms": pytest.approx(0.1), "launches": 1.0, "category": "gemm"}
+    # Families: one layer's generated kernel, once per layer under its index, adds up; library kernels keep their names.
+    layers = [("pw_fused_gelu_3", 0.0, 10.0), ("pw_fused_gelu_17", 20.0, 30.0), ("triton_poi_fused_gelu_9", 40.0, 45.0),
+              ("nvjet_sm90_tst_128x256_64x4_2", 50.0, 52.0)]
+    families = {f["name"]: (f["ms"], f["launches"]) for f in worker.kernel_profile(layers, 1, None)["top_families"]}
+    assert families == {"pw_fused_gelu": (pytest.approx(0.02), 2), "triton_poi_fused_gelu": (pytest.approx(0.005), 1),
+                        "nvjet_sm90_tst_128x256_64x4_2": (pytest.approx(0.002), 1)}
     # The profiler's API as the worker calls it (no kernels on a CPU: every category 0, all idle).
     x = torch.randn(16, 16)
     cpu = worker.profile(lambda: x @ x, torch.device("cpu"), 2, 1.0)
