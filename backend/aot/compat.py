@@ -135,3 +135,10 @@ def ddp_optimizer_piece() -> int | None:
     context = torch._guards.TracingContext.try_get()
     ddp = getattr(context, "ddp_optimizer_ctx", None) if context is not None else None
     return None if ddp is None else int(ddp.curr_bucket) + 1
+
+
+def storage_id(t: torch.Tensor) -> Any:
+    """A hashable identity of ``t``'s storage (fake tensors' too): views of one tensor share it."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())

@@ -23,7 +23,7 @@ import torch
 import torch.fx
 
 from backend import cache, codegen, counters, runtime
-from backend.aot import compat, constants, layout
+from backend.aot import compat, constants, cse, layout
 from backend.aot import partition as partitioner
 from backend.aot.partition import Split
 from backend.cache.aot import NO_HINTS, Level1Hints, Recorder, lean_training
@@ -90,6 +90,8 @@ class Compilers:
         a backward, which keeps its layout and AOTAutograd's wrappers."""
         if runs_as == "inference":  # training graphs: in the partition
             layout.optimize(gm, self.config.layout_opt, inference=True)
+        if cse.eliminate(gm.graph):  # one node per value computed twice (training graphs: in the partition)
+            gm.recompile()
         call = self._compile(gm, example_inputs, "inference", runs_as, compat.forward_static_input_indices())
         if runs_as == "inference":
             self.lean = _lean_inference(call, len(example_inputs), self)
