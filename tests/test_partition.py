@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from codegen_helpers import INTERPRET
 from conv_models import BasicBlock, ConvBNReLU, ConvNeXtBlock, MobileBlock
 from models import GPT2, MLP, NormAct
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
@@ -199,3 +200,50 @@ def test_a_tie_goes_to_the_value_a_library_call_wrote():
     assert torch.ops.aten.addmm.default in bases, [n.format_node() for n in saved]
     # the derivative, x * exp(-x*x/2) / sqrt(2*pi) + ..., is not computed in the forward
     assert not fw.graph.find_nodes(op="call_function", target=torch.ops.aten.exp.default), fw.code
+
+
+class _PreNorm(torch.nn.Module):
+    """A pre-norm residual block: ``h + fc(norm(h))``; under autocast ``fc``'s output is bf16, the
+    residual stream float32."""
+
+    def __init__(self, d: int = 24) -> None:
+        super().__init__()
+        self.norm, self.fc = torch.nn.LayerNorm(d), torch.nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc(self.norm(h))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
+def test_the_backward_does_not_rebuild_a_residual_stream_from_its_increments():
+    """Six pre-norm blocks under bf16 autocast. The increments (bf16) are half the residual sums'
+    bytes (float32), so a plain min cut saves them and has the backward add them up again: its
+    first kernel (the last block's norm backward) writes every block's partial sum, which the
+    forward had written already. The cut pins the sums (``partition._spread_in_backward``): the
+    backward rebuilds no chain of them, and the gradients are eager's."""
+    import re
+
+    from codegen_helpers import Compiler
+
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*(_PreNorm() for _ in range(6)))
+    eager = copy.deepcopy(blocks)
+    comp = Compiler()
+    compiled = torch.compile(blocks, backend=comp.with_our_partition, fullgraph=True)
+    x = torch.randn(3, 11, 24)
+    outs = []
+    for fn, model in ((compiled, blocks), (eager, eager)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(x)
+        out.float().pow(2).mean().backward()
+        outs.append((out.detach(), [p.grad for p in model.parameters()]))
+    comp.check()
+    backward = comp.modules[1].source
+    # The last block's sum may be recomputed from the one before it (both read in one kernel);
+    # a chain of them would be the stream rebuilt (five sums without the pin).
+    rebuilt = re.findall(r"#   (add_\d+) = aten\.add\.Tensor\(add_\d+, view_\d+\)", backward)
+    assert len(rebuilt) <= 1, backward
+    (out, grads), (want, want_grads) = outs
+    torch.testing.assert_close(out, want)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2 * max(1.0, w.abs().max().item()))

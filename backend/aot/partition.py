@@ -6,7 +6,11 @@ the sink; values the backward may not recompute (inputs, matrix products, convol
 ops, reductions other than row reductions such as batch norm's statistics: see cost.py) connect to
 the source. The cheapest cut is the set of values to save; everything between the
 cut and the backward is recomputed there. Parameters cost (almost) nothing to save: they are alive
-anyway. Before the cut, ``layout.optimize`` may rewrite the joint graph channels-last (``layout_opt``).
+anyway. A value the cut would recompute that the backward reads in more than one kernel is
+written there; where the forward writes it anyway (a residual stream), it is pinned (saved or
+recomputed from what is saved after it, never recomputed before it) and the cut is taken again.
+Before the cut, ``layout.optimize`` may rewrite the joint graph channels-last (``layout_opt``),
+and ``cse.eliminate`` merges values computed twice.
 
 ``partition`` is callable with AOTAutograd's ``partition_fn`` protocol; ``split`` returns the same
 two graphs with what their compilers need to know of the cut (``Split``), which the driver hands
@@ -21,10 +25,11 @@ from typing import Any
 import networkx as nx
 import torch.fx
 
-from backend.aot import compat, layout, order
+from backend.aot import compat, cse, layout, order
 from backend.aot.cost import is_recomputable, is_view, reads_from_memory, saved_bytes, splits_kernels
 
 _SOURCE, _SINK = "__source__", "__sink__"
+_MAX_CUTS = 4  # cuts tried, each pinning what the one before would have recomputed across kernels
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,11 @@ def partition(joint_module: torch.fx.GraphModule, joint_inputs: Any, **kwargs: A
 
 def split(joint_module: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outputs: int,
           static_lifetime_input_indices: list[int] | None = None, layout_opt: str = "auto", **_: Any) -> Split:
-    # 0. Channels-last convolutions, decided on the joint graph so both halves agree (layout.py).
+    # 0. Channels-last convolutions, decided on the joint graph so both halves agree (layout.py);
+    #    then one node per value computed twice (autocast's casts, one per reader: cse.py).
     layout.optimize(joint_module, layout_opt, inference=False)
+    if cse.eliminate(joint_module.graph):
+        joint_module.recompile()
     graph = joint_module.graph
     # 1. Which nodes belong to the backward (they depend on a tangent) and which the backward reads.
     backward = _tangent_dependent(graph)
@@ -55,8 +63,16 @@ def split(joint_module: torch.fx.GraphModule, joint_inputs: Any, *, num_fwd_outp
     # 2. The primals whose lifetime is static (parameters, buffers): saving them costs nothing.
     primals = [n for n in graph.nodes if compat.is_primal(n)]
     static = {primals[i] for i in (static_lifetime_input_indices or []) if i < len(primals)}
-    # 3. The min cut decides the saved set.
-    saved = _min_cut(graph, backward, needed, static, _written_anyway(graph, backward, num_fwd_outputs))
+    # 3. The min cut decides the saved set; a value it would have the backward recompute and write
+    #    there (read across its kernels) is saved instead where the forward writes it anyway.
+    written = _written_anyway(graph, backward, num_fwd_outputs)
+    pinned: set[torch.fx.Node] = set()
+    for _ in range(_MAX_CUTS):
+        saved = _min_cut(graph, backward, needed, static, written, pinned)
+        spread = _written_below(_spread_in_backward(graph, backward, set(saved)), written, set(saved)) - pinned
+        if not spread:
+            break
+        pinned |= spread
     # 4. Torch's helper builds the two modules in the order AOTAutograd's runtime expects.
     saved_values = [n for n in saved if not compat.is_sym_node(n)]
     saved_syms = [n for n in saved if compat.is_sym_node(n)]
@@ -119,8 +135,52 @@ def _written_anyway(graph: torch.fx.Graph, backward: set[torch.fx.Node], num_fwd
     return out
 
 
+def _spread_in_backward(graph: torch.fx.Graph, backward: set[torch.fx.Node],
+                        saved: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Forward values that the backward would recompute (not saved) and read in more than one of
+    its kernels (library calls between the readers): codegen writes such a value where it is
+    first computed and reads it back later. A residual stream recomputed from its per-layer
+    increments is one: the last layer's backward needs the whole sum first, so its first kernel
+    writes every layer's partial sum, which the forward had written already."""
+    segment: dict[torch.fx.Node, int] = {}
+    calls = 0
+    for node in graph.nodes:
+        if node in backward:
+            segment[node] = calls
+            calls += splits_kernels(node)
+    recomputed: dict[torch.fx.Node, set[int]] = {}  # value -> the backward kernels (segments) that read it
+    for node in reversed(graph.nodes):
+        if node in backward or node in saved or node.op in ("placeholder", "output"):
+            continue
+        reads = {segment[u] for u in node.users if u in segment}
+        reads |= {min(recomputed[u]) for u in node.users if recomputed.get(u)}
+        if reads:
+            recomputed[node] = reads
+    return {n for n, reads in recomputed.items() if len(reads) > 1 and not is_view(n)}
+
+
+def _written_below(spread: set[torch.fx.Node], written: set[torch.fx.Node],
+                   saved: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The values written anyway nearest above each of ``spread`` on its recompute: itself where
+    it is one (a pre-norm residual stream), else those it is recomputed from (a post-norm
+    network's normalized value is recomputed from the norm's output of the layer below)."""
+    out: set[torch.fx.Node] = set()
+    todo, seen = list(spread), set(spread)
+    while todo:
+        node = todo.pop()
+        if node in written:
+            out.add(node)
+            continue
+        for value in node.all_input_nodes:
+            if value not in seen and value not in saved and value.op != "placeholder":
+                seen.add(value)
+                todo.append(value)
+    return out
+
+
 def _min_cut(graph: torch.fx.Graph, backward: set[torch.fx.Node], needed: set[torch.fx.Node],
-             static: set[torch.fx.Node], written: set[torch.fx.Node]) -> list[torch.fx.Node]:
+             static: set[torch.fx.Node], written: set[torch.fx.Node],
+             pinned: set[torch.fx.Node] = frozenset()) -> list[torch.fx.Node]:
     if not needed:
         return []
     net = nx.DiGraph()
@@ -137,7 +197,7 @@ def _min_cut(graph: torch.fx.Graph, backward: set[torch.fx.Node], needed: set[to
             # GELU's input against its derivative, goes to what a library call wrote already).
             cost = 4 * size if node in written else 5 * size
             net.add_edge(("in", node), ("out", node), capacity=1 if node in static else cost + 1)
-        if node.op == "placeholder" or not is_recomputable(node) or node in materialized:
+        if node.op == "placeholder" or not is_recomputable(node) or node in materialized or node in pinned:
             net.add_edge(_SOURCE, ("in", node))
         if node in needed:
             net.add_edge(("out", node), _SINK)
