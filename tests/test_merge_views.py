@@ -101,3 +101,21 @@ def test_a_per_row_value_read_twice_is_recomputed_not_written():
     (module,) = comp.modules
     assert len(_float_buffers(module.source, V)) == 1, module.source  # the output alone
     torch.testing.assert_close(got, f(x, t, s))
+
+
+def test_a_widening_cast_read_by_two_kernels_is_recomputed_not_written():
+    """A bf16 tensor cast to float32 and read by two kernels (one before a matrix product, one
+    after): each kernel reads the bf16 tensor and casts it (``graph._widens``), where writing the
+    float32 cast would cost a write of 4 bytes per element and a read of 4 per reader, not 2."""
+    def f(x, w):
+        y = x.float()
+        return y.exp() @ w, y.sin().sum(-1)
+
+    comp = Compiler(config())
+    compiled = torch.compile(f, backend=comp.backend, fullgraph=True)
+    x, w = torch.randn(9, 23, dtype=torch.bfloat16), torch.randn(23, 5)
+    for got, want in zip(compiled(x, w), f(x, w)):
+        torch.testing.assert_close(got, want)
+    call = comp.modules[0].source.split("\ndef call(")[1]
+    written = re.findall(r"(\w+) = torch\.empty_strided", call)
+    assert written == ["exp", "sum_1"], call  # no float32 ``_to_copy`` buffer

@@ -94,7 +94,9 @@ def test_backward_recomputes_layernorm_statistics_in_the_layernorm_backward_kern
         out.pow(2).sum().backward()
     comp.check()
     backward = comp.modules[1]
-    statistics = [k for k in _kernels(backward) if "var_mean" in k]
+    # One kernel computes the statistics (stores them); a column-sum kernel may read them and
+    # recompute the normalized input from them (graph._widens: cheaper than writing it).
+    statistics = [k for k in _kernels(backward) if re.search(r"tl\.store\(var_mean\w*_ptr", k)]
     assert len(statistics) == 1, backward.source
     assert re.search(r"aten\.sum\.dim_IntList\(\w+, \[2\]", statistics[0]), statistics[0]  # the backward's rows
     torch.testing.assert_close(outs[0], outs[1])

@@ -241,7 +241,7 @@ class GraphLowerer:
         if any(user.op == "output" for user in node.users):
             return True  # realize outputs where they are computed, so they fuse with their producers
         readers = sum(reads_values(user, node) for user in node.users)  # not ``copy``'s destination
-        if readers > 1 and _reads_nothing_along_rows(value):
+        if readers > 1 and (_reads_nothing_along_rows(value) or _widens(value)):
             readers = 1  # recomputed by each reader at no memory cost (a loss's one-hot times a row's scale)
         return readers > 1 or ir.size_of(value.body) > INLINE_LIMIT
 
@@ -489,6 +489,25 @@ def _reads_nothing_along_rows(value: TensorValue) -> bool:
         return False
     last = ir.index_symbol(len(value.size) - 1)
     return all(last not in sympy.sympify(load.index).free_symbols for load in ir.loads(value.body))
+
+
+CHEAP_OPS = 8  # expression nodes of a value that each reader recomputes rather than reads (a cast, a scale)
+
+
+def _widens(value: TensorValue) -> bool:
+    """Whether ``value`` is a few operations on loads that read no more bytes per element than it
+    has (a bf16 tensor cast to float32): written to memory, it would cost a write and a wider read
+    by each reader, where each reader can read the narrow inputs and compute it again."""
+    if not value.size or ir.size_of(value.body) > CHEAP_OPS:
+        return False
+    last = ir.index_symbol(len(value.size) - 1)
+    read = 0
+    for load in ir.loads(value.body):
+        if load.indirect:
+            return False
+        if last in sympy.sympify(load.index).free_symbols:
+            read += load.dtype.itemsize
+    return read <= value.dtype.itemsize
 
 
 def _in_node(exc: Exception, node: torch.fx.Node, described: ir.Described) -> str:
