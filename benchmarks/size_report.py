@@ -204,10 +204,12 @@ def _breaks(row: dict | None) -> str:
     return "-" if n is None else str(n)
 
 
+TARGET = 0.9  # cgtrees's step against Inductor's (issue 44)
+
+
 def misses(rows: list[dict]) -> list[tuple[str, str, float]]:
-    """(model, backend, ratio) of every compiled row slower than Inductor's."""
-    return [(m, b, r) for m in models(rows) for b in ("cgtrees", "reduce-overhead")
-            if (r := ratio(rows, m, b)) is not None and r > 1.0]
+    """(model, backend, ratio) of every cgtrees row over ``TARGET`` x Inductor's step."""
+    return [(m, "cgtrees", r) for m in models(rows) if (r := ratio(rows, m, "cgtrees")) is not None and r > TARGET]
 
 
 def profile_tables(rows: list[dict], found: list[tuple[str, str, float]]) -> str:
@@ -266,12 +268,12 @@ def block(rows: list[dict]) -> str:
         body += ["**Smoke rows**: tiny configs on a CPU, which check the plumbing, not speed.", ""]
     body += [ABOUT, "", main_table(rows), "", "### Errors against eager, memory", "", error_table(rows), ""]
     found = misses(rows)
-    body += ["### Where a compiled row is slower than Inductor", ""]
+    body += [f"### Where cgtrees takes more than {TARGET}x Inductor's step", ""]
     if found:
         body += ["Per step, from `torch.profiler` over 5 steps: device ms by kernel category; busy: the union "
                  "of the kernels' intervals; idle: the median step less busy.", "", profile_tables(rows, found), ""]
     elif any(ratio(rows, m) is not None for m in models(rows)):
-        body += ["None: every cgtrees and reduce-overhead row is at most Inductor's step.", ""]
+        body += [f"None: every cgtrees row is at most {TARGET}x Inductor's step.", ""]
     else:
         body += ["No row has an Inductor row beside it to compare with.", ""]
     gone = not_measured(rows)
