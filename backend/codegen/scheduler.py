@@ -18,6 +18,11 @@ calls that do not read the open kernel's buffers run before it, so an aten call 
 fusable steps does not split them; once a step was passed over, aten calls keep their order.
 Softmax, log_softmax, layer norm forward and backward each end up as one kernel.
 
+A pointwise step over the kernel's dimensions with adjacent ones merged (a view for a matrix
+product of a row computation's result) joins as ``full``, each of its dimensions the linear index
+of the run it merges (``_Open.merged``); one over them in another order, where its stores run along
+the kernel's rows as its reads do (``_Open.permuted``).
+
 A pointwise kernel over rows longer than a block that reads values of each row walks rows and
 columns as a looped reduction does (``_by_rows``): its row values are computed once a row block.
 
@@ -146,14 +151,38 @@ class _Open:
         assign(0, ())
         return found
 
+    def merged(self, step: ir.Compute) -> list[dict]:
+        """A pointwise step over the kernel's dimensions with runs of adjacent ones merged (BERT's
+        softmax gradient, viewed as (B*H, S, S) for the matrix product that reads it, after a row
+        sum over (B, H, S, S)) as a ``full`` member: each of its dimensions is the run's linear
+        index. One mapping or none."""
+        if step.is_reduction or step.scatter is not None or not self.members:
+            return []
+        if len(step.ranges) >= len(self.ranges) or not step.ranges:
+            return []
+        own = ir.index_symbols(len(step.ranges))
+        kernel = ir.index_symbols(len(self.ranges))
+        subs: dict = {}
+        d = 0
+        for i, size in enumerate(step.ranges):
+            run, linear = sympy.Integer(1), sympy.Integer(0)
+            while d < len(self.ranges) and run != size:
+                run, linear = run * self.ranges[d], linear * self.ranges[d] + kernel[d]
+                d += 1
+            if run != size:
+                return []
+            subs[own[i]] = linear
+        return [subs] if d == len(self.ranges) else []
+
     def try_add(self, step: ir.Compute) -> bool:
         if self.members and (step.alone or self.members[0].step.alone):
             return False
         fit = self.role_of(step)
-        fits = [fit] if fit is not None else [("full", subs) for subs in self.permuted(step)]
+        merged = self.merged(step) if fit is None else []
+        fits = [fit] if fit is not None else [("full", subs) for subs in merged + self.permuted(step)]
         for role, subs in fits:
             member = Member(step, role, tuple(subs.items()))
-            if fit is None and not self._stores_along(member):
+            if fit is None and subs not in merged and not self._stores_along(member):
                 continue
             if self._reads_line_up(member):
                 break
