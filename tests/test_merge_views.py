@@ -7,6 +7,7 @@ one-hot in the backward: three passes of 1.6 GB each at 8 x 1024 x 50257."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -119,3 +120,57 @@ def test_a_widening_cast_read_by_two_kernels_is_recomputed_not_written():
     call = comp.modules[0].source.split("\ndef call(")[1]
     written = re.findall(r"(\w+) = torch\.empty_strided", call)
     assert written == ["exp", "sum_1"], call  # no float32 ``_to_copy`` buffer
+
+
+def test_a_row_kernels_output_viewed_with_merged_dimensions_joins_its_kernel():
+    """BERT's attention backward (the math path): the softmax gradient ``g * p - p * sum(g * p)``
+    over (B, H, S, S), cast to bf16 as a (B*H, S, S) view for the matrix product. One kernel
+    (``scheduler._Open.merged``): before, the row sum wrote ``g * p`` in float32 and a second
+    kernel read it back to finish the gradient, 3 passes of 4 bytes an element more."""
+    def f(g, p, v):
+        m = g.float() * p
+        d = m - p * m.sum(-1, keepdim=True)
+        return d.view(-1, 37, 37).to(torch.bfloat16) @ v
+
+    comp = Compiler(config())
+    compiled = torch.compile(f, backend=comp.backend, fullgraph=True)
+    g, p = torch.randn(2, 3, 37, 37, dtype=torch.bfloat16), torch.rand(2, 3, 37, 37)
+    v = torch.randn(6, 37, 8, dtype=torch.bfloat16)
+    torch.testing.assert_close(compiled(g, p, v), f(g, p, v))
+    source = comp.modules[0].source
+    assert len(re.findall(r"^def (?:pw|red)_\w+\(", source, re.M)) == 1, source
+    assert "m = torch.empty_strided" not in source.split("\ndef call(")[1]  # g * p stays in registers
+
+
+def test_a_view_that_splits_a_kernels_dimension_is_not_a_merge():
+    """(3, 74) from (2, 3, 37) is no run of whole dimensions (a merge maps each of its dimensions
+    onto adjacent ones of the kernel): the step keeps a kernel of its own; the values are eager's.
+    (2, 111), a merge with the reduced dimension, joins the row kernel."""
+    def f(x, shape):
+        y = x * x.sum(-1, keepdim=True)
+        return y.view(shape).exp()
+
+    for shape, kernels in (((3, 74), 2), ((2, 111), 1)):
+        comp = Compiler(config())
+        compiled = torch.compile(functools.partial(f, shape=shape), backend=comp.backend, fullgraph=True)
+        x = torch.randn(2, 3, 37)
+        torch.testing.assert_close(compiled(x), f(x, shape))
+        source = comp.modules[0].source
+        assert len(re.findall(r"^def (?:pw|red)_\w+\(", source, re.M)) == kernels, source
+
+
+def test_a_table_of_cosines_read_by_two_kernels_is_written_once():
+    """RoPE's cos of a (positions, dims) table, read by every layer's q and k: each reader loading
+    it costs less than each evaluating cos per element of its (batch, heads, positions, dims)
+    operand, so it is written once (``graph._widens`` takes no transcendental)."""
+    def f(x, y, angles, w):
+        c = angles.cos()
+        return (x * c).exp() @ w, (y * c).sum(-1)
+
+    comp = Compiler(config())
+    compiled = torch.compile(f, backend=comp.backend, fullgraph=True)
+    x, y, angles, w = torch.randn(3, 9, 23), torch.randn(3, 9, 23), torch.randn(9, 23), torch.randn(23, 4)
+    for got, want in zip(compiled(x, y, angles, w), f(x, y, angles, w)):
+        torch.testing.assert_close(got, want)
+    source = comp.modules[0].source
+    assert len(re.findall(r"tl\.cos\(", source)) == 1, source
