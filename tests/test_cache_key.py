@@ -102,6 +102,32 @@ def test_store_write_read_evict_clear(tmp_path):
     assert store.clear() == 2 and store.usage().entries == 0
 
 
+def test_cli_clear_on_a_read_only_cache_says_what_to_do(tmp_path, monkeypatch, capsys):
+    """``python -m backend cache clear`` where the entries cannot be removed (a read-only file
+    system; root ignores file modes, so the OSError is injected): a message that names the
+    directory, what was removed and the remedy, exit 1, not a traceback (issue 46)."""
+    from pathlib import Path
+
+    from backend.cache import cli
+
+    config = Config(cache_dir=str(tmp_path))
+    store = Store.open(config)
+    for digest in ("a1", "b2"):
+        assert store.write("module", digest, {"source": "x"})
+
+    def read_only(path, missing_ok=False):
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(Path, "unlink", read_only)
+    assert cli.main("clear", config) == 1
+    out = capsys.readouterr().out
+    assert f"could not clear {store.root}: Read-only file system" in out, out
+    assert "removed 0 of 2 entries" in out and "chmod -R u+w" in out and "CGTREES_CACHE_DIR" in out, out
+    monkeypatch.undo()
+    assert cli.main("clear", config) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+
+
 def test_store_write_failure_is_a_warning(tmp_path, monkeypatch, caplog):
     store = Store.open(Config(cache_dir=str(tmp_path)))
 

@@ -17,7 +17,15 @@ def main(action: str, config: Config | None = None) -> int:
         if store is None:
             print(f"cgtrees cache: {base_dir(config)} is not usable (see the warning above); nothing cleared")
             return 1
-        print(f"cgtrees cache: removed {store.clear()} entries from {store.root}")
+        before = len(store.entry_paths())
+        try:
+            print(f"cgtrees cache: removed {store.clear()} entries from {store.root}")
+        except OSError as e:
+            left = len(store.entry_paths())
+            print(f"cgtrees cache: could not clear {store.root}: {e.strerror or e} ({e.filename or store.root}); "
+                  f"removed {before - left} of {before} entries. Make the directory writable "
+                  f"(chmod -R u+w {store.root}), or point CGTREES_CACHE_DIR at another directory.")
+            return 1
         return 0
     print(f"cgtrees cache: unknown action {action!r}; use info or clear")
     return 2
