@@ -8,6 +8,8 @@ exactly those fields, and a test fails when a field does not declare it.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -75,6 +77,7 @@ class Config:
         """Build the config from defaults, env vars, mode and options (in rising precedence)."""
         environ = os.environ if environ is None else environ
         names = {f.name: f for f in dataclasses.fields(cls)}
+        _warn_unknown_env(environ, names)
         values: dict[str, Any] = {}
         for name, f in names.items():
             raw = environ.get(f"CGTREES_{name.upper()}")
@@ -98,6 +101,23 @@ class Config:
         """Exactly the fields that change generated code, for the cache key."""
         affects = {f.name for f in dataclasses.fields(self) if f.metadata["affects_codegen"]}
         return tuple((name, value) for name, value in self.items() if name in affects)
+
+
+_WARNED: set[str] = set()  # unknown variables already named, once a process
+
+
+def _warn_unknown_env(environ: Mapping[str, str], names: Mapping[str, Any]) -> None:
+    """Name each ``CGTREES_*`` variable that no option reads (a typo of one is otherwise ignored
+    without a word), with the nearest valid name, once a process."""
+    known = [f"CGTREES_{name.upper()}" for name in names]
+    for var in sorted(environ):
+        if var.startswith("CGTREES_") and var not in known and var not in _WARNED:
+            _WARNED.add(var)
+            near = difflib.get_close_matches(var.removeprefix("CGTREES_"), [n.upper() for n in names], n=1, cutoff=0.75)
+            hint = f"did you mean CGTREES_{near[0]}? " if near else ""
+            logging.getLogger("backend").warning(
+                "cgtrees: environment variable %s is not one of ours and is ignored; %svalid: %s",
+                var, hint, ", ".join(known))
 
 
 _LAYOUT_MODES = {"auto": "auto", "1": "auto", "true": "auto", "on": "auto", "off": "off", "0": "off",

@@ -1,6 +1,7 @@
 """Options, modes and env vars: precedence and errors."""
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -61,3 +62,22 @@ def test_torch_compile_passes_mode_and_options():
     bad = torch.compile(lambda x: x.cos(), backend="cgtrees", options={"nope": 1})
     with pytest.raises(Exception, match="unknown option 'nope'"):
         bad(x)
+
+
+def test_an_unknown_cgtrees_variable_is_named_with_the_nearest_one(caplog, monkeypatch):
+    """A typo of a real variable (``CGTREES_CUDAGRAPH``) or a name of none (``CGTREES_NOPE``) was
+    ignored without a word: each is named once a process, with the nearest valid name (issue 46)."""
+    from backend import config as config_module
+
+    monkeypatch.setattr(config_module, "_WARNED", set())
+    env = {"CGTREES_CUDAGRAPH": "0", "CGTREES_NOPE": "1", "CGTREES_CACHE": "0", "OTHER": "x"}
+    with caplog.at_level(logging.WARNING, logger="backend"):
+        cfg = Config.resolve(environ=env)
+        Config.resolve(environ=env)  # once a process
+    assert cfg.cache is False and cfg.cudagraphs == Config().cudagraphs  # the typo changes nothing
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 2, warned
+    typo, unknown = sorted(warned)
+    assert "CGTREES_CUDAGRAPH is not one of ours" in typo and "did you mean CGTREES_CUDAGRAPHS?" in typo, typo
+    assert "CGTREES_NOPE is not one of ours" in unknown and "did you mean" not in unknown, unknown
+    assert "CGTREES_GEMM_DECISIONS" in unknown  # the valid names are listed
