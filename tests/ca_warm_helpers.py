@@ -18,6 +18,8 @@ WORKER = r"""
 import copy, json, logging, sys, torch
 import backend.aot.compat as aot_compat
 from backend import counters
+from backend.cache.events import BYPASS_SAYS
+AOT_BYPASS = " " + BYPASS_SAYS["aot"] + ": "
 
 calls = {"aot": 0}
 real_aot = aot_compat.aot_module_simplified
@@ -96,8 +98,7 @@ print(json.dumps({"error": error, "calls": calls, "backward": backward,
                   "aot_hits": [m.split()[-1] for m in keep.messages if m.startswith("cgtrees: cache hit (aot)")],
                   "aot_misses": [m.split()[5].rstrip(":") for m in keep.messages
                                  if m.startswith("cgtrees: cache miss (aot)")],
-                  "bypassed": {m.split()[1]: m.split(" bypasses the aot cache level: ", 1)[1] for m in keep.messages
-                               if " bypasses the aot cache level: " in m},
+                  "bypassed": {m.split()[1]: m.split(AOT_BYPASS, 1)[1] for m in keep.messages if AOT_BYPASS in m},
                   "why": [m for m in keep.messages if m.startswith(("cgtrees: cache miss (aot)", "cgtrees: g"))
                           and ("miss" in m or "bypass" in m)]}))
 """

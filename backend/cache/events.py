@@ -27,14 +27,21 @@ def miss(level: str, name: str, explain: Callable[[], str] | None = None) -> Non
         log.debug("cgtrees: cache miss (%s) for %s%s", level, name, f": {explain()}" if explain else "")
 
 
+# What a bypass means to a user, per level: a new process redoes the work the level would have saved.
+BYPASS_SAYS = {
+    "aot": "will be traced again by a new process (its kernels are cached, the graph is not)",
+    "module": "will be compiled again by a new process (its kernels are not cached)",
+}
+
+
 def bypass(level: str, name: str, reason: str) -> None:
     """A warning the first time a reason makes a graph bypass a level in this process; every later
     graph with the same reason says so at DEBUG (DDP splits a model into pieces that all bypass
     level 1 for one reason: one line per rank, not one per piece)."""
     _count("bypass", level)
-    message = "cgtrees: %s bypasses the %s cache level: %s"
-    if not log_once(log, f"bypass:{level}:{reason}", message, name, level, reason):
-        log.debug(message, name, level, reason)
+    message = "cgtrees: %s " + BYPASS_SAYS[level] + ": %s"
+    if not log_once(log, f"bypass:{level}:{reason}", message, name, reason):
+        log.debug(message, name, reason)
 
 
 def corrupt(level: str, name: str, why: str) -> None:

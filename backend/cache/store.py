@@ -55,9 +55,11 @@ def unsafe_reason(path: Path) -> str | None:
     """Why ``path`` must not be trusted (another owner, or writable by group/others), or None."""
     st = path.stat()
     if st.st_uid != os.getuid():
-        return f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+        return (f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()}); "
+                f"set CGTREES_CACHE_DIR to a directory of your own")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+        return (f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); "
+                f"run chmod 700 {path}, or set CGTREES_CACHE_DIR to a directory of your own")
     return None
 
 
@@ -84,8 +86,8 @@ class Store:
                     log_once(log, f"unsafe:{path}", "cgtrees: cache disabled: %s; compiling uncached", reason)
                     return None
         except OSError as exc:
-            log_once(log, f"unusable:{base}", "cgtrees: cache directory %s unusable (%s); compiling uncached",
-                     base, exc)
+            log_once(log, f"unusable:{base}", "cgtrees: cache directory %s unusable (%s); compiling uncached. "
+                     "Set CGTREES_CACHE_DIR to a writable directory, or CGTREES_CACHE=0 to say so", base, exc)
             return None
         return cls(root)
 
