@@ -12,7 +12,7 @@ import difflib
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 MODES: dict[str, dict[str, Any]] = {
     "default": {},
@@ -85,11 +85,13 @@ class Config:
                 values[name] = _parse(name, f.type, raw, source=f"env CGTREES_{name.upper()}")
         if mode not in (None, "default"):
             if mode not in MODES:
-                raise ValueError(f"cgtrees: unknown mode {mode!r}; valid modes: {', '.join(MODES)}")
+                raise ValueError(f"cgtrees: torch.compile(..., mode={mode!r}) is not a mode of ours; "
+                                 f"{_nearest(str(mode), MODES)}valid modes: {', '.join(MODES)}")
             values.update(MODES[mode])
         for name, raw in (options or {}).items():
             if name not in names:
-                raise ValueError(f"cgtrees: unknown option {name!r}; valid options: {', '.join(names)}")
+                raise ValueError(f"cgtrees: torch.compile(..., options={{{name!r}: ...}}) is not an option of ours; "
+                                 f"{_nearest(str(name), names)}valid options: {', '.join(names)}")
             values[name] = _parse(name, names[name].type, raw, source="options")
         return cls(**values)
 
@@ -101,6 +103,11 @@ class Config:
         """Exactly the fields that change generated code, for the cache key."""
         affects = {f.name for f in dataclasses.fields(self) if f.metadata["affects_codegen"]}
         return tuple((name, value) for name, value in self.items() if name in affects)
+
+
+def _nearest(name: str, valid: Iterable[str]) -> str:
+    near = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.75)
+    return f"did you mean {near[0]!r}? " if near else ""
 
 
 _WARNED: set[str] = set()  # unknown variables already named, once a process
