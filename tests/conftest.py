@@ -61,3 +61,21 @@ def cgtrees_counters():
 
     counters["cgtrees"].clear()
     return counters["cgtrees"]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Skips by reason, one line each, most first (``-ra`` printed one line per test file and reason:
+    55 lines, most of them 'needs a CUDA GPU' from one file or another). Failures and errors are
+    still listed one per test (``-rfE`` in setup.cfg)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    by_reason: dict[str, int] = {}
+    for report in skipped:
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+    terminalreporter.section(f"{len(skipped)} skipped, by reason", sep="-")
+    for reason, n in sorted(by_reason.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{n:5d}  {reason}")

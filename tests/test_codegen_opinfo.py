@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 from codegen_helpers import INTERPRET, aten_calls, compile_fn, run
+from grad_sweep_helpers import torch_op_notices_quiet
 from torch.testing._internal.common_methods_invocations import op_db
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: the sweep runs compiled in tests/gpu")
@@ -100,15 +101,16 @@ def check_sample(op, dtype: torch.dtype, device: str) -> None:
         return op.op(inp, *args, **kwargs)
 
     tensors = [leaves[i] for i in positions]
-    try:
-        expected = fn(*[t.clone() for t in tensors])
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"eager fails on this sample: {exc}")
-    module = compile_fn(fn, *[t.clone() for t in tensors], name=op.name.replace(".", "_"))
-    if op.name in WHOLE_GRAPH_ATEN:
-        actual = module.call([t.clone() for t in tensors])
-    else:
-        actual = run(module, *[t.clone() for t in tensors])
+    with torch_op_notices_quiet():
+        try:
+            expected = fn(*[t.clone() for t in tensors])
+        except Exception as exc:  # noqa: BLE001
+            pytest.skip(f"eager fails on this sample: {exc}")
+        module = compile_fn(fn, *[t.clone() for t in tensors], name=op.name.replace(".", "_"))
+        if op.name in WHOLE_GRAPH_ATEN:
+            actual = module.call([t.clone() for t in tensors])
+        else:
+            actual = run(module, *[t.clone() for t in tensors])
     name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
     if name in GENERATED and len({t.device for t in tensors}) == 1:
         # a graph whose inputs are on several devices (a CPU index into CUDA values) runs through
