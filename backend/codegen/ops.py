@@ -25,6 +25,9 @@ _LD = "libdevice"
 _TANH_POLY = ("{0} * (1.0 + {0} * {0} * (-0.3333333333333333 + {0} * {0} * (0.13333333333333333"
               " + {0} * {0} * (-0.05396825396825397 + {0} * {0} * 0.021869488536155203))))")
 _TANH_EXP = "(1.0 - tl.exp(-2.0 * tl.abs({0}))) / (1.0 + tl.exp(-2.0 * tl.abs({0})))"
+_INTERP_LOG1P = "tl.where(1.0 + {0} == 1.0, {0}, tl.log(1.0 + {0}) * {0} / ((1.0 + {0}) - 1.0))"
+_INTERP_EXPM1 = ("tl.where(tl.exp({0}) == 1.0, {0}, tl.where(tl.exp({0}) - 1.0 == -1.0, -1.0,"
+                 " (tl.exp({0}) - 1.0) * {0} / tl.log(tl.exp({0}))))")
 _INTERP_TANH = f"tl.where(tl.abs({{0}}) < 0.1, {_TANH_POLY}, tl.where({{0}} < 0, -1.0, 1.0) * {_TANH_EXP})"
 
 OPS: dict[str, OpDef] = {
@@ -85,8 +88,10 @@ OPS: dict[str, OpDef] = {
     "tanh": OpDef(f"{_LD}.tanh({{0}})", _INTERP_TANH),
     "sigmoid": OpDef("tl.sigmoid({0})"),
     "erf": OpDef("tl.erf({0})"),
-    "log1p": OpDef(f"{_LD}.log1p({{0}})", "tl.log(1.0 + {0})"),
-    "expm1": OpDef(f"{_LD}.expm1({{0}})", "tl.exp({0}) - 1.0"),
+    # interpreter: Goldberg's and Kahan's corrections, exact to a few roundings near 0, where
+    # log(1 + x) and exp(x) - 1 lose every digit that 1 + x and exp(x) round away
+    "log1p": OpDef(f"{_LD}.log1p({{0}})", _INTERP_LOG1P),
+    "expm1": OpDef(f"{_LD}.expm1({{0}})", _INTERP_EXPM1),
     "floor": OpDef("tl.floor({0})"),
     "ceil": OpDef("tl.ceil({0})"),
     "trunc": OpDef(f"{_LD}.trunc({{0}})", "tl.where({0} < 0, tl.ceil({0}), tl.floor({0}))"),
