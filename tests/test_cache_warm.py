@@ -379,3 +379,38 @@ def test_cli_info_and_clear(tmp_path, cold):
     assert f"entries: {n} (2 AOT results" in info and "cache_hit=0" in info
     assert f"removed {n} entries" in cli("clear")
     assert "entries: 0" in cli("info")
+
+
+ALIAS_WORKER = r'''
+import json, torch
+from torch._dynamo.utils import counters
+f = torch.compile(lambda x: (x.view(-1, 4), x.sum()), backend="cgtrees")
+x = torch.randn(2, 8, 4)
+with torch.no_grad():
+    view, total = f(x)
+right = torch.equal(view, x.view(-1, 4)) and torch.allclose(total, x.sum())
+view.mul_(0)  # a view of the caller's input, as eager's: the write reaches x
+print(json.dumps({"right": bool(right), "view_of_x": view._base is x, "writes_through": bool((x == 0).all()),
+                  "counters": dict(counters["cgtrees"])}))
+'''
+
+
+def test_an_output_that_is_a_view_of_an_input_hits_the_first_level(tmp_path):
+    """Issue 46's first repro: an inference graph returning a view of its input (``x.view(-1, 4)``)
+    bypassed the first level ("output 0 aliases an input"), so a warm process traced it again. Its
+    output is a view of the caller's input in the cold and the warm process alike (our runtime
+    rebuilds such outputs over the caller's input), and the warm process traces nothing."""
+    script = tmp_path / "alias.py"
+    script.write_text(ALIAS_WORKER)
+    cache_dir = tmp_path / "cache"
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, str(script)], env=_env(cache_dir), capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    for run in runs:
+        assert run["right"] and run["view_of_x"] and run["writes_through"], run
+    assert cold["counters"].get("cache_bypass", 0) == 0 and cold["counters"]["cache_miss_aot"] == 1, cold
+    assert warm["counters"].get("cache_hit_aot") == 1 and not warm["counters"].get("cache_miss"), warm

@@ -75,7 +75,9 @@ def _check_common(meta: Any, kind: str) -> None:
             raise Uncacheable(f"input {i} is mutated outside the graph")
         if info.mutates_metadata or info.mutates_storage_metadata:
             raise Uncacheable(f"input {i} has a metadata mutation")
-    plain = ("non_alias", "unsafe_view_alias", *(("is_input",) if kind == "inference" else ()))
+    # Inference outputs that are an input or a view of one: the runtime hands back the caller's input
+    # or a view over it (``runtime/node.py``), so our wrapper returns them as AOTAutograd's would.
+    plain = ("non_alias", "unsafe_view_alias", *(("is_input", "alias_of_input") if kind == "inference" else ()))
     for i, out in enumerate(meta.output_info):
         if _name(out.output_type) not in plain:
             raise Uncacheable(f"output {i} aliases an input or intermediate ({_name(out.output_type)})")

@@ -2,7 +2,8 @@
 compiled graphs, for the common case only (``compat.runtime_plan`` says which).
 
 Inference: the inference graph over the flat inputs, with grad mode off; an output that is an
-input is that input.
+input is that input; one that is a view of an input is the module's, which the runtime builds over
+the caller's input (never over a graph's input slot), as AOTAutograd's regenerated alias is.
 Training: an autograd.Function whose forward runs the forward graph and keeps its extra outputs
 (the saved activations) for the backward, and whose backward makes the tangents the layout the
 backward graph was traced with, runs the backward graph, and returns one gradient per input. Under
