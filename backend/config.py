@@ -105,9 +105,10 @@ class Config:
         return tuple((name, value) for name, value in self.items() if name in affects)
 
 
-def _nearest(name: str, valid: Iterable[str]) -> str:
+def _nearest(name: str, valid: Iterable[str], shown: str = "{!r}") -> str:
+    """``did you mean X? `` for the valid name closest to ``name`` (written as ``shown``), or ''."""
     near = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.75)
-    return f"did you mean {near[0]!r}? " if near else ""
+    return f"did you mean {shown.format(near[0])}? " if near else ""
 
 
 _WARNED: set[str] = set()  # unknown variables already named, once a process
@@ -120,8 +121,7 @@ def _warn_unknown_env(environ: Mapping[str, str], names: Mapping[str, Any]) -> N
     for var in sorted(environ):
         if var.startswith("CGTREES_") and var not in known and var not in _WARNED:
             _WARNED.add(var)
-            near = difflib.get_close_matches(var.removeprefix("CGTREES_"), [n.upper() for n in names], n=1, cutoff=0.75)
-            hint = f"did you mean CGTREES_{near[0]}? " if near else ""
+            hint = _nearest(var.removeprefix("CGTREES_"), [n.upper() for n in names], shown="CGTREES_{}")
             logging.getLogger("backend").warning(
                 "cgtrees: environment variable %s is not one of ours and is ignored; %svalid: %s",
                 var, hint, ", ".join(known))

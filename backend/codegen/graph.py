@@ -487,8 +487,12 @@ def _reads_nothing_along_rows(value: TensorValue) -> bool:
     size, where each reader recomputes it from a row's data (one-hots, masks, per-row scales)."""
     if not value.size or value.size[-1] == 1:
         return False
-    last = ir.index_symbol(len(value.size) - 1)
-    return all(last not in sympy.sympify(load.index).free_symbols for load in ir.loads(value.body))
+    return not any(_along_rows(load, value) for load in ir.loads(value.body))
+
+
+def _along_rows(load: ir.Load, value: TensorValue) -> bool:
+    """Whether ``load`` reads a different element along ``value``'s last dimension (not one per row)."""
+    return ir.index_symbol(len(value.size) - 1) in sympy.sympify(load.index).free_symbols
 
 
 CHEAP_OPS = 8  # expression nodes of a value that each reader recomputes rather than reads
@@ -507,14 +511,10 @@ def _widens(value: TensorValue) -> bool:
         return False
     if any(isinstance(e, ir.Op) and e.name not in _RECOMPUTED_OPS for e in ir.walk(value.body)):
         return False
-    last = ir.index_symbol(len(value.size) - 1)
-    read = 0
-    for load in ir.loads(value.body):
-        if load.indirect:
-            return False
-        if last in sympy.sympify(load.index).free_symbols:
-            read += load.dtype.itemsize
-    return read <= value.dtype.itemsize
+    loads = ir.loads(value.body)
+    if any(load.indirect for load in loads):
+        return False
+    return sum(load.dtype.itemsize for load in loads if _along_rows(load, value)) <= value.dtype.itemsize
 
 
 def _in_node(exc: Exception, node: torch.fx.Node, described: ir.Described) -> str:
