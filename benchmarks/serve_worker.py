@@ -239,8 +239,8 @@ def run(spec: dict) -> dict:
 
     def phase(name: str) -> None:
         where["phase"] = name
-        print(f"[{time.strftime('%H:%M:%S')}] {spec['path']} {spec['backend']} b{spec['batch']} c{spec['cache']}: {name}",
-              flush=True)
+        row_name = f"{spec['path']} {spec['backend']} b{spec['batch']} c{spec['cache']}"
+        print(f"[{time.strftime('%H:%M:%S')}] {row_name}: {name}", flush=True)
 
     try:
         row.update(measure(spec, phase))

@@ -119,6 +119,24 @@ class GemmPlan:
         self._note(node, gemm, "addmm", tuple(timings.items()), "timed")
         return f"timed: addmm {timings['addmm']:.1f} us, mm {timings['mm']:.1f} us"
 
+    # ------------------------------------------------------------------ for other timed choices
+    def other_choice(self) -> tuple[str, str]:
+        """How a choice outside this plan's two is made (``grouped_attention``): ("time", "") where
+        its forms are timed, else ("rewrite" or "keep", why)."""
+        if self.mode == "rewrite":
+            return "rewrite", "gemm_decisions=rewrite"
+        if self.mode != "measure":
+            return "keep", f"gemm_decisions={self.mode}"
+        return ("keep", self._untimed) if self._untimed else ("time", "")
+
+    def time_forms(self, forms: dict[str, tuple[str, Callable[[], Callable[[], None]], int]]
+                   ) -> dict[str, float] | None:
+        """Microseconds of each form (name -> (key, build, bytes)), or None where too large to time."""
+        return self._time(forms)
+
+    def note(self, node: str, what: str, taken: str, timings: tuple = (), why: str = "timed") -> None:
+        self.choices.append(Choice(node, what, taken, timings, why))
+
     def undo_pads(self, why: str) -> None:
         """The padded forms are not taken after all (``gemm_padding.NotPadded``)."""
         for i, c in enumerate(self.choices):
@@ -257,7 +275,7 @@ def _describe(meta: torch.Tensor) -> str:
     return f"{list(meta.shape)}/{list(meta.stride())}"
 
 
-def _tensor(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+def random_like(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Random values from a generator of our own: timing must not move the user's random stream
     (a cold process would then draw other numbers than a warm one, which times nothing)."""
     t = torch.empty_strided(tuple(meta.shape), tuple(meta.stride()), dtype=meta.dtype, device=device)
@@ -267,7 +285,7 @@ def _tensor(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.normal_(generator=generator)
 
 
-def _nbytes(*metas: torch.Tensor | None) -> int:
+def span_bytes(*metas: torch.Tensor | None) -> int:
     total = 0
     for m in metas:
         if m is not None:
@@ -282,14 +300,14 @@ def _gemm_form(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, out:
     key = f"{'addmm' if bias is not None else 'mm'} {_describe(a)} x {_describe(b)} {a.dtype} {device}"
 
     def build() -> Callable[[], None]:
-        ta, tb = _tensor(a, device), _tensor(b, device)
-        tbias = _tensor(bias, device) if bias is not None else None
+        ta, tb = random_like(a, device), random_like(b, device)
+        tbias = random_like(bias, device) if bias is not None else None
         tc = torch.empty(tuple(out.shape), dtype=out.dtype, device=device)
         if tbias is not None:
             return lambda: torch.addmm(tbias, ta, tb, out=tc)
         return lambda: torch.mm(ta, tb, out=tc)
 
-    return key, build, _nbytes(a, b, out, bias)
+    return key, build, span_bytes(a, b, out, bias)
 
 
 def _padded_form(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, to: tuple[int, int, int],
@@ -302,9 +320,9 @@ def _padded_form(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, to
           f"{copies} out {leaves} {a.dtype} {device}"
 
     def build() -> Callable[[], None]:
-        ta, tb = _tensor(a_to, device), _tensor(b_to, device)
-        sources = [_tensor(x, device) if copy else None for x, copy in zip((a, b), copies)]
-        tbias = _tensor(torch.empty(n, dtype=bias.dtype, device="meta"), device) if bias is not None else None
+        ta, tb = random_like(a_to, device), random_like(b_to, device)
+        sources = [random_like(x, device) if copy else None for x, copy in zip((a, b), copies)]
+        tbias = random_like(torch.empty(n, dtype=bias.dtype, device="meta"), device) if bias is not None else None
         tc = torch.empty((m, n), dtype=a.dtype, device=device)
         out = torch.empty(tuple(int(x) for x in (a.shape[0], b.shape[1])), dtype=a.dtype, device=device)
 
@@ -321,7 +339,7 @@ def _padded_form(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, to
 
         return run
 
-    return key, build, _nbytes(a_to, b_to, a, b) + 2 * m * n * a.element_size()
+    return key, build, span_bytes(a_to, b_to, a, b) + 2 * m * n * a.element_size()
 
 
 def _padded_like(meta: torch.Tensor, sizes: tuple[int, int]) -> torch.Tensor:

@@ -22,7 +22,7 @@ from backend.runtime.first_calls import CONVOLUTIONS, numel, op
 MAX_BYTES = 256 << 20  # a call's tensor arguments; larger calls are left to the first real call
 _OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", *CONVOLUTIONS,
         "aten._scaled_dot_product_flash_attention.", "aten._scaled_dot_product_efficient_attention.",
-        "aten._scaled_dot_product_cudnn_attention.")
+        "aten._scaled_dot_product_cudnn_attention.", "aten.scaled_dot_product_attention.")
 
 
 class _Skip(Exception):

@@ -1,0 +1,214 @@
+"""Attention over grouped KV heads reads K and V as they are, not one copy per query head (issue 45).
+
+Grouped-query attention (a 1.1B Llama: 32 query heads share 4 KV heads) reaches SDPA in Hugging
+Face's models through ``repeat_kv`` whenever a mask is given, which a static cache always gives:
+
+    unsqueeze(kv, 2) -> expand to [B, Hkv, R, L, D] -> clone -> view [B, Hkv*R, L, D] -> SDPA
+
+so every decode step copies each layer's whole cache R times and the attention reads the copies.
+Since torch 2.5, ``scaled_dot_product_attention(q, k, v, ..., enable_gqa=True)`` takes K and V with
+Hkv heads. Measured on an H200 (bf16, one query token, R = 8, bool mask, inside a CUDA graph):
+batch 1 with a 160-token cache 14.9 -> 9.7 us a layer, a 4096-token cache 54.8 -> 11.4 us, batch
+32 with 4096 tokens 1317 -> 46 us (``benchmarks/results/probe-decode-kernels-h200.json``).
+
+``rewritten(gm, plan)`` finds each SDPA call whose K and V are such expansions of the same R, whose
+only result used is the attention output (an inference graph's; a training forward's saved
+log-sum-exp stays as traced), and without dropout. Whether to call ``enable_gqa`` instead is a
+timed choice, as a GEMM's form is (``gemm_choice``): both forms run on the device at compile time,
+the traced one with its copies, and the grouped one is taken only where it is faster by more than
+``gemm_choice.MARGIN``; ``gemm_decisions=rewrite`` always takes it (tests), ``keep`` never. Each
+choice is a line of the module's header. The caller's graph is left as it is (the cache records
+it): a rewrite works on a copy.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.fx.operator_schemas import normalize_function
+
+from backend.codegen.gemm_choice import MARGIN, random_like, span_bytes
+
+if TYPE_CHECKING:
+    from backend.codegen.gemm_choice import GemmPlan
+
+aten = torch.ops.aten
+
+SDPA_OPS = frozenset({
+    aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default,
+    aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+})
+_MASK_ARG = {  # the name each op gives its mask, where it takes one
+    aten._scaled_dot_product_efficient_attention.default: "attn_bias",
+    aten._scaled_dot_product_cudnn_attention.default: "attn_bias",
+    aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
+}
+_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+
+
+@dataclass(frozen=True)
+class Grouped:
+    """One SDPA call over expanded K and V: what ``enable_gqa`` would take instead."""
+
+    node: torch.fx.Node  # the SDPA call
+    q: torch.fx.Node
+    k: torch.fx.Node  # unexpanded: [B, Hkv, L, D]
+    v: torch.fx.Node
+    mask: torch.fx.Node | None
+    is_causal: bool
+    scale: float | None
+    groups: int  # R: query heads per KV head
+
+    def text(self) -> str:
+        q, k = self.q.meta["val"], self.k.meta["val"]
+        return f"attention q {list(q.shape)} kv {list(k.shape)} x{self.groups} {str(q.dtype).removeprefix('torch.')}"
+
+
+def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan") -> torch.fx.GraphModule:
+    """``gm``, or a copy of it where the grouped form was chosen for some SDPA call."""
+    calls = [n for op in SDPA_OPS for n in gm.graph.find_nodes(op="call_function", target=op)]
+    found = [g for g in map(_grouped, calls) if g is not None]
+    taken = [g.node.name for g in found if _choose(g, plan)]
+    if not taken:
+        return gm
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    copied = {new.name: new for new in env.values()}
+    for name in taken:
+        _rewrite(graph, _grouped(copied[name]))
+    graph.lint()
+    return torch.fx.GraphModule(gm, graph)
+
+
+# ------------------------------------------------------------------------------------------ matching
+def _grouped(node: torch.fx.Node) -> Grouped | None:
+    args = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    if args is None:
+        return None
+    kw = args.kwargs
+    if kw.get("dropout_p", 0.0) != 0.0 or kw.get("return_debug_mask", False):
+        return None
+    if not all(u.target is operator.getitem and (u.args[1] == 0 or not u.users) for u in node.users):
+        return None  # a result besides the output is used (a training forward's log-sum-exp)
+    k, rk = _unexpanded(kw["key"])
+    v, rv = _unexpanded(kw["value"])
+    if k is None or v is None or rk != rv:
+        return None
+    q = kw["query"].meta.get("val")
+    if q is None or q.dim() != 4 or q.shape[1] != k.meta["val"].shape[1] * rk:
+        return None
+    mask = kw.get(_MASK_ARG.get(node.target, ""))
+    return Grouped(node, kw["query"], k, v, mask, bool(kw.get("is_causal", False)), kw.get("scale"), rk)
+
+
+def _unexpanded(node: torch.fx.Node) -> tuple[torch.fx.Node | None, int]:
+    """(kv, R) where ``node`` is view(clone(expand(unsqueeze(kv, 2)))) with kv [B, Hkv, L, D] and
+    the expand of dim 2 to R; (None, 0) otherwise."""
+    chain = []
+    for target in (_VIEWS, {aten.clone.default}, {aten.expand.default}, {aten.unsqueeze.default}):
+        if not isinstance(node, torch.fx.Node) or node.target not in target:
+            return None, 0
+        chain.append(node)
+        node = node.args[0]
+    view, _, expand, unsqueeze = chain
+    kv = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    if kv is None or kv.dim() != 4 or unsqueeze.args[1] not in (2, -3):
+        return None, 0
+    sizes = expand.meta["val"].shape
+    b, h, n, d = kv.shape
+    groups = sizes[2]
+    if not isinstance(groups, int) or tuple(sizes) != (b, h, groups, n, d) or \
+            tuple(view.meta["val"].shape) != (b, h * groups, n, d):
+        return None, 0
+    return node, groups
+
+
+# ------------------------------------------------------------------------------------------ choosing
+def _choose(g: Grouped, plan: "GemmPlan") -> bool:
+    how, why = plan.other_choice()
+    if how != "time":
+        plan.note(g.node.name, g.text(), "enable_gqa" if how == "rewrite" else "as traced", (), why)
+        return how == "rewrite"
+    if not _static(g):
+        plan.note(g.node.name, g.text(), "as traced", (), "symbolic sizes")
+        return False
+    timings = plan.time_forms({"as traced": _form(g, plan.device, grouped=False),
+                               "enable_gqa": _form(g, plan.device, grouped=True)})
+    if timings is None:
+        plan.note(g.node.name, g.text(), "as traced", (), "too large to time")
+        return False
+    faster = timings["enable_gqa"] < timings["as traced"] * (1 - MARGIN)
+    plan.note(g.node.name, g.text(), "enable_gqa" if faster else "as traced", tuple(timings.items()))
+    return faster
+
+
+def _static(g: Grouped) -> bool:
+    vals = [n.meta.get("val") for n in (g.q, g.k, g.v, g.mask) if n is not None]
+    return all(isinstance(x, int) for v in vals for x in (*v.shape, *v.stride()))
+
+
+def _form(g: Grouped, device: torch.device, grouped: bool) -> tuple[str, Callable[[], Callable[[], None]], int]:
+    """The traced form (K and V expanded into copies, then SDPA) or the grouped one, on the traced
+    layouts; SDPA picks its backend at run time the way the traced call's backend was picked."""
+    q, k, v = (n.meta["val"] for n in (g.q, g.k, g.v))
+    mask = g.mask.meta["val"] if g.mask is not None else None
+    key = (f"sdpa {'gqa' if grouped else 'expanded'} q {_layout(q)} k {_layout(k)} v {_layout(v)} "
+           f"mask {_layout(mask) if mask is not None else None} x{g.groups} causal {g.is_causal} {q.dtype} {device}")
+
+    def build() -> Callable[[], None]:
+        tq, tk, tv = (random_like(x, device) for x in (q, k, v))
+        tmask = random_like(mask, device) if mask is not None else None
+        if tmask is not None and tmask.dtype == torch.bool:
+            tmask.fill_(True)
+        if grouped:
+            return lambda: F.scaled_dot_product_attention(tq, tk, tv, attn_mask=tmask, is_causal=g.is_causal,
+                                                          scale=g.scale, enable_gqa=True)
+        b, h, n, d = tk.shape
+        shape = (b, h * g.groups, n, d)
+
+        def expanded() -> None:
+            ke = tk.unsqueeze(2).expand(b, h, g.groups, n, d).reshape(shape)
+            ve = tv.unsqueeze(2).expand(b, h, g.groups, n, d).reshape(shape)
+            F.scaled_dot_product_attention(tq, ke, ve, attn_mask=tmask, is_causal=g.is_causal, scale=g.scale)
+        return expanded
+
+    copies = 0 if grouped else 2 * g.groups * span_bytes(k)
+    return key, build, span_bytes(q, k, v, mask) + copies
+
+
+def _layout(t: torch.Tensor) -> str:
+    return f"{list(t.shape)}/{list(t.stride())}"
+
+
+# ------------------------------------------------------------------------------------------ rewriting
+def _rewrite(graph: torch.fx.Graph, g: Grouped) -> None:
+    """Call ``aten.scaled_dot_product_attention(..., enable_gqa=True)`` on the unexpanded K and V in
+    place of ``g.node`` and its output; the expansions go where nothing else reads them."""
+    out = next(u for u in g.node.users if u.args[1] == 0)
+    kwargs = {"attn_mask": g.mask, "dropout_p": 0.0, "is_causal": g.is_causal, "scale": g.scale, "enable_gqa": True}
+    with graph.inserting_before(g.node):
+        call = graph.call_function(aten.scaled_dot_product_attention.default, (g.q, g.k, g.v), kwargs)
+    call.meta.update(out.meta)
+    call.meta.setdefault("stack_trace", g.node.meta.get("stack_trace"))
+    expansions = [g.node.kwargs.get("key"), g.node.kwargs.get("value"), *g.node.args[1:3]]
+    for user in list(g.node.users):
+        user.replace_all_uses_with(call)  # the output's readers; the other results have none
+        graph.erase_node(user)
+    graph.erase_node(g.node)
+    for node in expansions:
+        _erase_chain(graph, node)
+
+
+def _erase_chain(graph: torch.fx.Graph, node: object) -> None:
+    """Erase ``node`` and what only it read, down the expansion chain, while nothing else reads them."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and not node.users and \
+            node.target in (_VIEWS | {aten.clone.default, aten.expand.default, aten.unsqueeze.default}):
+        parent = node.args[0]
+        graph.erase_node(node)
+        node = parent

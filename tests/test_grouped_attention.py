@@ -1,0 +1,129 @@
+"""SDPA over grouped KV heads (``backend/codegen/grouped_attention.py``) on CPU, through Triton's
+interpreter: ``gemm_decisions=rewrite`` takes the form the GPU would time, and the module then
+calls ``enable_gqa`` on the cache as it is, with no copy of K or V; values as eager's. The timing
+itself needs a GPU (``tests/gpu/test_grouped_attention_gpu.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from codegen_helpers import INTERPRET, Compiler, compile_fn, config
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
+
+B, HEADS, KV_HEADS, CACHE, DIM = 2, 6, 2, 23, 16  # 3 query heads a KV head, an odd cache length
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Hugging Face's ``repeat_kv``."""
+    b, h, n, d = x.shape
+    return x[:, :, None, :, :].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+
+def decode_attention(q, k_cache, v_cache, k_new, pos, mask):
+    """One decode step's attention as a Llama layer writes it: the new K into the static cache,
+    K and V expanded to the query heads, SDPA with the cache's mask, the heads merged."""
+    k_cache = k_cache.index_copy(2, pos, k_new)
+    groups = q.shape[1] // k_cache.shape[1]
+    out = F.scaled_dot_product_attention(q, repeat_kv(k_cache, groups), repeat_kv(v_cache, groups), attn_mask=mask)
+    return out.transpose(1, 2).reshape(q.shape[0], 1, -1), k_cache
+
+
+def _inputs(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HEADS, 1, DIM, generator=g, dtype=dtype)
+    k = torch.randn(B, KV_HEADS, CACHE, DIM, generator=g, dtype=dtype)
+    v = torch.randn(B, KV_HEADS, CACHE, DIM, generator=g, dtype=dtype)
+    k_new = torch.randn(B, KV_HEADS, 1, DIM, generator=g, dtype=dtype)
+    mask = torch.arange(CACHE)[None, None, None, :] <= 17
+    return q, k, v, k_new, torch.tensor([17]), mask.expand(B, 1, 1, CACHE)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    eps = torch.finfo(want.dtype).eps
+    torch.testing.assert_close(got, want, rtol=16 * eps, atol=16 * eps * max(want.abs().max().item(), 1.0))
+
+
+def test_rewrite_calls_enable_gqa_on_the_cache_as_it_is():
+    inputs = _inputs()
+    module = compile_fn(decode_attention, *inputs, cfg=config(gemm_decisions="rewrite"))
+    assert "enable_gqa=True" in module.source, module.source
+    assert "aten.clone" not in module.source and "pw_fused_clone" not in module.source, module.source
+    (choice,) = [c for c in module.graph.gemm_choices if "attention" in c]
+    assert choice.endswith(f"attention q [{B}, {HEADS}, 1, {DIM}] kv [{B}, {KV_HEADS}, {CACHE}, {DIM}] x3 float32: "
+                           "enable_gqa (gemm_decisions=rewrite)"), choice
+    for got, want in zip(module.call(list(inputs)), decode_attention(*inputs)):
+        _close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["keep", "measure"])
+def test_keep_and_measure_without_a_gpu_keep_the_traced_expansion(mode):
+    inputs = _inputs()
+    module = compile_fn(decode_attention, *inputs, cfg=config(gemm_decisions=mode))
+    assert "enable_gqa" not in module.source
+    (choice,) = [c for c in module.graph.gemm_choices if "attention" in c]
+    why = "gemm_decisions=keep" if mode == "keep" else "no GPU to time on (cpu)"
+    assert choice.endswith(f"as traced ({why})"), choice
+    for got, want in zip(module.call(list(inputs)), decode_attention(*inputs)):
+        _close(got, want)
+
+
+def test_equal_heads_and_a_used_log_sum_exp_are_left_as_traced():
+    """No expansion (as many KV heads as query heads): nothing to choose. A training forward saves
+    the attention's log-sum-exp for its backward: the traced call stays, and gradients are eager's."""
+    q, k, v, k_new, pos, mask = _inputs()
+    module = compile_fn(lambda q, k, v: F.scaled_dot_product_attention(q, k.repeat(1, 3, 1, 1), v.repeat(1, 3, 1, 1)),
+                        q, k, v, cfg=config(gemm_decisions="rewrite"))
+    assert not any("attention" in c for c in module.graph.gemm_choices)
+
+    def train(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 3), repeat_kv(v, 3)).sum()
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    comp = Compiler(config(gemm_decisions="rewrite"))
+    torch._dynamo.reset()
+    torch.compile(train, backend=comp.with_our_partition)(*leaves).backward()
+    comp.check()
+    assert all("enable_gqa" not in m.source for m in comp.modules)
+    eager = [t.clone().requires_grad_() for t in (q, k, v)]
+    train(*eager).backward()
+    for got, want in zip(leaves, eager):
+        _close(got.grad, want.grad)
+
+
+def test_a_llama_decode_step_with_grouped_heads_generates_eager_tokens(monkeypatch, tmp_path):
+    """The whole path: a tiny Hugging Face Llama with 4 query heads on 2 KV heads, a static cache
+    and a compiled decode step, the grouped form forced; greedy tokens as eager's."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("CGTREES_GEMM_DECISIONS", "rewrite")
+    monkeypatch.setenv("CGTREES_DEBUG_DIR", str(tmp_path))
+    monkeypatch.setenv("CGTREES_CACHE", "0")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    with torch.no_grad():
+        want = model.generate(ids, disable_compile=True, **kwargs)
+        torch._dynamo.reset()
+        step = torch.compile(model.forward, backend="cgtrees", fullgraph=True)
+        got = _greedy(model, step, ids, 6)
+    assert torch.equal(got, want[:, ids.shape[1]:]), (got, want)
+    sources = [p.read_text() for p in tmp_path.glob("*.py")]
+    assert sources and all(s.count("enable_gqa=True") == 2 and "repeat_kv" not in s for s in sources)
+
+
+def _greedy(model, step, ids, new: int) -> torch.Tensor:
+    """Eager prefill into a static cache, then ``new`` - 1 compiled decode steps."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new)
+    logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+    tokens = [logits[:, -1].argmax(-1, keepdim=True)]
+    for i in range(new - 1):
+        pos = torch.tensor([ids.shape[1] + i])
+        logits = step(input_ids=tokens[-1], past_key_values=cache, position_ids=pos[None], use_cache=True).logits
+        tokens.append(logits[:, -1].argmax(-1, keepdim=True))
+    return torch.cat(tokens, 1)
