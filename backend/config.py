@@ -61,8 +61,13 @@ class Config:
                                      "not, addmm or mm with the bias in its consumers; as traced where "
                                      "nothing can be timed), keep (as traced), rewrite (always rewritten), "
                                      "align or unfuse (only that rewrite, always: tests)")
+    batch_buckets: tuple[int, ...] = _field((), affects_codegen=False,
+                                            doc="batch sizes an inference graph with a dynamic batch dimension is "
+                                                "padded up to (the next one >= B; rows of row 0, outputs cut back), "
+                                                "one CUDA graph per bucket; empty: off (backend.aot.buckets)")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "batch_buckets", _buckets(self.batch_buckets, "batch_buckets"))
         if self.gemm_decisions not in _GEMM_MODES:
             raise ValueError(f"cgtrees: gemm_decisions={self.gemm_decisions!r}; valid values: "
                              f"{', '.join(_GEMM_MODES)}")
@@ -127,6 +132,22 @@ def _warn_unknown_env(environ: Mapping[str, str], names: Mapping[str, Any]) -> N
                 var, hint, ", ".join(known))
 
 
+_BUCKETS_EXPECTED = ("positive batch sizes, e.g. options={'batch_buckets': (1, 2, 4, 8)} or "
+                     "CGTREES_BATCH_BUCKETS=1,2,4,8")
+
+
+def _buckets(raw: Any, source: str) -> tuple[int, ...]:
+    """Batch buckets from a tuple or list of ints, or a comma-separated string; sorted, unique."""
+    items = [p.strip() for p in raw.split(",") if p.strip()] if isinstance(raw, str) else raw
+    try:
+        values = [int(p) if isinstance(p, str) and p.isdigit() else p for p in items]
+    except TypeError:
+        values = None
+    if values is None or not all(type(v) is int and v > 0 for v in values):
+        raise ValueError(f"cgtrees: {source}: batch_buckets={raw!r} is not valid; expected {_BUCKETS_EXPECTED}")
+    return tuple(sorted(set(values)))
+
+
 _LAYOUT_MODES = {"auto": "auto", "1": "auto", "true": "auto", "on": "auto", "off": "off", "0": "off",
                  "false": "off", "force": "force"}
 _GEMM_MODES = ("measure", "keep", "rewrite", "align", "unfuse")
@@ -150,4 +171,6 @@ def _parse(name: str, type_name: Any, raw: Any, *, source: str) -> Any:
             return int(raw)
     elif kind == "str":
         return str(raw)
+    elif kind == "tuple[int, ...]":
+        return _buckets(raw, source)
     raise ValueError(f"cgtrees: {source}: {name}={raw!r} is not a valid {kind}")

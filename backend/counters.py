@@ -8,6 +8,7 @@ KEYS = (
     "graphs_compiled", "graph_fallbacks", "kernels_generated", "aten_fallbacks", "aten_gaps",
     "cache_hit", "cache_miss", "cache_bypass", "cache_corrupt",
     "cudagraph_warmup", "cudagraph_recorded", "cudagraph_replayed", "cudagraph_skips",
+    "bucketed_graphs", "bucket_shapes",  # batch_buckets: graphs padded to buckets, sizes they first ran at
 )
 
 

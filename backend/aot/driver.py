@@ -4,6 +4,8 @@
                  --AOTAutograd (functionalize, decompose, joint trace, OUR partition)--> aten graphs
     aten graph   --key --look up (level 2) --codegen --store --record (level 1)--> kernel module
                  --runtime.wrap_module--> callable
+                 --buckets.wrap--> inference graphs with a symbolic batch, option batch_buckets:
+                                   padded to the next bucket each call (``aot/buckets.py``)
 
 The cache sits beside the pipeline: it looks up and stores, and the steps are listed here. What
 the compilers of one Dynamo graph share (our partition's cut, level 1's recorder, the runtime's
@@ -23,11 +25,11 @@ import torch
 import torch.fx
 
 from backend import cache, codegen, counters, runtime
-from backend.aot import compat, constants, cse, layout
+from backend.aot import buckets, compat, constants, cse, layout
 from backend.aot import partition as partitioner
 from backend.aot.partition import Split
 from backend.cache.aot import NO_HINTS, Level1Hints, Recorder, lean_training
-from backend.compiled import CompiledModule
+from backend.compiled import CompiledModule, has_symbolic_shapes
 from backend.config import Config
 from backend.context import GraphContext, GraphKind
 from backend.logs import log, log_once
@@ -70,6 +72,8 @@ class Compilers:
         return self.split.forward, self.split.backward
 
     def forward(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[[list[Any]], Any]:
+        if self.config.batch_buckets and has_symbolic_shapes(example_inputs):
+            buckets.note_training(f"{self.name}_forward")  # buckets are for inference graphs
         saved_from = self.split.saved_from if self.split is not None else None
         self.forward_call = self._compile(gm, example_inputs, "forward", "forward",
                                           compat.forward_static_input_indices(), saved_from)
@@ -92,7 +96,11 @@ class Compilers:
             layout.optimize(gm, self.config.layout_opt, inference=True)
         if cse.eliminate(gm.graph):  # one node per value computed twice (training graphs: in the partition)
             gm.recompile()
-        call = self._compile(gm, example_inputs, "inference", runs_as, compat.forward_static_input_indices())
+        name, static = f"{self.name}_inference", compat.forward_static_input_indices()
+        plan = buckets.plan(gm, self.config.batch_buckets, name, static) if runs_as == "inference" else None
+        call = self._compile(gm, example_inputs, "inference", runs_as, static)
+        if plan is not None:  # a padded batch: one CUDA graph per bucket
+            call = buckets.wrap(call, plan, buckets.shape_env_of(gm), name)
         if runs_as == "inference":
             self.lean = _lean_inference(call, len(example_inputs), self)
         return call
