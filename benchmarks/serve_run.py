@@ -95,8 +95,8 @@ def table(rows: list[dict], markdown: bool = False) -> str:
     lines = []
     for r in rows:
         gpu = (r.get("environment") or {}).get("device_name") or ""
-        lines.append([cell(r, k) for k in COLUMNS] + [r.get("commit", ""), r["status"] if r["ok"] else
-                                                      f"{r['status']}: {str(r.get('error'))[:80]}"] + [gpu])
+        status = r["status"] if r["ok"] else f"{r['status']}: {' '.join(str(r.get('error')).split())[:80]}"
+        lines.append([cell(r, k) for k in COLUMNS] + [r.get("commit", ""), status, gpu])
     head.append("GPU")
     if markdown:
         return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -97,6 +97,7 @@ def test_a_llama_decode_step_with_grouped_heads_generates_eager_tokens(monkeypat
     and a compiled decode step, the grouped form forced; greedy tokens as eager's."""
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("CGTREES_GEMM_DECISIONS", "rewrite")
+    monkeypatch.setenv("CGTREES_INTERPRET", "1")  # as the rest of this process (codegen_helpers.INTERPRET)
     monkeypatch.setenv("CGTREES_DEBUG_DIR", str(tmp_path))
     monkeypatch.setenv("CGTREES_CACHE", "0")
     torch.manual_seed(0)

@@ -196,3 +196,23 @@ def test_a_merged_view_written_transposed_keeps_its_own_kernel():
         kernel = scheduler._Open(size)
         assert kernel.try_add(total)
         assert kernel.try_add(out) == joins, strides
+
+
+@pytest.mark.parametrize("shape", [(1, 5, 48), (1, 1, 48), (3, 1, 48)])
+def test_a_decode_steps_norm_viewed_for_its_matrix_product_is_one_kernel(shape):
+    """A Llama decode step: the residual add and RMSNorm over (batch, 1 token, d), viewed as
+    (batch, d) for the projection that reads it. A dimension of size 1 has only index 0 and any
+    stride, so the merged view reads each element the row kernel computes (``_Open._same_element``):
+    one kernel, where it was a row kernel writing the sum and a second reading it back."""
+    def f(h, r, w, proj):
+        h = h + r
+        y = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+        return y @ proj.t(), h
+
+    comp = Compiler(config())
+    compiled = torch.compile(f, backend=comp.backend, fullgraph=True)
+    args = torch.randn(*shape), torch.randn(*shape), torch.randn(48), torch.randn(32, 48)
+    for got, want in zip(compiled(*args), f(*args)):
+        torch.testing.assert_close(got, want)
+    source = comp.modules[0].source
+    assert len(re.findall(r"^def (?:pw|red)_\w+\(", source, re.M)) == 1, source

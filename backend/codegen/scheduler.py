@@ -213,9 +213,16 @@ class _Open:
                 continue
             if member.role == "row" and producer.role == "full":
                 return False  # a row value cannot depend on a whole-row computation
-            if sympy.expand(load.index - producer.store_index()) != 0:
+            if not self._same_element(load.index, producer.store_index()):
                 return False
         return True
+
+    def _same_element(self, a: sympy.Expr, b: sympy.Expr) -> bool:
+        """Whether two offsets are equal at every index of the kernel. A dimension of size 1 has only
+        index 0, and its stride may be anything (a decode step's batch of 1 viewed away for the matrix
+        product that reads the row kernel's result), so its symbol counts as 0."""
+        ones = {ir.index_symbol(d): 0 for d, size in enumerate(self.ranges) if size == 1}
+        return sympy.expand((a - b).xreplace(ones)) == 0
 
     def _stores_along(self, member: Member) -> bool:
         """Whether a permuted or merged member writes its output along the kernel's innermost
@@ -235,7 +242,7 @@ class _Open:
         target = member.store_index()
         for m in [*self.members, member]:
             for load in ir.loads(m.body()):
-                if load.buf == member.name and (m.role != member.role or sympy.expand(load.index - target) != 0):
+                if load.buf == member.name and (m.role != member.role or not self._same_element(load.index, target)):
                     return False
         return True
 
