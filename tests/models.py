@@ -80,3 +80,22 @@ class GraphBreak(nn.Module):
         y = torch.tanh(self.a(x))
         torch._dynamo.graph_break()
         return self.b(y * 2)
+
+
+class TinyLM(nn.Module):
+    """A transformer block between an embedding and a head: causal SDPA, layer norm, softmax and
+    argmax over the vocabulary (batch buckets' serving model)."""
+
+    def __init__(self, vocab: int = 50, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.emb, self.ln = nn.Embedding(vocab, d), nn.LayerNorm(d)
+        self.qkv, self.proj, self.head = nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = self.emb(ids)
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        logits = self.head(x + self.proj(y))
+        return logits.softmax(-1), logits.argmax(-1)

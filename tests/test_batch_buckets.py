@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from codegen_helpers import INTERPRET, sum_tolerance, trace
-from models import MLP
+from models import MLP, TinyLM
 
 from backend.aot import buckets, driver
 from backend.config import Config
@@ -22,24 +22,6 @@ from backend.config import Config
 BUCKETS = (1, 2, 4, 8, 16)
 needs_interpreter = pytest.mark.skipif(
     not INTERPRET, reason="a CUDA machine: interpreted kernels only with CGTREES_INTERPRET=1 (never mixed)")
-
-
-class Block(nn.Module):
-    """A small transformer block with an embedding, causal attention, a head and argmax."""
-
-    def __init__(self, vocab: int = 50, d: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.emb, self.ln = nn.Embedding(vocab, d), nn.LayerNorm(d)
-        self.qkv, self.proj, self.head = nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Linear(d, vocab)
-
-    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x = self.emb(ids)
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
-        logits = self.head(x + self.proj(y))
-        return logits.softmax(-1), logits.argmax(-1)
 
 
 @pytest.fixture
@@ -116,7 +98,7 @@ def test_marked_dynamic_batch_counts_one_shape_per_bucket_touched(cgtrees_counte
 def test_transformer_block_through_the_interpreter(cgtrees_counters, sizes_run):
     """Generated kernels compiled for a symbolic batch, run at the buckets: softmax close to eager's,
     argmax equal, the outputs views of the padded ones."""
-    model = Block().eval()
+    model = TinyLM().eval()
     f = torch.compile(model, backend="cgtrees", options={"batch_buckets": BUCKETS, "interpret": True})
     with torch.no_grad():
         for b in range(1, 10):
