@@ -101,10 +101,12 @@ def snapshot(tmp_path_factory) -> Path:
     return root
 
 
-def _run(snapshot: Path, cache_dir: Path, path: str, archs: list[str]) -> list[dict]:
-    """One process, the archs one after another (each a fresh Dynamo and cleared counters)."""
+def _run(snapshot: Path, cache_dir: Path, path: str, archs: list[str], decisions: str = "measure") -> list[dict]:
+    """One process, the archs one after another (each a fresh Dynamo and cleared counters).
+    ``decisions``: ``CGTREES_GEMM_DECISIONS`` (``rewrite``: the forms a GPU would time, taken)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
-    env.update(CGTREES_CACHE_DIR=str(cache_dir), PYTHONPATH=str(snapshot), CGTREES_INTERPRET="1")
+    env.update(CGTREES_CACHE_DIR=str(cache_dir), PYTHONPATH=str(snapshot), CGTREES_INTERPRET="1",
+               CGTREES_GEMM_DECISIONS=decisions, CGTREES_DEBUG_DIR=str(cache_dir.parent / "modules"))
     args = json.dumps({"path": path, "archs": archs, "new": NEW_TOKENS})
     proc = subprocess.run([sys.executable, str(snapshot / "worker.py"), args], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -137,19 +139,26 @@ def _check_warm(run: dict, cold: dict, graphs: int) -> None:
     assert c["kernels_generated"] == 0, (what, c)
 
 
-def test_generate_with_compile_config_matches_eager_in_one_graph_and_warm_starts(snapshot, tmp_path):
-    """Path 1: one Dynamo graph, the decode step (generate runs the prefill eagerly), for all 10 tokens."""
+@pytest.mark.parametrize("decisions", ["measure", "rewrite"])
+def test_generate_with_compile_config_matches_eager_in_one_graph_and_warm_starts(snapshot, tmp_path, decisions):
+    """Path 1: one Dynamo graph, the decode step (generate runs the prefill eagerly), for all 10 tokens.
+    ``rewrite`` takes the decode forms a GPU chooses by timing (nothing is timed on a CPU): q, k and v
+    in one ``cgtrees.grouped_mm`` launch, SDPA with ``enable_gqa``; a warm process loads modules that
+    call our op."""
     from transformers.generation import CompileConfig
 
     if not hasattr(CompileConfig, "_compile_all_devices"):
         pytest.skip(f"transformers {transformers.__version__}: CompileConfig has no _compile_all_devices, "
                     "so generate never compiles on CPU")
-    archs = ["llama", "gemma"]
-    cold = _run(snapshot, tmp_path / "cache", "compile_config", archs)
-    warm = _run(snapshot, tmp_path / "cache", "compile_config", archs)
+    archs = ["llama", "gemma"] if decisions == "measure" else ["llama"]
+    cold = _run(snapshot, tmp_path / "cache", "compile_config", archs, decisions)
+    warm = _run(snapshot, tmp_path / "cache", "compile_config", archs, decisions)
     for first, second in zip(cold, warm):
         _check_cold(first, graphs=1)
         _check_warm(second, first, graphs=1)
+    modules = [p.read_text() for p in (tmp_path / "modules").glob("*.py")]
+    rewritten = {("torch.ops.cgtrees.grouped_mm.default(" in m, "enable_gqa=True" in m) for m in modules}
+    assert rewritten == {(True, True) if decisions == "rewrite" else (False, False)}, rewritten
 
 
 def test_compiled_forward_in_generate_matches_eager_in_two_graphs_and_warm_starts(snapshot, tmp_path):

@@ -37,6 +37,7 @@ import torch
 
 TRUSTED = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",  # a fresh contiguous product
+    "cgtrees::grouped_mm",  # fresh contiguous products (codegen/grouped_gemv.py)
     "aten::rand", "aten::randn", "aten::randint", "aten::randperm",  # fresh contiguous factories
 })
 

@@ -323,7 +323,8 @@ _LIBRARY_PREFIXES = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "a
                      "aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention",
                      "aten::_efficient_attention", "aten::_cudnn_attention",
                      "aten::rand", "aten::randn", "aten::randint", "aten::bernoulli", "aten::native_dropout",
-                     "aten::normal", "aten::uniform", "aten::exponential", "aten::multinomial")
+                     "aten::normal", "aten::uniform", "aten::exponential", "aten::multinomial",
+                     "cgtrees::")  # our own library ops (codegen/grouped_gemv.py)
 
 
 def is_library_op(target: Any) -> bool:

@@ -48,6 +48,8 @@ def module_source(header: list[str], program: ir.Program, items: list[Item], int
            "import triton", "import triton.language as tl"]
     if libdevice:
         out.append("from triton.language.extra import libdevice")
+    if any(isinstance(s, ir.Extern) and s.target.startswith("torch.ops.cgtrees.") for s in program.steps):
+        out += ["", "import backend.codegen.grouped_gemv  # noqa: F401 - registers torch.ops.cgtrees.grouped_mm"]
     out += ["", "aten = torch.ops.aten", f"DEVICE = torch.device({program.device!r})", ""]
     if checks:
         out += ["", extern_strides.HELPER]

@@ -1,0 +1,96 @@
+"""Few-row GEMMs of one input in one ``cgtrees.grouped_mm`` launch (``backend/codegen/
+shared_input_gemms.py``, ``grouped_gemv.py``) on CPU, through Triton's interpreter:
+``gemm_decisions=rewrite`` takes the grouped form the GPU would time; the op's values against
+``x @ w.t()``; what does not qualify stays as traced. Timing needs a GPU
+(``tests/gpu/test_shared_input_gemms_gpu.py``)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from codegen_helpers import INTERPRET, compile_fn, config
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32: a few ulps of the largest value; 16-bit: one rounding of the result (eager's mm
+    rounds its float32 sum too, possibly the other way)."""
+    eps = torch.finfo(want.dtype).eps * (8 if want.dtype == torch.float32 else 1)
+    scale = want.float().abs().max().item()
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2 * eps * scale)
+
+
+def projections(h, wq, wk, wv, wo):
+    """A decode step's attention projections: q, k, v from one input, o from another."""
+    x = h.view(-1, h.shape[-1])
+    q, k, v = x @ wq.t(), x @ wk.t(), x @ wv.t()
+    return (q.sum(-1, keepdim=True) * q) @ wo.t(), k * 2, v
+
+
+def _weights(rows: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(1, rows, 48, generator=g, dtype=dtype), *(torch.randn(n, k, generator=g, dtype=dtype)
+                                                                for n, k in ((40, 48), (8, 48), (8, 48), (24, 40))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_rewrite_runs_q_k_v_in_one_launch_with_eager_values(rows, dtype):
+    args = _weights(rows, dtype)
+    module = compile_fn(projections, *args, cfg=config(gemm_decisions="rewrite"))
+    name = str(dtype).removeprefix("torch.")
+    config_text = "16x256/2" if rows > 1 and dtype != torch.float32 else "4x512/2"
+    taken = f"grouped_mm {config_text} (gemm_decisions=rewrite)"
+    assert list(module.graph.gemm_choices) == [
+        f"mm/mm_1/mm_2: mm [{rows}, 48] x 3 weights [40|8|8, 48] {name}: {taken}",
+        f"mm_3: mm [{rows}, 40] x 1 weights [24, 40] {name}: {taken}"]
+    call = module.source.split("\ndef call(")[1]
+    assert len(re.findall(r"torch\.ops\.cgtrees\.grouped_mm\.default\(", call)) == 2, call
+    assert "aten.mm" not in call, call
+    assert "import backend.codegen.grouped_gemv" in module.source
+    for got, want in zip(module.call(list(args)), projections(*args)):
+        _close(got, want)
+
+
+@pytest.mark.parametrize("mode", ["keep", "measure"])
+def test_keep_and_measure_without_a_gpu_keep_cublas(mode):
+    args = _weights(1, torch.float32)
+    module = compile_fn(projections, *args, cfg=config(gemm_decisions=mode))
+    assert "grouped_mm" not in module.source.split("\ndef call(")[1]
+    why = "gemm_decisions=keep" if mode == "keep" else "no GPU to time on (cpu)"
+    assert all(c.endswith(f"as traced ({why})") for c in module.graph.gemm_choices), module.graph.gemm_choices
+
+
+def test_what_does_not_qualify_stays_as_traced():
+    """More than 64 rows; a weight the graph computes (its layout is ours, not a parameter's); a
+    weight stored transposed (column-major [N, K])."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(65, 48, generator=g), torch.randn(40, 48, generator=g)
+    for fn, args in ((lambda x, w: x @ w.t(), (x, w)),
+                     (lambda x, w: x @ (w * 2).t(), (x[:3], w)),
+                     (lambda x, w: x @ w.t(), (x[:3], w.t().contiguous().t()))):
+        module = compile_fn(fn, *args, cfg=config(gemm_decisions="rewrite"))
+        assert "grouped_mm" not in module.source and not module.graph.gemm_choices, module.graph.gemm_choices
+        _close(module.call(list(args))[0], fn(*args))
+
+
+@pytest.mark.parametrize("dtype, rows", [(torch.float32, 1), (torch.float32, 7), (torch.float16, 5),
+                                         (torch.bfloat16, 3)])
+@pytest.mark.parametrize("widths", [(37,), (37, 5), (37, 5, 130)])
+def test_the_op_computes_each_product(dtype, rows, widths):
+    """One to three weights of irregular widths (blocks past a weight's last row are masked), K not
+    a multiple of the block: ``grouped_mm(x, ws) == [x @ w.t() for w in ws]``."""
+    from backend.codegen import grouped_gemv, interp  # noqa: F401 - registers the op
+
+    interp.enable()  # as codegen does before it loads a module that calls the op (on a CPU)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, 83, generator=g, dtype=dtype)
+    weights = [torch.randn(n, 83, generator=g, dtype=dtype) for n in widths]
+    for block_n, block_k, warps in ((4, 32, 2), (16, 64, 4)):
+        outs = torch.ops.cgtrees.grouped_mm(x, weights, block_n, block_k, warps)
+        assert [o.shape for o in outs] == [(rows, n) for n in widths]
+        for out, w in zip(outs, weights):
+            _close(out, x @ w.t())
