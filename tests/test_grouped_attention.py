@@ -128,3 +128,16 @@ def _greedy(model, step, ids, new: int) -> torch.Tensor:
         logits = step(input_ids=tokens[-1], past_key_values=cache, position_ids=pos[None], use_cache=True).logits
         tokens.append(logits[:, -1].argmax(-1, keepdim=True))
     return torch.cat(tokens, 1)
+
+
+def test_a_float_mask_made_from_a_boolean_one_is_given_as_the_boolean():
+    """SDPA converts a boolean mask to ``where(keep, 0, -inf)`` inside the traced graph; the grouped
+    call takes ``keep`` itself (SDPA converts it the same way), and the conversion goes."""
+    inputs = _inputs()
+    module = compile_fn(decode_attention, *inputs, cfg=config(gemm_decisions="rewrite"))
+    call = module.source.split("\ndef call(")[1]
+    (line,) = [x for x in call.splitlines() if "scaled_dot_product_attention.default(" in x]
+    assert "attn_mask=mask_1," in line, line  # the boolean input itself, not a float ``where`` of it
+    assert "-inf" not in module.source, call
+    for got, want in zip(module.call(list(inputs)), decode_attention(*inputs)):
+        _close(got, want)

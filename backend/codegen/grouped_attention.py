@@ -13,7 +13,11 @@ batch 1 with a 160-token cache 14.9 -> 9.7 us a layer, a 4096-token cache 54.8 -
 
 ``rewritten(gm, plan)`` finds each SDPA call whose K and V are such expansions of the same R, whose
 only result used is the attention output (an inference graph's; a training forward's saved
-log-sum-exp stays as traced), and without dropout. Whether to call ``enable_gqa`` instead is a
+log-sum-exp stays as traced), and without dropout. A float mask that is SDPA's own conversion of a
+boolean one (``where(keep, 0, -inf)``, traced into the graph) is given as ``keep``: the same
+attention, and ``enable_gqa`` with a float mask may fall back to the math kernel (transformers says
+so; an H200 probe with a boolean mask ran 9.7 us where the expanded form took 14.9: not yet timed
+with a float one). Whether to call ``enable_gqa`` instead is a
 timed choice, as a GEMM's form is (``gemm_choice``): both forms run on the device at compile time,
 the traced one with its copies, and the grouped one is taken only where it is faster by more than
 ``gemm_choice.MARGIN``; ``gemm_decisions=rewrite`` always takes it (tests), ``keep`` never. Each
@@ -60,6 +64,7 @@ class Grouped:
     k: torch.fx.Node  # unexpanded: [B, Hkv, L, D]
     v: torch.fx.Node
     mask: torch.fx.Node | None
+    keep: torch.fx.Node | None  # the boolean mask the float one was made of (``where(keep, 0, -inf)``)
     is_causal: bool
     scale: float | None
     groups: int  # R: query heads per KV head
@@ -104,7 +109,28 @@ def _grouped(node: torch.fx.Node) -> Grouped | None:
     if q is None or q.dim() != 4 or q.shape[1] != k.meta["val"].shape[1] * rk:
         return None
     mask = kw.get(_MASK_ARG.get(node.target, ""))
-    return Grouped(node, kw["query"], k, v, mask, bool(kw.get("is_causal", False)), kw.get("scale"), rk)
+    return Grouped(node, kw["query"], k, v, mask, _boolean_source(mask), bool(kw.get("is_causal", False)),
+                   kw.get("scale"), rk)
+
+
+def _boolean_source(mask: object) -> torch.fx.Node | None:
+    """``keep`` where ``mask`` is ``where(keep, 0.0, -inf)`` of a boolean ``keep``: SDPA's own conversion
+    of a boolean mask, traced into the graph. SDPA given ``keep`` converts it the same way, and with
+    ``enable_gqa`` the backends that take a boolean mask may be faster than with the float one."""
+    if not isinstance(mask, torch.fx.Node) or mask.target is not aten.where.self:
+        return None
+    keep, zero, minus_inf = mask.args
+    values = [_scalar(x) for x in (zero, minus_inf)]
+    val = keep.meta.get("val") if isinstance(keep, torch.fx.Node) else None
+    if val is None or val.dtype != torch.bool or values != [0.0, float("-inf")]:
+        return None
+    return keep
+
+
+def _scalar(node: object) -> float | None:
+    if isinstance(node, torch.fx.Node) and node.target is aten.scalar_tensor.default:
+        return float(node.args[0])
+    return None
 
 
 def _unexpanded(node: torch.fx.Node) -> tuple[torch.fx.Node | None, int]:
@@ -157,7 +183,8 @@ def _form(g: Grouped, device: torch.device, grouped: bool) -> tuple[str, Callabl
     """The traced form (K and V expanded into copies, then SDPA) or the grouped one, on the traced
     layouts; SDPA picks its backend at run time the way the traced call's backend was picked."""
     q, k, v = (n.meta["val"] for n in (g.q, g.k, g.v))
-    mask = g.mask.meta["val"] if g.mask is not None else None
+    mask_node = g.keep if grouped and g.keep is not None else g.mask
+    mask = mask_node.meta["val"] if mask_node is not None else None
     key = (f"sdpa {'gqa' if grouped else 'expanded'} q {_layout(q)} k {_layout(k)} v {_layout(v)} "
            f"mask {_layout(mask) if mask is not None else None} x{g.groups} causal {g.is_causal} {q.dtype} {device}")
 
@@ -191,7 +218,8 @@ def _rewrite(graph: torch.fx.Graph, g: Grouped) -> None:
     """Call ``aten.scaled_dot_product_attention(..., enable_gqa=True)`` on the unexpanded K and V in
     place of ``g.node`` and its output; the expansions go where nothing else reads them."""
     out = next(u for u in g.node.users if u.args[1] == 0)
-    kwargs = {"attn_mask": g.mask, "dropout_p": 0.0, "is_causal": g.is_causal, "scale": g.scale, "enable_gqa": True}
+    mask = g.keep if g.keep is not None else g.mask
+    kwargs = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": g.is_causal, "scale": g.scale, "enable_gqa": True}
     with graph.inserting_before(g.node):
         call = graph.call_function(aten.scaled_dot_product_attention.default, (g.q, g.k, g.v), kwargs)
     call.meta.update(out.meta)
@@ -203,6 +231,12 @@ def _rewrite(graph: torch.fx.Graph, g: Grouped) -> None:
     graph.erase_node(g.node)
     for node in expansions:
         _erase_chain(graph, node)
+    if g.keep is not None and not g.mask.users:  # the float mask SDPA is no longer given
+        scalars = g.mask.args[1:]
+        graph.erase_node(g.mask)
+        for node in scalars:
+            if not node.users:
+                graph.erase_node(node)
 
 
 def _erase_chain(graph: torch.fx.Graph, node: object) -> None:
