@@ -126,36 +126,48 @@ def _config_text(config: tuple[int, int, int]) -> str:
 
 
 def _cublas_form(group: list[torch.fx.Node], device: torch.device) -> tuple[str, Callable, int]:
-    x = group[0].args[0].meta["val"]
-    ws = [_weight(mm).meta["val"] for mm in group]
-    key = f"mms {list(x.shape)} x {[list(w.shape) for w in ws]} {x.dtype} {device}"
+    x, ws = _metas(group)
 
     def build() -> Callable[[], None]:
-        tx, tws = random_like(x, device), [random_like(w, device) for w in ws]
-        outs = [torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=device) for w in ws]
+        tx, tws, outs = _operands(x, ws, device)
 
         def run() -> None:
             for w, out in zip(tws, outs):
                 torch.mm(tx, w.t(), out=out)
         return run
 
-    return key, build, span_bytes(x, *ws) + sum(x.shape[0] * w.shape[0] * x.element_size() for w in ws)
+    return f"mms {_shapes(x, ws)} {device}", build, _bytes(x, ws)
 
 
 def _grouped_form(group: list[torch.fx.Node], config: tuple[int, int, int], device: torch.device
                   ) -> tuple[str, Callable, int]:
-    x = group[0].args[0].meta["val"]
-    ws = [_weight(mm).meta["val"] for mm in group]
-    key = f"grouped_mm {list(x.shape)} x {[list(w.shape) for w in ws]} {config} {x.dtype} {device}"
+    x, ws = _metas(group)
 
     def build() -> Callable[[], None]:
         from backend.codegen import grouped_gemv
 
-        tx, tws = random_like(x, device), [random_like(w, device) for w in ws]
-        outs = [torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=device) for w in ws]
+        tx, tws, outs = _operands(x, ws, device)
         return lambda: grouped_gemv.launch(tx, tws, outs, *config)
 
-    return key, build, span_bytes(x, *ws) + sum(x.shape[0] * w.shape[0] * x.element_size() for w in ws)
+    return f"grouped_mm {_shapes(x, ws)} {config} {device}", build, _bytes(x, ws)
+
+
+def _metas(group: list[torch.fx.Node]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return group[0].args[0].meta["val"], [_weight(mm).meta["val"] for mm in group]
+
+
+def _operands(x: torch.Tensor, ws: list[torch.Tensor], device: torch.device):
+    """Random x and weights of the traced layouts, and the products' buffers."""
+    outs = [torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=device) for w in ws]
+    return random_like(x, device), [random_like(w, device) for w in ws], outs
+
+
+def _shapes(x: torch.Tensor, ws: list[torch.Tensor]) -> str:
+    return f"{list(x.shape)} x {[list(w.shape) for w in ws]} {x.dtype}"
+
+
+def _bytes(x: torch.Tensor, ws: list[torch.Tensor]) -> int:
+    return span_bytes(x, *ws) + sum(x.shape[0] * w.shape[0] * x.element_size() for w in ws)
 
 
 # ------------------------------------------------------------------------------------------ rewriting
