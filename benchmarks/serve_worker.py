@@ -91,7 +91,9 @@ class Loop:
         self.model, self.new, self.device = model, new, next(model.parameters()).device
         self.cache = StaticCache(config=model.config, max_cache_len=cache)
         self.prompt_len = cache - new
+        params = {**inspect.signature(model.forward).parameters, **inspect.signature(model.model.forward).parameters}
         self.kwargs_pos = "cache_position" in inspect.signature(model.model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         self.mark = backend in ("reduce-overhead", "cgtrees")
         self.step = self.decode if backend == "eager" else torch.compile(
             self.decode, fullgraph=True, **({"mode": "reduce-overhead"} if backend == "reduce-overhead"
@@ -102,8 +104,8 @@ class Loop:
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         kwargs = {"cache_position": pos} if self.kwargs_pos else {}
-        return self.model(input_ids=ids, past_key_values=self.cache, position_ids=pos.unsqueeze(0),
-                          use_cache=True, **kwargs).logits
+        kwargs[self.cache_arg] = self.cache
+        return self.model(input_ids=ids, position_ids=pos.unsqueeze(0), use_cache=True, **kwargs).logits
 
     def decode(self, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.forward(ids, pos)[:, -1]

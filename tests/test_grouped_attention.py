@@ -5,6 +5,8 @@ itself needs a GPU (``tests/gpu/test_grouped_attention_gpu.py``)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,11 +123,13 @@ def _greedy(model, step, ids, new: int) -> torch.Tensor:
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new)
-    logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+    # transformers renamed ``past_key_values`` to ``cache`` (5.24 warns of the old name)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    logits = model(input_ids=ids, use_cache=True, **{name: cache}).logits
     tokens = [logits[:, -1].argmax(-1, keepdim=True)]
     for i in range(new - 1):
         pos = torch.tensor([ids.shape[1] + i])
-        logits = step(input_ids=tokens[-1], past_key_values=cache, position_ids=pos[None], use_cache=True).logits
+        logits = step(input_ids=tokens[-1], position_ids=pos[None], use_cache=True, **{name: cache}).logits
         tokens.append(logits[:, -1].argmax(-1, keepdim=True))
     return torch.cat(tokens, 1)
 
