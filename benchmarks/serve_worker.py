@@ -138,6 +138,7 @@ class Loop:
 
     def one_token(self) -> Callable[[], None]:
         """A profiling step: one decode step at the cache's last position (the cache is full then)."""
+        @torch.no_grad()  # as generate runs it: with grad on, Dynamo would compile a training graph
         def step() -> None:
             if self.mark:
                 torch.compiler.cudagraph_mark_step_begin()

@@ -348,8 +348,9 @@ def test_copies_outweigh_launches_by_the_option():
     from backend.runtime.function import GraphFunction
 
     def why(limit, launches, mib):
-        fn = SimpleNamespace(config=Config(max_copy_mb_per_launch=limit), launches=launches, static=frozenset())
-        return GraphFunction._copies_outweigh_launches(fn, [torch.empty(mib * 2**18)], set())
+        fn = SimpleNamespace(config=Config(max_copy_mb_per_launch=limit), launches=launches, static=frozenset(),
+                             copied=frozenset())
+        return GraphFunction._copies_outweigh_launches(fn, [torch.empty(mib * 2**18)], set(), frozenset())
 
     assert why(8, 2, 16) is None  # exactly at the limit
     reason = why(8, 2, 17)

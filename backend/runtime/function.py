@@ -7,7 +7,12 @@ Invariants:
   it. Among a function's nodes the first that fits replays; when none does, a new node is recorded,
   and the reason is counted against a limit:
   * addresses changed (a static input moved): ``max_rerecords_per_function``, then no graphs, with
-    a warning;
+    a warning; static inputs that moved on each of the last calls, so that no recording of them
+    replayed (FSDP2 gathers its parameters anew every step), are copied into slots from then on;
+  * an input the program does not mark static but that came back at the address it had at the
+    shape's warmup is read (and, mutated, written) where it is: a KV cache made where the compiled
+    code cannot mark it. When it moves, it is copied into a slot from then on (a new recording,
+    not counted against a limit: each input is demoted once);
   * a live output is in the way (R2): ``max_live_branches_per_function``, then the function's new
     nodes copy their outputs out of the pool, so what the user keeps stays right and nothing more
     accumulates in the pool;
@@ -23,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import threading
@@ -37,7 +43,7 @@ from backend.context import GraphContext
 from backend.logs import log_once
 from backend.runtime import compat, skips
 from backend.runtime.manager import Managers, SharedTree, TreeManager
-from backend.runtime.node import FIT_OK, Fit, GraphNode, copied_bytes
+from backend.runtime.node import FIT_OK, Fit, GraphNode, copied_bytes, marked_static
 
 log = logging.getLogger("backend.runtime")
 
@@ -84,6 +90,9 @@ class GraphFunction:
         self.live_branches = 0
         self.copy_out = False
         self.shape_keys: list[Any] = []
+        self.warm_ptrs: dict[Any, tuple[int, ...]] = {}  # by shape key: the inputs' addresses at its warmup
+        self.copied: frozenset[int] = frozenset()  # inputs whose address changed: copied into slots
+        self.record_reasons: collections.Counter[str] = collections.Counter()  # why each recording was made
 
     # ------------------------------------------------------------ the call
     def __call__(self, args: list[Any]) -> Any:
@@ -123,6 +132,7 @@ class GraphFunction:
                       key: Any, nodes: list[GraphNode] | None) -> Any:
         if (manager, key) not in self.warmed:  # per manager: each thread creates its own handles
             return self._warmup(args, manager, key)
+        why: Why | None = None
         if nodes is None:
             if key not in self.shape_keys:
                 if len(self.shape_keys) >= self.config.max_shapes_per_function:
@@ -131,7 +141,9 @@ class GraphFunction:
             nodes = by_key[key] = []
         else:
             why = self._drop_orphans(manager, nodes) or self._why_nodes_fail(args, manager, nodes)
-            if why is Why.STATIC_MOVED:
+            if why is Why.STATIC_MOVED and self._demote_moved(args, nodes):
+                pass  # recorded again with the moved inputs copied: not counted
+            elif why is Why.STATIC_MOVED:
                 self.rerecords += 1
                 if self.rerecords > self.config.max_rerecords_per_function:
                     return self._give_up(args, "a static input changed address more than "
@@ -146,6 +158,7 @@ class GraphFunction:
                              "out of the CUDA graph pool", self.name, self.live_branches, level=logging.INFO)
             if len(nodes) >= self._max_nodes_per_shape():
                 return self.call(args)  # kept outputs stay right; no more recordings for this shape
+        self.record_reasons[why.value if why is not None else "a new shape"] += 1
         return self._record(args, manager, key, nodes)
 
     def _drop_orphans(self, manager: TreeManager, nodes: list[GraphNode]) -> Why | None:
@@ -163,6 +176,27 @@ class GraphFunction:
             return None
         return Why.STATIC_MOVED if any(node.replays < _WORTH_RECORDING for node in orphans) else Why.ORPHANS
 
+    def _demote_moved(self, args: list[Any], nodes: list[GraphNode]) -> bool:
+        """Copy into slots, from now on, the inputs that moved: those read in place only because
+        they had stayed at one address, and static ones that moved at every call since they were
+        recorded (no node replayed, after a re-record). Whether any was demoted."""
+        moved = set().union(*(node.moved_inputs(args) for node in nodes)) - self.copied
+        demoted = {i for i in moved if not marked_static(i, args[i], self.static)}
+        if not demoted and moved and self.rerecords >= 1 and not any(node.replays for node in nodes):
+            demoted = moved
+            log_once(log, f"moving-static:{self.name}",
+                     "cgtrees: %s: static inputs %s moved at every call (no recording of them replayed): "
+                     "they are copied into the graph's slots from now on", self.name, sorted(moved),
+                     level=logging.INFO)
+        self.copied = self.copied | demoted
+        return bool(demoted)
+
+    def _stable_inputs(self, args: list[Any], key: Any) -> frozenset[int]:
+        """The tensor inputs at the address they had at this shape's warmup (and not since moved)."""
+        warm = self.warm_ptrs.get(key, ())
+        return frozenset(i for i, (a, ptr) in enumerate(zip(args, warm))
+                         if ptr and i not in self.copied and isinstance(a, torch.Tensor) and a.data_ptr() == ptr)
+
     def _max_nodes_per_shape(self) -> int:
         c = self.config
         return 2 * (c.max_live_branches_per_function + c.max_rerecords_per_function + 2)
@@ -178,6 +212,7 @@ class GraphFunction:
     def _warmup(self, args: list[Any], manager: TreeManager, key: Any) -> Any:
         self.warmed.add((manager, key))
         counters.bump("cudagraph_warmup")
+        self.warm_ptrs[key] = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else 0 for a in args)
         outs = self.call(args)
         # cuBLAS keeps a workspace (32 MiB on an H100) per handle and stream, made by the warmup's
         # first matmul on this thread; every later matmul of this graph runs inside a recording,
@@ -193,14 +228,16 @@ class GraphFunction:
         # cuBLAS workspace reset must not happen while another thread captures.
         with _record_lock:
             live = manager.prepare_recording()
-            too_costly = self._copies_outweigh_launches(args, {e.key[0] for e in live})
+            stable = self._stable_inputs(args, key)
+            too_costly = self._copies_outweigh_launches(args, {e.key[0] for e in live}, stable)
             if too_costly is not None:
                 return self._give_up(args, too_costly)
             node = GraphNode(self.ctx, self.facts, manager, manager.last_node, frozenset(e.key for e in live),
                              self.copy_out)
             node.key = key
             try:
-                outs = node.record(self.call, args, self.static, self.mutated, {e.key[0] for e in live})
+                outs = node.record(self.call, args, self.static, self.mutated, {e.key[0] for e in live},
+                                   stable, self.copied)
             except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: run it eagerly
                 manager.release(node)
                 compat.recover_generator(manager.device)
@@ -211,12 +248,12 @@ class GraphFunction:
         args.clear()
         return outs if node.returns_list else outs[0]
 
-    def _copies_outweigh_launches(self, args: list[Any], live_ptrs: set[int]) -> str | None:
+    def _copies_outweigh_launches(self, args: list[Any], live_ptrs: set[int], stable: frozenset[int]) -> str | None:
         """Why recording now would not pay (``max_copy_mb_per_launch``), or None."""
         limit = self.config.max_copy_mb_per_launch
         if limit <= 0 or not self.launches:
             return None
-        copied = copied_bytes(args, self.static, live_ptrs)
+        copied = copied_bytes(args, self.static | stable, live_ptrs, self.copied)
         if copied <= limit * 2**20 * self.launches:
             return None
         return (f"its replays would copy {copied / 2**20:.0f} MiB of inputs for {self.launches} launches "
@@ -243,7 +280,10 @@ class GraphFunction:
         n = sum(len(nodes) for by_key in self.trees.values() for nodes in by_key.values())
         state = (f"no CUDA graphs: {self.disabled}" if self.disabled
                  else f"{n} nodes in {len(self.trees)} trees, {len(self.shape_keys)} shapes")
-        return f"function {self.name} ({self.kind}): {state}" + (" copy-out" if self.copy_out else "")
+        reasons = ", ".join(f"{n} {why}" for why, n in self.record_reasons.items())
+        return (f"function {self.name} ({self.kind}): {state}" + (" copy-out" if self.copy_out else "")
+                + (f"; recordings: {reasons}" if reasons else "")
+                + (f"; inputs {sorted(self.copied)} copied after they moved" if self.copied else ""))
 
 
 def skip(name: str, reason: str) -> None:

@@ -4,9 +4,11 @@ Invariants:
 - ``protected`` is the set of pool storages (data pointer, bytes) that were live when the graph was
   captured. The allocator never handed their blocks to the capture, so every byte the graph writes
   lies outside them: replaying is safe exactly when every live pool output is in ``protected``.
-- Inputs are read in one of two ways, fixed at record time: *checked* inputs (static inputs and
-  inputs that already live in the pool) are read where they are, and the replay only compares their
-  addresses (one C call); every other tensor input is *copied* into an input slot. A slot is pool
+- Inputs are read in one of two ways, fixed at record time: *checked* inputs (static inputs,
+  inputs at a stable address (``function``: the same at the shape's warmup and at the recording;
+  a mutated one is then written where it is, a KV cache), and inputs that already live in the
+  pool) are read where they are, and the replay only compares their addresses (one C call); every
+  other tensor input is *copied* into an input slot. A slot is pool
   memory allocated inside the capture and freed there at its last read (the graph may reuse it), so
   copying into its address is a write of this graph; mutated and broadcast inputs keep a slot of
   their own outside the pool, and mutated ones are written back.
@@ -92,19 +94,29 @@ def _held(args: list[Any], holds: tuple[tuple[int, tuple[int, int]], ...], entry
     return False
 
 
-def read_in_place(i: int, a: torch.Tensor, static: frozenset[int], live_ptrs: set[int]) -> bool:
-    """Whether a recording reads input ``i`` where it is (a static input, a parameter, or a live
-    pool output) rather than copying it into a slot on every replay."""
+def marked_static(i: int, a: torch.Tensor, static: frozenset[int]) -> bool:
+    """Whether input ``i`` is static by what the program says of it: AOTAutograd's static inputs,
+    parameters, tensors marked with ``torch._dynamo.mark_static_address``."""
     return (i in static or isinstance(a, torch.nn.Parameter)
-            or getattr(a, "_dynamo_static_input_type", None) is not None
-            or a.untyped_storage().data_ptr() in live_ptrs)
+            or getattr(a, "_dynamo_static_input_type", None) is not None)
 
 
-def copied_bytes(args: list[Any], static: frozenset[int], live_ptrs: set[int]) -> int:
+def read_in_place(i: int, a: torch.Tensor, static: frozenset[int], live_ptrs: set[int],
+                  copied: frozenset[int] = frozenset()) -> bool:
+    """Whether a recording reads input ``i`` where it is (a static input, one at a stable address
+    (``static`` holds both), or a live pool output) rather than copying it into a slot on every
+    replay. ``copied``: inputs whose address changed from call to call: copied whatever they are."""
+    if a.untyped_storage().data_ptr() in live_ptrs:
+        return True
+    return i not in copied and marked_static(i, a, static)
+
+
+def copied_bytes(args: list[Any], static: frozenset[int], live_ptrs: set[int],
+                 copied: frozenset[int] = frozenset()) -> int:
     """The bytes a replay would copy into input slots, were the graph recorded on ``args`` now."""
     total = 0
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and not read_in_place(i, a, static, live_ptrs):
+        if isinstance(a, torch.Tensor) and not read_in_place(i, a, static, live_ptrs, copied):
             index = _unexpanded(a)
             total += (a if index is None else a[index]).numel() * a.element_size()
     return total
@@ -154,9 +166,12 @@ class GraphNode:
 
     # ---------------------------------------------------------------- record
     def record(self, call: Any, args: list[Any], static: frozenset[int], mutated: tuple[int, ...],
-               live_ptrs: set[int]) -> list[Any]:
-        """Capture ``call`` on ``args``, replay it once, checkpoint; returns this call's outputs."""
-        self._plan_inputs(args, static, live_ptrs, mutated)  # which inputs are copied, which checked
+               live_ptrs: set[int], stable: frozenset[int] = frozenset(),
+               copied: frozenset[int] = frozenset()) -> list[Any]:
+        """Capture ``call`` on ``args``, replay it once, checkpoint; returns this call's outputs.
+        ``stable``: inputs read where they are because they came back at one address (``static``:
+        those the program marks); ``copied``: inputs copied into slots whatever they are."""
+        self._plan_inputs(args, static, live_ptrs, mutated, stable, copied)  # which are copied, which checked
         try:
             outs = self._capture(call, args)  # the graph; outputs are pool tensors
         except BaseException:
@@ -178,8 +193,8 @@ class GraphNode:
                                                    + [p for p, _ in self.pool_storages]))
         return self._first_outputs(outs, args)
 
-    def _plan_inputs(self, args: list[Any], static: frozenset[int], live_ptrs: set[int],
-                     mutated: tuple[int, ...]) -> None:
+    def _plan_inputs(self, args: list[Any], static: frozenset[int], live_ptrs: set[int], mutated: tuple[int, ...],
+                     stable: frozenset[int] = frozenset(), copied: frozenset[int] = frozenset()) -> None:
         self.check_index: list[int] = []
         self.static_index: list[int] = []  # the checked inputs that are not pool outputs
         self.static_storages: list[WeakStorage] = []  # theirs, to see when their model is gone
@@ -201,10 +216,11 @@ class GraphNode:
         for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 continue
-            if read_in_place(i, a, static, live_ptrs):
+            if read_in_place(i, a, static | stable, live_ptrs, copied):
                 if a.untyped_storage().data_ptr() not in live_ptrs:
                     self.static_index.append(i)
-                    self.static_storages.append(WeakStorage(a.untyped_storage()))
+                    if marked_static(i, a, static):  # not a tensor the caller makes anew each call
+                        self.static_storages.append(WeakStorage(a.untyped_storage()))
                 elif self.kind == "backward" and not self.copy_out:
                     self.handoff.append(i)
                 self.check_index.append(i)
@@ -437,6 +453,10 @@ class GraphNode:
     def static_moved(self, args: list[Any]) -> bool:
         """Whether a static input (not a pool output) is at another address than when recorded."""
         return bool(self.static_index) and not compat.ptrs_equal(args, self.check_ptrs, self.static_index)
+
+    def moved_inputs(self, args: list[Any]) -> set[int]:
+        """The static inputs (not pool outputs) at another address than when recorded."""
+        return {i for i in self.static_index if args[i].data_ptr() != self.check_ptrs[i]}
 
     def orphaned(self) -> bool:
         """Whether a static input this graph reads (a parameter) no longer exists: its model was

@@ -36,7 +36,8 @@ def _train(options: dict, steps: int = 4) -> None:
     model = NormAct(2048).to(DEV)
     eager = copy.deepcopy(model)
     f = torch.compile(model, backend="cgtrees", options={"cache": False, **options})
-    for _ in range(steps):
+    batches = []  # each step's input and gradient stay alive (a loader's queue): a new address each step,
+    for _ in range(steps):  # so the replays would copy them (one at the same address is read in place)
         x = torch.randn(4096, 2048, device=DEV)
         dy = torch.randn(4096, 2048, device=DEV)
         xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -48,6 +49,7 @@ def _train(options: dict, steps: int = 4) -> None:
         for p, q in zip(model.parameters(), eager.parameters()):  # sums over 4096 rows: atol scaled
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * max(1.0, q.grad.abs().max().item()))
             p.grad = q.grad = None
+        batches.append((xa.detach(), dy))
         del out, xa  # as a training loop drops them: a kept output would force a new recording
 
 

@@ -1,0 +1,100 @@
+"""R6 for inputs the program does not mark static (issue 45: a KV cache made inside compiled code,
+FSDP2's parameters): an input at the address it had at the shape's warmup is read, and written,
+where it is; one that moves is copied into a slot from then on, and static inputs that move at
+every call are copied too, so the function replays. Results, and the mutated inputs, as eager's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.utils import counters
+
+import backend.runtime as runtime
+
+DEV = "cuda"
+pytestmark = pytest.mark.usefixtures("kernel_modules")
+
+
+def stat(key: str) -> int:
+    return counters["cgtrees"][key]
+
+
+def step(cache: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A decode step's shape: write x at ``pos`` of the cache, read the whole cache."""
+    cache.index_copy_(0, pos, x)
+    return (cache * 2).sum(0)
+
+
+def _run(f, cache, ref_cache, pos, steps: int, start: int = 0) -> None:
+    for i in range(start, start + steps):
+        x = torch.randn(1, 64, device=DEV)
+        pos.fill_(i)
+        out, want = f(cache, pos, x), step(ref_cache, pos.clone(), x)
+        torch.testing.assert_close(out, want, msg=lambda m: f"{m}\n{runtime.describe()}")
+        torch.testing.assert_close(cache, ref_cache)
+
+
+def test_mutated_input_at_one_address_is_written_in_place():
+    cache, ref = torch.zeros(32, 64, device=DEV), torch.zeros(32, 64, device=DEV)
+    pos = torch.zeros(1, dtype=torch.long, device=DEV)
+    f = torch.compile(step, backend="cgtrees", options={"cache": False})
+    with torch.no_grad():
+        _run(f, cache, ref, pos, 8)
+    text = runtime.describe()
+    assert stat("cudagraph_recorded") == 1 and stat("cudagraph_replayed") == 6, text
+    assert "inputs copied=1 checked=2" in text, text  # only x, fresh each call, is copied
+
+
+def test_a_moved_input_is_copied_from_then_on():
+    """A new cache (another address) records once more, with the cache copied; both stay right,
+    and no limit counts it (the function keeps its graphs)."""
+    pos = torch.zeros(1, dtype=torch.long, device=DEV)
+    f = torch.compile(step, backend="cgtrees", options={"cache": False, "max_rerecords_per_function": 0})
+    kept = []  # the old caches: each new one is at a new address
+    with torch.no_grad():
+        for _ in range(3):  # a new cache per generation
+            cache, ref = torch.zeros(32, 64, device=DEV), torch.zeros(32, 64, device=DEV)
+            _run(f, cache, ref, pos, 6)
+            kept.append(cache)
+    text = runtime.describe()
+    assert stat("cudagraph_skips") == 0 and "no CUDA graphs" not in text, text
+    assert stat("cudagraph_recorded") == 2, text
+    assert stat("cudagraph_replayed") == 18 - 1 - 2, text
+    assert "inputs copied=2 checked=1" in text, text  # the second recording copies the cache (and x)
+
+
+def test_alternating_addresses_stay_right():
+    """Two caches used in turn (double buffering): never a replay over the other one's memory."""
+    caches = [torch.zeros(32, 64, device=DEV) for _ in range(2)]
+    refs = [torch.zeros(32, 64, device=DEV) for _ in range(2)]
+    pos = torch.zeros(1, dtype=torch.long, device=DEV)
+    f = torch.compile(step, backend="cgtrees", options={"cache": False})
+    with torch.no_grad():
+        for i in range(12):
+            _run(f, caches[i % 2], refs[i % 2], pos, 1, start=i // 2)
+    assert stat("cudagraph_skips") == 0 and stat("cudagraph_replayed") >= 8, runtime.describe()
+
+
+def test_parameters_that_move_every_call_are_copied():
+    """FSDP2 frees each unsharded parameter's memory after use and gathers it again before the next
+    (``storage.resize_``): the Parameter and its storage live on, at a new address every call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(DEV)
+    eager = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).to(DEV)
+    eager.load_state_dict(model.state_dict())
+    f = torch.compile(model, backend="cgtrees", options={"cache": False})
+    hold = []  # what takes each freed block, so the gathered parameter lands elsewhere
+    with torch.no_grad():
+        for _ in range(8):
+            for p in model.parameters():  # gathered again: same values, another address
+                values, storage = p.detach().clone(), p.untyped_storage()
+                nbytes = storage.nbytes()
+                storage.resize_(0)
+                hold.append(torch.empty(nbytes, dtype=torch.uint8, device=DEV))
+                storage.resize_(nbytes)
+                p.copy_(values)
+            x = torch.randn(16, 64, device=DEV)
+            torch.testing.assert_close(f(x), eager(x), msg=lambda m: f"{m}\n{runtime.describe()}")
+    text = runtime.describe()
+    assert stat("cudagraph_replayed") >= 3 and "no CUDA graphs" not in text, text
