@@ -17,6 +17,9 @@ Two paths:
   compile_config=CompileConfig(fullgraph=True, backend=B))``; generate compiles its decode step and
   runs the prefill eagerly (eager: ``disable_compile=True``; reduce-overhead: backend "inductor",
   CompileConfig's default mode).
+- ``hf-forward``: the older path, ``model.forward = torch.compile(model.forward, ...)`` and generate
+  with ``disable_compile=True``: the prefill is compiled too (reduce-overhead fails on it: "To prevent
+  overwriting, clone the tensor outside of torch.compile()").
 
 Figures (``ms_token``: GPU-synchronised wall time per decode step, batch sequences each):
 - ``tokens_s`` = batch / ms_token; ``hbm_fraction`` = the weights' bytes / ms_token / the device's
@@ -150,13 +153,17 @@ class Loop:
 # --- Hugging Face's generate ------------------------------------------------------------------------
 
 class HF:
+    older = False  # HFForward: the model's forward compiled, prefill included
+
     def __init__(self, model: torch.nn.Module, backend: str, batch: int, cache: int, new: int) -> None:
         from transformers.generation import CompileConfig
 
         self.model, self.new, self.prompt_len = model, new, cache - new
         self.kwargs: dict = {"cache_implementation": "static", "do_sample": False}
-        if backend == "eager":
+        if backend == "eager" or self.older:
             self.kwargs["disable_compile"] = True
+            if backend != "eager":  # a new module object: the eager reference keeps the plain forward
+                self.model = _with_compiled_forward(model, backend)
         else:
             config = CompileConfig(fullgraph=True, backend="inductor" if backend == "reduce-overhead" else "cgtrees")
             if next(model.parameters()).device.type == "cpu":
@@ -170,6 +177,22 @@ class HF:
                                   output_logits=keep_logits, return_dict_in_generate=True, **self.kwargs)
         self.tokens = out.sequences[:, prompt.shape[1]:]
         return out.logits[1].float().clone() if keep_logits else None
+
+
+class HFForward(HF):
+    """The older path: ``model.forward = torch.compile(model.forward, ...)``, then generate with its
+    own compilation off; the prefill is compiled too, and makes the static cache inside it."""
+
+    older = True
+
+
+def _with_compiled_forward(model: torch.nn.Module, backend: str) -> torch.nn.Module:
+    import copy
+
+    compiled = copy.copy(model)  # shares the parameters; its own forward attribute
+    kwargs = {"mode": "reduce-overhead"} if backend == "reduce-overhead" else {"backend": "cgtrees"}
+    compiled.forward = torch.compile(model.forward, **kwargs)
+    return compiled
 
 
 def per_token(prof: dict, new: int) -> dict:
@@ -198,7 +221,7 @@ def measure(spec: dict, phase: Callable[[str], None]) -> dict:
     device = torch.device(spec["device"])
     phase("build")
     model = build(spec["smoke"], device)
-    make = Loop if spec["path"] == "loop" else HF
+    make = {"loop": Loop, "hf": HF, "hf-forward": HFForward}[spec["path"]]
     batch, cache, new = spec["batch"], spec["cache"], spec["new"]
     prompt = torch.randint(0, model.config.vocab_size, (batch, cache - new), device=device,
                            generator=torch.Generator(device).manual_seed(1))
@@ -255,7 +278,7 @@ def run(spec: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--path", choices=("loop", "hf"), required=True)
+    p.add_argument("--path", choices=("loop", "hf", "hf-forward"), required=True)
     p.add_argument("--backend", choices=BACKENDS, required=True)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cache", type=int, default=160, help="cache length: the prompt fills it but --new tokens")
