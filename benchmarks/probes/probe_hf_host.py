@@ -1,6 +1,6 @@
 """Where the host time of Hugging Face's generate path goes, per decode step (issue 45).
 
-    python benchmarks/probes/probe_hf_host.py [--backend cgtrees|inductor] [--smoke] [--out FILE]
+    python benchmarks/probes/probe_hf_host.py [--backend cgtrees|inductor] [--path hf|hf-forward] [--smoke] [--out FILE]
 
 ``serve_worker.HF``'s path (1.1B Llama, bf16, batch 1, cache 160): generate compiles its decode step
 with the backend. A wrapper around the backend's compiled function times our part (``backend_ms``:
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -65,6 +66,7 @@ def timed_backend(name: str, timer: Timer):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cgtrees")
+    p.add_argument("--path", default="hf", choices=("hf", "hf-forward"))
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--cprofile", action="store_true", help="also: where the backend's part spends it (cProfile)")
@@ -72,14 +74,22 @@ def main() -> None:
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = serve_worker.build(a.smoke, device)
-    hf = serve_worker.HF(model, "cgtrees", 1, 32 + a.new, a.new)
     ours = Timer(cProfile.Profile() if a.cprofile else None)
-    hf.kwargs["compile_config"].backend = timed_backend(a.backend, ours)
+    if a.path == "hf":
+        hf = serve_worker.HF(model, "cgtrees", 1, 32 + a.new, a.new)
+        hf.kwargs["compile_config"].backend = timed_backend(a.backend, ours)
+    else:  # the older path: the model's forward compiled (the prefill too)
+        hf = serve_worker.HFForward(model, "cgtrees", 1, 32 + a.new, a.new)
+        hf.model.forward = torch.compile(model.forward, backend=timed_backend(a.backend, ours))
     prompt = torch.randint(0, model.config.vocab_size, (1, 32), device=device)
     for _ in range(2):  # compile, then record
         hf.generate(prompt)
     whole = Timer()
-    model._compiled_call = whole.wrap(model._compiled_call)
+    if a.path == "hf":
+        model._compiled_call = whole.wrap(model._compiled_call)
+    else:
+        hf.model.forward = whole.wrap(hf.model.forward)
+    before = dict(counters["cgtrees"])
     ours.total = ours.calls = 0
     ours.profiler = cProfile.Profile() if a.cprofile else None  # the steady calls only
     serve_worker.sync(device)
@@ -87,9 +97,15 @@ def main() -> None:
     hf.generate(prompt)
     serve_worker.sync(device)
     gen_ms = (time.perf_counter() - start) / a.new * 1e3
-    row = {"backend": a.backend, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    row = {"backend": a.backend, "path": a.path,
+           "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "generate_ms": gen_ms, "compiled_call_ms": whole.ms(), "backend_ms": ours.ms(),
            "decode_calls": whole.calls}
+    row["steady_counters"] = {k: v - before.get(k, 0) for k, v in counters["cgtrees"].items() if v != before.get(k, 0)}
+    if a.backend == "cgtrees":
+        import backend.runtime
+
+        row["describe"] = backend.runtime.describe().splitlines()
     if ours.profiler is not None:
         ours.profiler.disable()
         text = io.StringIO()

@@ -26,13 +26,19 @@ def step(cache: torch.Tensor, pos: torch.Tensor, x: torch.Tensor) -> torch.Tenso
     return (cache * 2).sum(0)
 
 
+HELD = []  # every step's new token stays alive: each is at a new address, so it is copied
+
+
 def _run(f, cache, ref_cache, pos, steps: int, start: int = 0) -> None:
     for i in range(start, start + steps):
         x = torch.randn(1, 64, device=DEV)
+        HELD.append(x)
         pos.fill_(i)
+        torch.compiler.cudagraph_mark_step_begin()  # a decode loop's step: the last output is dead
         out, want = f(cache, pos, x), step(ref_cache, pos.clone(), x)
         torch.testing.assert_close(out, want, msg=lambda m: f"{m}\n{runtime.describe()}")
         torch.testing.assert_close(cache, ref_cache)
+        del out
 
 
 def test_mutated_input_at_one_address_is_written_in_place():
