@@ -9,10 +9,12 @@ Invariants:
   * addresses changed (a static input moved): ``max_rerecords_per_function``, then no graphs, with
     a warning; static inputs that moved on each of the last calls, so that no recording of them
     replayed (FSDP2 gathers its parameters anew every step), are copied into slots from then on;
-  * an input the program does not mark static but that came back at the address it had at the
-    shape's warmup is read (and, mutated, written) where it is: a KV cache made where the compiled
-    code cannot mark it. When it moves, it is copied into a slot from then on (a new recording,
-    not counted against a limit: each input is demoted once);
+  * a mutated input the program does not mark static, at the address it had at the shape's
+    warmup, is written where it is (a KV cache made where the compiled code cannot mark it). When
+    it moves, a new recording writes it at its new place (a new cache: the old recording goes with
+    the old cache), or, if the last recording never replayed (it moves at every call), copies it
+    into a slot from then on; neither is counted against a limit (``_max_nodes_per_shape`` bounds
+    them);
   * a live output is in the way (R2): ``max_live_branches_per_function``, then the function's new
     nodes copy their outputs out of the pool, so what the user keeps stays right and nothing more
     accumulates in the pool;
@@ -55,6 +57,7 @@ class Why(enum.Enum):
     LIVE = "a live output is in the way"  # max_live_branches_per_function (R2)
     PARENT = "runs after another node"  # pool inputs elsewhere: a new branch of the tree
     ORPHANS = "its model is gone"  # the dropped nodes' parameters no longer exist
+    INPUT_MOVED = "an input written in place moved"  # a new KV cache, or one copied from now on
 
 _WORTH_RECORDING = 8  # replays that pay for a recording (a capture costs about what 10 calls do)
 _record_lock = threading.RLock()
@@ -91,6 +94,7 @@ class GraphFunction:
         self.copy_out = False
         self.shape_keys: list[Any] = []
         self.warm_ptrs: dict[Any, tuple[int, ...]] = {}  # by shape key: the inputs' addresses at its warmup
+        self.recorded_keys: set[Any] = set()
         self.copied: frozenset[int] = frozenset()  # inputs whose address changed: copied into slots
         self.record_reasons: collections.Counter[str] = collections.Counter()  # why each recording was made
 
@@ -140,8 +144,12 @@ class GraphFunction:
                 self.shape_keys.append(key)
             nodes = by_key[key] = []
         else:
-            why = self._drop_orphans(manager, nodes) or self._why_nodes_fail(args, manager, nodes)
-            if why is Why.STATIC_MOVED and self._demote_moved(args, nodes):
+            why = self._written_input_moved(args, nodes)  # before the orphans go: its old storage may be dead
+            if why is not None:
+                self._drop_orphans(manager, nodes)
+            else:
+                why = self._drop_orphans(manager, nodes) or self._why_nodes_fail(args, manager, nodes)
+            if why is Why.STATIC_MOVED and self._demote_static(args, nodes):
                 pass  # recorded again with the moved inputs copied: not counted
             elif why is Why.STATIC_MOVED:
                 self.rerecords += 1
@@ -176,26 +184,41 @@ class GraphFunction:
             return None
         return Why.STATIC_MOVED if any(node.replays < _WORTH_RECORDING for node in orphans) else Why.ORPHANS
 
-    def _demote_moved(self, args: list[Any], nodes: list[GraphNode]) -> bool:
-        """Copy into slots, from now on, the inputs that moved: those read in place only because
-        they had stayed at one address, and static ones that moved at every call since they were
-        recorded (no node replayed, after a re-record). Whether any was demoted."""
-        moved = set().union(*(node.moved_inputs(args) for node in nodes)) - self.copied
-        demoted = {i for i in moved if not marked_static(i, args[i], self.static)}
-        if not demoted and moved and self.rerecords >= 1 and not any(node.replays for node in nodes):
-            demoted = moved
-            log_once(log, f"moving-static:{self.name}",
-                     "cgtrees: %s: static inputs %s moved at every call (no recording of them replayed): "
-                     "they are copied into the graph's slots from now on", self.name, sorted(moved),
-                     level=logging.INFO)
-        self.copied = self.copied | demoted
-        return bool(demoted)
+    def _written_input_moved(self, args: list[Any], nodes: list[GraphNode]) -> Why | None:
+        """INPUT_MOVED when a mutated input that the newest recording writes in place (without a
+        mark) is elsewhere now. If that recording never replayed, the input moves at every call:
+        it is copied into a slot from now on; else it is a new buffer that stays (a new KV cache),
+        written in place by the next recording too."""
+        latest = nodes[-1]
+        moved = {i for i in latest.moved_inputs(args) if not marked_static(i, args[i], self.static)} - self.copied
+        if not moved:
+            return None
+        if latest.replays == 0:
+            self.copied = self.copied | moved
+        return Why.INPUT_MOVED
 
-    def _stable_inputs(self, args: list[Any], key: Any) -> frozenset[int]:
-        """The tensor inputs at the address they had at this shape's warmup (and not since moved)."""
-        warm = self.warm_ptrs.get(key, ())
-        return frozenset(i for i, (a, ptr) in enumerate(zip(args, warm))
-                         if ptr and i not in self.copied and isinstance(a, torch.Tensor) and a.data_ptr() == ptr)
+    def _demote_static(self, args: list[Any], nodes: list[GraphNode]) -> bool:
+        """Copy into slots, from now on, the static inputs that moved at every call since they were
+        recorded (no node replayed, after a re-record: FSDP2 gathers its parameters anew each step).
+        Whether any was."""
+        moved = set().union(*(node.moved_inputs(args) for node in nodes)) - self.copied
+        if not moved or self.rerecords < 1 or any(node.replays for node in nodes):
+            return False
+        log_once(log, f"moving-static:{self.name}",
+                 "cgtrees: %s: static inputs %s moved at every call (no recording of them replayed): "
+                 "they are copied into the graph's slots from now on", self.name, sorted(moved),
+                 level=logging.INFO)
+        self.copied = self.copied | moved
+        return True
+
+    def _written_in_place(self, args: list[Any], key: Any) -> frozenset[int]:
+        """The mutated tensor inputs a recording writes where they are (not marked static, not
+        copied since they moved): at this shape's first recording, those still where its warmup
+        found them; at a later one, all (``_written_input_moved`` demotes those that move)."""
+        warm = self.warm_ptrs.get(key) if key not in self.recorded_keys else None
+        return frozenset(i for i in self.mutated
+                         if i not in self.copied and isinstance(args[i], torch.Tensor) and args[i].data_ptr()
+                         and (warm is None or warm[i] == args[i].data_ptr()))
 
     def _max_nodes_per_shape(self) -> int:
         c = self.config
@@ -228,7 +251,7 @@ class GraphFunction:
         # cuBLAS workspace reset must not happen while another thread captures.
         with _record_lock:
             live = manager.prepare_recording()
-            stable = self._stable_inputs(args, key)
+            stable = self._written_in_place(args, key)
             too_costly = self._copies_outweigh_launches(args, {e.key[0] for e in live}, stable)
             if too_costly is not None:
                 return self._give_up(args, too_costly)
@@ -243,6 +266,7 @@ class GraphFunction:
                 compat.recover_generator(manager.device)
                 return self._give_up(args, f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
         nodes.append(node)
+        self.recorded_keys.add(key)
         manager.after_recording(node)
         counters.bump("cudagraph_recorded")
         args.clear()

@@ -5,10 +5,9 @@ Invariants:
   captured. The allocator never handed their blocks to the capture, so every byte the graph writes
   lies outside them: replaying is safe exactly when every live pool output is in ``protected``.
 - Inputs are read in one of two ways, fixed at record time: *checked* inputs (static inputs,
-  inputs at a stable address (``function``: the same at the shape's warmup and at the recording;
-  a mutated one is then written where it is, a KV cache), and inputs that already live in the
-  pool) are read where they are, and the replay only compares their addresses (one C call); every
-  other tensor input is *copied* into an input slot. A slot is pool
+  mutated inputs at a stable address (``function``: a KV cache, written where it is), and inputs
+  that already live in the pool) are read where they are, and the replay only compares their
+  addresses (one C call); every other tensor input is *copied* into an input slot. A slot is pool
   memory allocated inside the capture and freed there at its last read (the graph may reuse it), so
   copying into its address is a write of this graph; mutated and broadcast inputs keep a slot of
   their own outside the pool, and mutated ones are written back.
@@ -169,8 +168,8 @@ class GraphNode:
                live_ptrs: set[int], stable: frozenset[int] = frozenset(),
                copied: frozenset[int] = frozenset()) -> list[Any]:
         """Capture ``call`` on ``args``, replay it once, checkpoint; returns this call's outputs.
-        ``stable``: inputs read where they are because they came back at one address (``static``:
-        those the program marks); ``copied``: inputs copied into slots whatever they are."""
+        ``stable``: mutated inputs written where they are, at a stable address (``static``: the
+        inputs the program marks); ``copied``: inputs copied into slots whatever they are."""
         self._plan_inputs(args, static, live_ptrs, mutated, stable, copied)  # which are copied, which checked
         try:
             outs = self._capture(call, args)  # the graph; outputs are pool tensors
@@ -219,7 +218,7 @@ class GraphNode:
             if read_in_place(i, a, static | stable, live_ptrs, copied):
                 if a.untyped_storage().data_ptr() not in live_ptrs:
                     self.static_index.append(i)
-                    if marked_static(i, a, static):  # not a tensor the caller makes anew each call
+                    if marked_static(i, a, static) or i in stable:  # when it is gone, so is the graph
                         self.static_storages.append(WeakStorage(a.untyped_storage()))
                 elif self.kind == "backward" and not self.copy_out:
                     self.handoff.append(i)

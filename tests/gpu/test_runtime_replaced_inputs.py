@@ -3,6 +3,8 @@ stale addresses (issue 17: `weight.data = ...` after three calls gave other valu
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn as nn
@@ -93,8 +95,10 @@ def test_replaced_parameter_training_gradients():
             p.grad = q.grad = None
 
 
-def test_static_input_moving_every_call_gives_up_right():
-    """Past max_rerecords_per_function, the function runs without graphs, still right."""
+def test_static_input_moving_every_call_is_copied():
+    """A parameter at a new address at every call (FSDP2 gathers its parameters anew each step):
+    once a re-recording never replayed either, the parameter is copied into the graph's slot, and
+    the function replays, right, without counting more re-records."""
     model = linears()
     f = torch.compile(model, backend="cgtrees", options={"max_rerecords_per_function": 2})
     x = torch.randn(8, 64, device=DEV)
@@ -103,5 +107,24 @@ def test_static_input_moving_every_call_gives_up_right():
         for _ in range(10):
             kept.append(model[0].weight.data)
             _replace(model, "data")
+            _check(f, model, x)
+    text = runtime.describe()
+    assert stat("cudagraph_skips") == 0 and stat("cudagraph_recorded") == 3, text
+    assert stat("cudagraph_replayed") == 10 - 1 - 3, text
+    assert re.search(r"inputs \[\d+\] copied after they moved", text), text
+
+
+def test_static_input_moving_now_and_then_gives_up_right():
+    """A parameter replaced every other call: each recording replays once, so it stays a static
+    input, and past max_rerecords_per_function the function runs without graphs, still right."""
+    model = linears()
+    f = torch.compile(model, backend="cgtrees", options={"max_rerecords_per_function": 2})
+    x = torch.randn(8, 64, device=DEV)
+    kept = []
+    with torch.no_grad():
+        for i in range(12):
+            if i % 2:
+                kept.append(model[0].weight.data)
+                _replace(model, "data")
             _check(f, model, x)
     assert stat("cudagraph_skips") == 1, runtime.describe()

@@ -1,9 +1,12 @@
-"""R6 for inputs the program does not mark static (issue 45: a KV cache made inside compiled code,
-FSDP2's parameters): an input at the address it had at the shape's warmup is read, and written,
-where it is; one that moves is copied into a slot from then on, and static inputs that move at
-every call are copied too, so the function replays. Results, and the mutated inputs, as eager's."""
+"""R6 for a mutated input the program does not mark static (issue 45: a KV cache made inside
+compiled code): at the address it had at the shape's warmup, it is written where it is; a new one
+(a new cache) is written where it is by a new recording; one that moves at every call is copied
+into a slot from then on. Static inputs that move at every call (FSDP2's parameters) are copied
+too, so the function replays. Results, and the mutated inputs, as eager's."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -49,25 +52,40 @@ def test_mutated_input_at_one_address_is_written_in_place():
         _run(f, cache, ref, pos, 8)
     text = runtime.describe()
     assert stat("cudagraph_recorded") == 1 and stat("cudagraph_replayed") == 6, text
-    assert "inputs copied=1 checked=2" in text, text  # only x, fresh each call, is copied
+    assert "inputs copied=2 checked=1" in text, text  # the cache is checked; x and pos are copied
 
 
-def test_a_moved_input_is_copied_from_then_on():
-    """A new cache (another address) records once more, with the cache copied; both stay right,
-    and no limit counts it (the function keeps its graphs)."""
+def test_a_new_cache_is_written_in_place_by_a_new_recording():
+    """A new cache per generation (at a new address: the old ones are kept) records once more, the
+    cache written in place again; no limit counts it (the function keeps its graphs)."""
     pos = torch.zeros(1, dtype=torch.long, device=DEV)
     f = torch.compile(step, backend="cgtrees", options={"cache": False, "max_rerecords_per_function": 0})
-    kept = []  # the old caches: each new one is at a new address
+    kept = []
     with torch.no_grad():
-        for _ in range(3):  # a new cache per generation
+        for _ in range(3):
             cache, ref = torch.zeros(32, 64, device=DEV), torch.zeros(32, 64, device=DEV)
             _run(f, cache, ref, pos, 6)
             kept.append(cache)
     text = runtime.describe()
     assert stat("cudagraph_skips") == 0 and "no CUDA graphs" not in text, text
-    assert stat("cudagraph_recorded") == 2, text
-    assert stat("cudagraph_replayed") == 18 - 1 - 2, text
-    assert "inputs copied=2 checked=1" in text, text  # the second recording copies the cache (and x)
+    assert stat("cudagraph_recorded") == 3 and stat("cudagraph_replayed") == 18 - 1 - 3, text
+    assert text.count("inputs copied=2 checked=1") == 3, text  # each writes its cache in place
+    assert "2 an input written in place moved" in text, text
+
+
+def test_a_cache_moving_every_call_is_copied():
+    """Recorded in place, then another cache at every call: the recording never replayed, so the
+    cache is copied into a slot (and written back) from then on: one more recording, then replays."""
+    caches = [torch.zeros(32, 64, device=DEV) for _ in range(2)]
+    refs = [torch.zeros(32, 64, device=DEV) for _ in range(2)]
+    pos = torch.zeros(1, dtype=torch.long, device=DEV)
+    f = torch.compile(step, backend="cgtrees", options={"cache": False})
+    with torch.no_grad():
+        for i, which in enumerate([0, 0] + [1, 0] * 4):
+            _run(f, caches[which], refs[which], pos, 1, start=i)
+    text = runtime.describe()
+    assert stat("cudagraph_recorded") == 2 and stat("cudagraph_replayed") == 10 - 3, text
+    assert re.search(r"inputs \[\d+\] copied after they moved", text), text
 
 
 def test_alternating_addresses_stay_right():
