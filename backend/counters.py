@@ -7,6 +7,8 @@ from torch._dynamo.utils import counters
 KEYS = (
     "graphs_compiled", "graph_fallbacks", "kernels_generated", "aten_fallbacks", "aten_gaps",
     "cache_hit", "cache_miss", "cache_bypass", "cache_corrupt",
+    # the same per cache level (``cache.events``): "aot", a Dynamo graph's whole AOT result; "module", a kernel module
+    *(f"cache_{event}_{level}" for level in ("aot", "module") for event in ("hit", "miss", "bypass", "corrupt")),
     "cudagraph_warmup", "cudagraph_recorded", "cudagraph_replayed", "cudagraph_skips",
     "bucketed_graphs", "bucket_shapes",  # batch_buckets: graphs padded to buckets, sizes they first ran at
 )

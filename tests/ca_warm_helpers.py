@@ -147,3 +147,15 @@ def check_cold_and_warm(cold: dict, warm: dict, tolerance: float = 1e-5) -> None
     assert set(cold["backward"]) <= set(cold["aot_misses"]), cold  # compiled and recorded
     assert set(warm["backward"]) <= set(warm["aot_hits"]), warm  # loaded from level 1
     assert set(warm["bypassed"]).isdisjoint(["g0", *warm["backward"]]), warm
+
+
+def check_other_sizes(cold: dict, warm: dict, tolerance: float = 1e-5) -> None:
+    """A warm process that trains on other batch sizes than the cold one: both match eager, no
+    graph bypasses level 1 or falls back, the graphs of the cold process's first batch (the forward
+    and its backward) hit, and only the graphs that missed (new batch sizes: compiled and written)
+    were traced through AOTAutograd."""
+    for run in (cold, warm):
+        assert run["error"] < tolerance and run["bypassed"] == {}, run
+        assert not run["counters"].get("cache_corrupt") and not run["counters"].get("graph_fallbacks"), run
+    assert {"g0", warm["backward"][0]} <= set(warm["aot_hits"]), warm
+    assert warm["calls"]["aot"] == len(warm["aot_misses"]), warm

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import sys
 import tempfile
 import time
 from typing import Any, Callable
@@ -202,7 +203,9 @@ def run_case(name: str, rank: int, device: str, steps: int) -> Report:
 
 
 def _worker(rank: int, port: int, cases: list[str], device: str, env: dict[str, str], out_dir: str,
-            steps: int) -> None:
+            steps: int, backend_root: str | None = None) -> None:
+    if backend_root is not None:  # before anything imports it
+        sys.path.insert(0, backend_root)
     os.environ.update(env)  # before anything compiles (CGTREES_INTERPRET decides how kernels load)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # two ranks on a 2-core machine
@@ -224,11 +227,13 @@ def free_port() -> int:
 
 
 def run_cases(cases: list[str], device: str, env: dict[str, str], timeout_s: float,
-              steps: int = STEPS) -> list[dict[str, Report]]:
+              steps: int = STEPS, backend_root: str | None = None) -> list[dict[str, Report]]:
     """Both ranks' reports, per case. A rank that fails raises here with its traceback; a run past
-    ``timeout_s`` is killed and raises TimeoutError."""
+    ``timeout_s`` is killed and raises TimeoutError. ``backend_root``: the directory the ranks
+    import ``backend`` from (a snapshot: the cache key hashes our source), else the usual one."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_worker, args=(free_port(), cases, device, env, out_dir, steps), nprocs=WORLD,
+        args = (free_port(), cases, device, env, out_dir, steps, backend_root)
+        ctx = mp.start_processes(_worker, args=args, nprocs=WORLD,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         try:

@@ -23,6 +23,9 @@ Tolerances, relative to each tensor's largest eager entry:
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
 from distributed_helpers import CASES, assert_close_reports, run_cases
@@ -102,3 +105,25 @@ def test_generated_kernels(tmp_path):
             assert c.get("kernels_generated", 0) + c.get("cache_hit_module", 0) > 0, (case, c)
             assert not c.get("graph_fallbacks"), (case, c)
             assert_close_reports(reports[case], INTERPRET_TOL, f"{case} interpreted, rank {rank}")
+
+
+def test_warm_ranks_load_ddp_pieces_from_level_one(tmp_path):
+    """DDPOptimizer's pieces (training pieces, and the eval forward's inference pieces) reach us
+    with fake example activations, and bypassed level 1 until issue 46 ("input 0 is a FakeTensor",
+    logged once a piece a rank). Two ranks fill a cache (each may load what the other wrote); two
+    fresh ranks on it load every piece from level 1, trace none through AOTAutograd (DDPOptimizer
+    makes a loaded piece's fake outputs itself), and get eager DDP's gradients and parameters."""
+    root = tmp_path / "snapshot"  # the ranks import this copy: the key hashes our source
+    shutil.copytree(Path(__file__).resolve().parent.parent / "backend", root / "backend",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {"CGTREES_CACHE_DIR": str(tmp_path / "cache"), "CGTREES_INTERPRET": "0"}
+    case, graphs = "compiled_ddp_buckets", 2 * PIECES
+    runs = [run_cases([case], "cpu", env, timeout_s=150, backend_root=str(root)) for _ in range(2)]
+    for cold_or_warm in runs:
+        for rank, reports in enumerate(cold_or_warm):
+            assert_close_reports(reports[case], ATEN_TOL, f"{case}, rank {rank}")
+            c = reports[case].counters
+            assert c.get("ddp_pieces") == graphs and not c.get("cache_bypass") and not c.get("graph_fallbacks"), c
+    for reports in runs[1]:
+        c = reports[case].counters
+        assert c.get("cache_hit_aot") == graphs and not c.get("cache_miss_aot"), c

@@ -31,15 +31,12 @@ prologue by the canonical text of its trace on the call's example values (what i
 AOTAutograd will see of it). A C++ custom autograd Function's op is named ``CppNode<Name><n>``,
 numbered in the order a process first meets it, so a key on it could match another process's
 different graph: such a graph bypasses the first level with that reason (logged); the second level
-(kernel modules, keyed by the aten graph) still hits. So does a graph with symbolic sizes, as the
-context manager makes them by default (``dynamic=True``; ``torch._dynamo.config.compiled_autograd``
-follows ``torch.compile``'s ``dynamic``), with the reason ``SYMBOLIC_SIZES``: level 1 rebuilds
-static shapes only, because a hit skips AOTAutograd and codegen, and so the guards on the sizes they
-add to Dynamo's while compiling a symbolic graph; replaying those across processes would take
-ShapeEnv's private guard expressions, and specializing each size to its hint would turn one
-dynamic graph into one compile per batch size. ``_enable(compiler, dynamic=False)`` traces static
-sizes, which hit. A level-1 hit rebuilds the same runtime treatment: the part runs as a backward,
-behind the same flattening call.
+(kernel modules, keyed by the aten graph) still hits. A graph with symbolic sizes, as the context
+manager makes them by default (``dynamic=True``; ``torch._dynamo.config.compiled_autograd`` follows
+``torch.compile``'s ``dynamic``), is keyed like any symbolic graph: its sizes as symbols, the guards
+on them kept in the entry (``cache.aot``); a prologue that takes sizes (a symbolic forward's
+``ctx.symints``) is traced with them as inputs. A level-1 hit rebuilds the same runtime treatment:
+the part runs as a backward, behind the same flattening call.
 
 **The forward's level-1 entry** (``cache.aot``, ``cache.backward_graph``) keeps AOTAutograd's
 backward graph and metadata, and the rebuilt forward's autograd.Function carries what compiled
@@ -77,30 +74,13 @@ def compile_backward_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], 
     function would lack the call that takes the list)."""
     name = f"g{graph_id}"
     flat = flatten(gm, example_inputs)  # the list input -> one input per element
-    if _has_symbolic_sizes(flat):  # level 1 keeps static shapes only: say why it is bypassed
-        hints = Level1Hints(bypass=SYMBOLIC_SIZES)
-    else:  # compiled autograd's calls named for the cache key, or why level 1 cannot key it
-        hints = name_ops(flat.gm)
+    hints = name_ops(flat.gm)  # compiled autograd's calls named for the cache key, or why level 1 cannot key it
     log.info("cgtrees: %s is a compiled-autograd backward (%d list inputs flattened)", name, flat.num_listed)
     # backward(create_graph=True) runs with grad mode on: differentiable, compiled as any graph
     compiled = driver.compile_dynamo_graph(flat.gm, flat.inputs, config, graph_id,
                                            backward=not torch.is_grad_enabled(), hints=hints)
     counters.bump("compiled_autograd_graphs")  # not before: Dynamo may restart a compile
     return flat.caller(compiled)
-
-
-SYMBOLIC_SIZES = ("compiled autograd traced this backward with symbolic sizes (the default of "
-                  "compiled_autograd._enable, dynamic=True, or sizes that changed), and level 1 keeps static "
-                  "shapes only: a hit skips AOTAutograd and codegen, and with them the guards on those sizes that "
-                  "they would add to Dynamo's; _enable(compiler, dynamic=False) traces static sizes, which hit")
-
-
-def _has_symbolic_sizes(flat: FlatGraph) -> bool:
-    """Whether an input, or an input's example value, is or has a symbolic size."""
-    symbolic = (torch.SymInt, torch.SymFloat, torch.SymBool)
-    values = [*flat.inputs, *(n.meta.get("example_value") for n in flat.gm.graph.find_nodes(op="placeholder"))]
-    return any(isinstance(x, symbolic) or isinstance(x, torch.Tensor)
-               and any(isinstance(s, symbolic) for s in (*x.shape, *x.stride())) for x in values)
 
 
 # ---------------------------------------------------------------- naming ops for the cache key
@@ -142,10 +122,8 @@ def _traced_text(node: torch.fx.Node) -> str:
     if any(isinstance(leaf, torch.fx.Node) and "example_value" not in leaf.meta for leaf in leaves):
         raise Uncacheable("an argument has no example value")
     values = [leaf.meta["example_value"] if isinstance(leaf, torch.fx.Node) else leaf for leaf in leaves]
-    sizes = [s for v in values if isinstance(v, torch.Tensor) for s in (*v.shape, *v.stride())]
-    if any(isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) for v in [*values, *sizes]):
-        raise Uncacheable("dynamic shapes")
-    positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+    # tensors and sizes are the trace's inputs (a symbolic graph's sizes, the forward's ``ctx.symints``)
+    positions = [i for i, v in enumerate(values) if isinstance(v, (torch.Tensor, torch.SymInt))]
 
     def call(*tensors: torch.Tensor) -> Any:
         filled = list(values)

@@ -26,8 +26,15 @@ Invariants:
   AOTAutograd's lazy backward compile reads back piece by piece. Not bumped: the first backward
   of a split graph fails ("expected same # of fw and bw compiles, but found bucket -1").
 - A piece's first call is made by DDPOptimizer at compile time with fake tensors, and AOTAutograd
-  answers it with fake outputs (``fakify_first_call``). So a piece keeps AOTAutograd's runtime
-  wrappers: our lean inference wrapper would run the kernel module on fake tensors.
+  answers it with fake outputs (``fakify_first_call``). So a piece compiled here keeps
+  AOTAutograd's runtime wrappers: our lean inference wrapper would run the kernel module on fake
+  tensors.
+- A piece that level 1 holds (its example activations are fake tensors, keyed as any tensor) is
+  loaded without AOTAutograd, and the counter is not bumped: DDPOptimizer then makes the fake
+  outputs itself, running the piece's graph on its fake inputs, and keeps no metadata for it. The
+  metadata it keeps for the pieces AOTAutograd compiles is a stack, read back one piece per lazy
+  backward compile in reverse order; a loaded piece neither pushes nor pops (its backward is ours),
+  so hits and misses mix in one graph (the ranks of one cache: one may write what the other loads).
 - Nothing else changes: the pieces are ordinary graphs of ours (one tree manager per device and
   thread, so one tree holds the pieces of a step on CUDA), and eager DDP reads the gradients that
   our backward graphs return as it reads eager's.
@@ -43,13 +50,17 @@ from backend.aot import compat
 log = logging.getLogger("backend.aot")
 
 
-def before_aot(name: str) -> bool:
-    """Called just before we hand a Dynamo graph to AOTAutograd. Returns whether the graph is a
-    DDPOptimizer piece (then it keeps AOTAutograd's runtime wrappers)."""
-    compat.count_aot_autograd_compile()  # DDPOptimizer's sign that AOTAutograd ran
+def is_piece(name: str) -> bool:
+    """Whether the Dynamo graph being compiled is a DDPOptimizer piece (counted in ``ddp_pieces``,
+    whether level 1 holds it or AOTAutograd compiles it)."""
     piece = compat.ddp_optimizer_piece()
     if piece is None:
         return False
     counters.bump("ddp_pieces")
     log.info("cgtrees: %s is piece %d of a graph DDPOptimizer split at DDP's bucket boundaries", name, piece)
     return True
+
+
+def before_aot() -> None:
+    """Called just before we hand a Dynamo graph to AOTAutograd (not on a level-1 hit)."""
+    compat.count_aot_autograd_compile()  # DDPOptimizer's sign that AOTAutograd ran

@@ -25,9 +25,10 @@ import torch
 import torch.fx
 
 from backend import cache, codegen, counters, runtime
-from backend.aot import buckets, compat, constants, cse, layout
+from backend.aot import buckets, compat, constants, cse, distributed, layout
 from backend.aot import partition as partitioner
 from backend.aot.partition import Split
+from backend.cache import compat as cache_compat
 from backend.cache.aot import NO_HINTS, Level1Hints, Recorder, lean_training
 from backend.compiled import CompiledModule, has_symbolic_shapes
 from backend.config import Config
@@ -57,6 +58,8 @@ class Compilers:
         # (``cache.aot.lean_training``), which then replaces AOTAutograd's function as well.
         self.forward_call: Callable[[list[Any]], Any] | None = None
         self._versions = {kind: itertools.count() for kind in ("forward", "backward", "inference")}
+        # Whether autocast is on for the graph: read now, AOTAutograd turns it off before it calls a compiler.
+        self.autocast = cache_compat.autocast_enabled()
 
     def wrap(self, module: CompiledModule, examples: Examples, ctx: GraphContext) -> Callable[[list[Any]], Any]:
         """The module in the runtime, sharing this graph's tree (level-1 hits use it too)."""
@@ -133,23 +136,23 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
     as a backward. ``hints``: what the caller knows of the graph for level 1 (precompile's
     ``Kept``, compiled autograd's names or its reason to bypass)."""
     compilers = Compilers(f"g{graph_id}", config, len(example_inputs))
+    ddp_piece = distributed.is_piece(compilers.name)  # counted: DDPOptimizer splits graphs under DDP
     key_file = cache.triton_key_file(config)
     codegen.prepare(example_inputs, config, key_file, compiles=False)  # a hit's kernels are compiled
     found = cache.load_aot(gm, example_inputs, config, compilers.name, hints, compilers.wrap,
                            compilers.backward, backward)  # level 1: a hit skips AOT
-    if found.function is not None:
+    if found.function is not None:  # a piece's: DDPOptimizer runs the graph itself on its fake inputs
         return found.function
     compilers.recorder = found.recorder  # on a miss: collects the entry
     codegen.prepare(example_inputs, config, key_file)  # start what compiled kernels wait for
-    from backend.aot import distributed
-    from backend.aot.decompositions import decomposition_table  # a warm start never needs these
+    from backend.aot.decompositions import decomposition_table  # a warm start never needs it
 
     if backward:  # traced with grad mode off: AOTAutograd makes no training graph of it
         fw_compiler = bw_compiler = _not_training
         inference_compiler = functools.partial(compilers.inference, runs_as="backward")
     else:
         fw_compiler, bw_compiler, inference_compiler = compilers.forward, compilers.backward, compilers.inference
-    ddp_piece = distributed.before_aot(compilers.name)  # counted for DDPOptimizer, which splits graphs under DDP
+    distributed.before_aot()  # DDPOptimizer's sign that AOTAutograd compiled a piece
     compiled = compat.aot_module_simplified(
         gm, example_inputs,
         fw_compiler=fw_compiler,
@@ -187,7 +190,7 @@ def _lean_inference(call: Callable[[list[Any]], Any], num_inputs: int,
     if num_inputs != compilers.num_inputs:
         return None  # AOTAutograd deduplicated or merged inputs
     try:
-        plan = plans.runtime_plan(plans.fw_metadata(), "inference")
+        plan = plans.runtime_plan(plans.fw_metadata(), "inference", compilers.autocast)
     except plans.Uncacheable as exc:
         log.debug("cgtrees: %s: AOTAutograd's runtime wrappers kept (%s)", compilers.name, exc)
         return None

@@ -14,6 +14,21 @@ A compiled-autograd graph (``backward=True``) is traced with grad mode off: its 
 inference graph to AOTAutograd and to our wrapper, and a backward to the runtime (the part's
 ``runtime_kind``). A graph whose ``Level1Hints`` hold a reason to bypass it bypasses this level.
 
+A graph with symbolic sizes (an automatic-dynamic recompile, compiled autograd's ``dynamic=True``)
+is keyed by its sizes as symbols (the placeholders', never the call's), the ShapeEnv's settings
+beside them. AOTAutograd and our passes may add guards on those sizes while compiling (a size that
+must not be 1, a divisibility), after Dynamo traced the graph: so the entry keeps every guard on
+the graph's size inputs at the end of the compile (``compat.Symbols``); a lookup evaluates them on
+the call's sizes, a false guard is a miss, and a hit adds them to the ShapeEnv, so that Dynamo
+guards the frame on them as the cold process did, and a size that breaks one recompiles. Entries of
+one key compiled under other guards live side by side (``variant_digest``, up to
+``MAX_VARIANTS``). A symbolic training graph's entry is written once its backward is compiled: the
+backward graph is kept for compiled autograd or a lazy compile as static shapes only. The rebuilt
+wrapper hands the forward's saved sizes to the backward and marks symbolic output dimensions as
+AOTAutograd does. DDPOptimizer's pieces, whose example activations are fake tensors, are keyed like
+any graph (``aot.distributed`` says why a hit needs nothing of DDPOptimizer). Autocast's state is in
+the key, and a graph compiled under it runs with autocast off (``wrappers``).
+
 On a miss, ``load`` returns a ``Recorder``: the driver hands it every aten graph it compiles, and
 it writes the entry once the inference graph is in, or, for a training graph, once AOTAutograd has
 returned: then with AOTAutograd's backward graph and metadata (``backward_graph``), which compiled
@@ -33,6 +48,8 @@ this level. With the cache off, the recorder then still collects the entry, and 
 from __future__ import annotations
 
 import base64
+import dataclasses
+import hashlib
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -96,8 +113,9 @@ def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config
     if not config.cache and kept is None:
         return Found()
     try:
-        _check_inputs(gm, example_inputs, hints)
-        key = aot_key(gm, example_inputs, config, backward, hints)
+        symbols = compat.Symbols(example_inputs)  # before AOTAutograd: the guards it adds come after
+        _check_inputs(gm, example_inputs, hints, config, backward, symbols)
+        key = aot_key(gm, example_inputs, config, backward, hints, symbols)
     except Uncacheable as exc:
         _bypass(kept, config, name, str(exc))
         return Found()
@@ -107,29 +125,57 @@ def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config
         if kept is None:
             return Found()
     digest = key.digest()
-    if store is not None:
-        try:
-            payload = store.read(LEVEL, digest)
-            if payload is not None and "bypass" in payload:
+    if store is None:
+        return Found(recorder=Recorder(None, key, digest, config, name, len(example_inputs), kept, backward, symbols))
+    failed: list[str] = []  # the guards of this key's entries that this call's sizes fail
+    slot: str | None = digest
+    try:
+        for n in range(MAX_VARIANTS):
+            slot = variant_digest(digest, n)
+            payload = store.read(LEVEL, slot)
+            if payload is None:
+                break
+            if "bypass" in payload:
                 _bypass(kept, config, name, payload["bypass"])
                 return Found()
-            if payload is not None:
-                payload = resolve(payload, store)  # the kernel modules, from level 2
-                compiled = rebuild(payload, config, name, wrap, compile_backward)
-                events.hit(LEVEL, name)
-                if kept is not None:
-                    kept.payload = payload
-                return Found(function=compiled)
-            events.miss(LEVEL, name, explain=lambda: explain_miss(store, key))
-        except modules.MissingModule as exc:  # compiled again, and the entry written again
-            why = str(exc)
-            events.miss(LEVEL, name, explain=lambda: why)
-            store.remove(LEVEL, digest, only_bad=False)
-        except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
-            events.corrupt(LEVEL, name, f"{type(exc).__name__}: {exc}")
-            store.remove(LEVEL, digest)
-            events.miss(LEVEL, name)
-    return Found(recorder=Recorder(store, key, digest, config, name, len(example_inputs), kept, backward))
+            guards = payload.get("guards")
+            if guards and not (symbols and symbols.hold(guards)):
+                failed.append(guards)
+                continue
+            payload = resolve(payload, store)  # the kernel modules, from level 2
+            compiled = rebuild(payload, config, name, wrap, compile_backward)
+            if guards and not symbols.install(guards):  # Dynamo now guards the frame on them too
+                raise CorruptEntry("its guards held on the sizes' hints but not on the sizes")
+            events.hit(LEVEL, name)
+            if kept is not None:
+                kept.payload = payload
+            return Found(function=compiled)
+        else:
+            slot = None  # every entry of the key is taken, each by other sizes: this one is not written
+        events.miss(LEVEL, name, explain=lambda: _explain_guards(failed) if failed else explain_miss(store, key))
+    except modules.MissingModule as exc:  # compiled again, and the entry written again
+        why = str(exc)
+        events.miss(LEVEL, name, explain=lambda: why)
+        store.remove(LEVEL, slot, only_bad=False)
+    except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
+        events.corrupt(LEVEL, name, f"{type(exc).__name__}: {exc}")
+        store.remove(LEVEL, slot)
+        events.miss(LEVEL, name)
+    return Found(recorder=Recorder(store if slot else None, key, slot or digest, config, name, len(example_inputs),
+                                   kept, backward, symbols))
+
+
+MAX_VARIANTS = 8  # entries of one key (a symbolic graph's), each compiled under other guards on its sizes
+
+
+def variant_digest(digest: str, n: int) -> str:
+    """Where the ``n``-th entry of a key lives: the key's digest itself for the first (every graph
+    with static shapes has only that one)."""
+    return digest if n == 0 else hashlib.sha256(f"{digest}/{n}".encode()).hexdigest()
+
+
+def _explain_guards(failed: list[str]) -> str:
+    return f"{len(failed)} entries of this key were compiled for other sizes (their guards fail: {failed[0]})"
 
 
 def _bypass(kept: Kept | None, config: Config, name: str, reason: str) -> None:
@@ -155,46 +201,69 @@ def explain_miss(store: Store, key: CacheKey) -> str:
 
 
 def aot_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config,
-            backward: bool = False, hints: Level1Hints = NO_HINTS) -> CacheKey:
+            backward: bool = False, hints: Level1Hints = NO_HINTS,
+            symbols: compat.Symbols | None = None) -> CacheKey:
+    """The key of a Dynamo graph. A symbolic graph's shows its inputs' symbolic sizes (its
+    placeholders'), never the sizes of the call that compiles it: those are checked against the
+    guards its entry keeps (``compat.Symbols``)."""
     static = [i for i, x in enumerate(example_inputs)
               if isinstance(x, torch.nn.Parameter) or getattr(x, "_dynamo_static_input_type", None)]
+    devices = {x.device.type for x in example_inputs if isinstance(x, torch.Tensor)}
     context = [
         ("grad_enabled", torch.is_grad_enabled()),
         ("inference_mode", torch.is_inference_mode_enabled()),
         ("deterministic", torch.are_deterministic_algorithms_enabled()),
         ("default_dtype", torch.get_default_dtype()),
+        ("autocast", compat.autocast_text(sorted(devices))),  # AOTAutograd traces autocast's casts in
         ("functorch_config", compat.functorch_config_text()),
         ("compiled_autograd", backward),
     ]
-    return make_key(LEVEL, gm, example_inputs, config, static, context, hints.target_texts)
+    traced = None
+    if symbols:  # what the ShapeEnv decides by its settings (0/1 specialization, duck sizing) is not in the text
+        context.append(("shape_env", symbols.settings_text()))
+        traced = [node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder")]
+    return make_key(LEVEL, gm, example_inputs, config, static, context, hints.target_texts, traced)
 
 
-def _check_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], hints: Level1Hints) -> None:
-    """What we know up front we will not rebuild (AOTAutograd tells us the rest)."""
+def _check_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], hints: Level1Hints,
+                  config: Config, backward: bool, symbols: compat.Symbols) -> None:
+    """What we know up front we will not rebuild (AOTAutograd tells us the rest). Inputs may be
+    sizes (a symbolic graph's) and fake tensors (DDPOptimizer's pieces' activations)."""
     if not isinstance(gm, torch.fx.GraphModule):
         raise Uncacheable(f"not a GraphModule ({type(gm).__name__})")
     if hints.bypass:
         raise Uncacheable(hints.bypass)
     if next(gm.parameters(), None) is not None or next(gm.buffers(), None) is not None:
         raise Uncacheable("graph owns parameters or buffers")
-    if compat.autocast_enabled():
-        raise Uncacheable("autocast is on")
     if compat.saved_tensors_hooks_inlined():
         raise Uncacheable("saved-tensor hooks are inlined")
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(example_inputs):
+        raise Uncacheable(f"{len(example_inputs)} inputs for {len(placeholders)} placeholders")
     storages: dict[Any, int] = {}
     for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.SymInt) and x.node.has_hint() or type(x) is int:
+            continue
         if not isinstance(x, torch.Tensor):
-            raise Uncacheable(f"input {i} is a {type(x).__name__}, not a tensor (dynamic shapes?)")
-        if type(x) not in (torch.Tensor, torch.nn.Parameter) or x.layout != torch.strided:
+            raise Uncacheable(f"input {i} is a {type(x).__name__}, not a tensor or a size")
+        if type(x) not in (torch.Tensor, torch.nn.Parameter) and not compat.is_fake(x) or x.layout != torch.strided:
             raise Uncacheable(f"input {i} is a {type(x).__name__} with layout {x.layout}")
         storage = compat.storage_id(x)
         if storage in storages:
             raise Uncacheable(f"inputs {storages[storage]} and {i} share storage")
         storages[storage] = i
-    for node in gm.graph.find_nodes(op="placeholder"):
-        value = node.meta.get("example_value")
-        if isinstance(value, torch.Tensor) and any(not isinstance(s, int) for s in (*value.shape, *value.stride())):
-            raise Uncacheable("dynamic shapes")
+    symbolic = [i for i, node in enumerate(placeholders) if _symbolic(node.meta.get("example_value"))]
+    if symbolic and not symbols:
+        raise Uncacheable(f"input {symbolic[0]} has symbolic sizes, but the graph takes no size input")
+    if symbolic and config.batch_buckets and not backward:
+        raise Uncacheable("batch buckets are planned as the graph compiles, and level 1 keeps no plan")
+
+
+def _symbolic(value: Any) -> bool:
+    """A size, or a tensor with a size, stride or offset, that is symbolic."""
+    if isinstance(value, torch.Tensor):
+        return any(compat.concrete_int(s) is None for s in (*value.shape, *value.stride(), value.storage_offset()))
+    return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and compat.concrete_int(value) is None
 
 
 def resolve(payload: dict[str, Any], store: Store | None) -> dict[str, Any]:
@@ -266,14 +335,15 @@ class LazyBackward:
         return self.call(args)
 
     def _compile(self) -> Callable[[list[Any]], Any]:
-        if isinstance(self.graph, torch.fx.GraphModule):  # a copy, as AOTAutograd compiles one
-            gm, inputs = backward_graph.copy_with_inputs(self.graph)
-            static_saved = self.static_saved
-        else:
-            gm, static_saved = backward_graph.graph_module(self.graph)
-            inputs = backward_graph.example_inputs(gm, self.graph)
-        with torch.no_grad():  # the compiler AOTAutograd would have called (constants lifted, ...)
-            call = self.compile_backward(gm, inputs, static_saved)
+        # As AOTAutograd compiles a backward: grad mode and autocast off (the graph holds its casts)
+        with torch.no_grad(), compat.no_autocast(True):
+            if isinstance(self.graph, torch.fx.GraphModule):  # a copy, as AOTAutograd compiles one
+                gm, inputs = backward_graph.copy_with_inputs(self.graph)
+                static_saved = self.static_saved
+            else:
+                gm, static_saved = backward_graph.graph_module(self.graph)
+                inputs = backward_graph.example_inputs(gm, self.graph)
+            call = self.compile_backward(gm, inputs, static_saved)  # the compiler AOTAutograd would call
         self.graph = None  # compiled: not needed again (kept until then, so a failed compile can retry)
         return call
 
@@ -290,7 +360,7 @@ def _load_part(part: dict[str, Any], kind: str, config: Config, wrap: Wrap, name
     module = modules.load_record(part["module"], ctx)
     if not part["wrapped"]:
         return consts.append(module.call) if consts else module.call
-    return wrap(module, Examples.of_records(part["inputs"]), ctx)  # no fake tensors: they cost ms
+    return wrap(module, _examples(part["inputs"]), ctx)  # no fake tensors: they cost ms
 
 
 MAX_CONSTANT_BYTES = 1 << 20  # an entry keeps its graphs' constants; larger ones are not kept
@@ -335,9 +405,12 @@ class Recorder:
     """
 
     def __init__(self, store: Store | None, key: CacheKey, digest: str, config: Config, name: str,
-                 num_inputs: int, kept: Kept | None = None, backward: bool = False) -> None:
+                 num_inputs: int, kept: Kept | None = None, backward: bool = False,
+                 symbols: compat.Symbols | None = None) -> None:
         self.store, self.key, self.digest, self.config = store, key, digest, config
         self.name, self.num_inputs, self.kept, self.backward = name, num_inputs, kept, backward
+        self.symbols = symbols if symbols else None  # a symbolic graph's sizes: the entry keeps their guards
+        self.disable_amp = compat.autocast_enabled()  # read before AOTAutograd, which turns autocast off
         self.parts: dict[str, dict[str, Any]] = {}
         self.kept_modules: dict[str, dict[str, Any]] = {}  # self-contained records, for ``kept``
         self.plan: dict[str, Any] | None = None
@@ -369,12 +442,16 @@ class Recorder:
         except Exception as exc:  # noqa: BLE001 - our bug must not fail the compile; it is logged
             self._give_up(f"recording failed ({type(exc).__name__}: {exc})")
             return
-        if kind == "inference" or (kind == "backward" and self.finished):
+        # A symbolic inference graph's entry waits for AOTAutograd to return: its guards are all in then.
+        if kind == "inference" and self.symbols is None or (kind == "backward" and self.finished):
             self._write()
 
     def finish(self) -> None:
-        """AOTAutograd has returned: write a training graph's entry, with its backward graph."""
+        """AOTAutograd has returned: write a training graph's entry, with its backward graph (a
+        symbolic inference graph's, now that its guards are all in)."""
         self.finished = True
+        if not self.done and "inference" in self.parts:
+            self._write()
         if self.done or "forward" not in self.parts:
             return
         try:
@@ -420,7 +497,7 @@ class Recorder:
             if kind == "forward" and compat.saved_tensors_hooks_inlined():
                 raise Uncacheable("saved-tensor hooks are inlined")
             self.meta = compat.fw_metadata()
-            self.plan = compat.runtime_plan(self.meta, kind)
+            self.plan = compat.runtime_plan(self.meta, kind, self.disable_amp)
         elif self.plan is None:
             raise Uncacheable("backward without a forward")
         else:
@@ -428,7 +505,7 @@ class Recorder:
         self.parts[kind] = {
             "name": ctx.name, "static_inputs": list(ctx.static_input_indices),
             "mutated_inputs": list(ctx.mutated_input_indices), "wrapped": wrapped,
-            "inputs": [_tensor_spec(x) for x in example_inputs],
+            "inputs": [_input_record(x) for x in example_inputs],
             "module": modules.module_record(gm, module, self.config, level_2 if self.store is not None else None),
             "constants": constant_records(ctx.constants),
         }
@@ -443,8 +520,13 @@ class Recorder:
         replace = self.partial  # the entry written without the compiled backward: this one holds it
         self.done = "forward" not in self.parts or "backward" in self.parts
         self.partial = not self.done
+        try:
+            guards = self.symbols.guards_text() if self.symbols is not None else None
+        except Uncacheable as exc:
+            self._give_up(str(exc))
+            return
         payload = {"key": self.key.as_dict(), "plan": self.plan, "parts": self.parts, "detach": self.detach,
-                   **self.extras}
+                   **self.extras, **({"guards": guards} if guards else {})}
         if self.kept is not None:
             parts = {kind: {**part, "module": self.kept_modules.get(kind, part["module"])}
                      for kind, part in self.parts.items()}
@@ -488,6 +570,31 @@ def _inputs_to_detach(bw: torch.fx.GraphModule, plan: dict[str, Any]) -> list[in
     if len(grads) != plan["num_inputs"]:
         raise Uncacheable("backward returns extra outputs")
     return [i for i in plan["nonleaf_requiring_grad"] if grads[i] is None]
+
+
+def _input_record(x: Any) -> dict[str, Any]:
+    """An aten graph's example input, as its part records it: a tensor's metadata (a symbolic size
+    or stride as its text), or a size (``{"size_input": "s0"}``, or an int)."""
+    if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool):
+        return {"size_input": _dim(x)}
+    if not isinstance(x, torch.Tensor):
+        raise Uncacheable(f"a graph input is a {type(x).__name__}")
+    return {"size": [_dim(s) for s in x.shape], "stride": [_dim(s) for s in x.stride()],
+            "dtype": str(x.dtype).removeprefix("torch."), "device": str(x.device)}
+
+
+def _dim(s: Any) -> int | str:
+    n = compat.concrete_int(s)
+    return n if n is not None else str(s)
+
+
+def _examples(records: list[dict[str, Any]]) -> Examples:
+    """What the runtime reads of a part's inputs (``_input_record``): their devices, and whether a
+    size is symbolic (then it keys its CUDA graphs by the sizes of each call)."""
+    symbolic = any(isinstance(v, str) for r in records
+                   for v in (r.get("size_input"), *r.get("size", ()), *r.get("stride", ())))
+    examples = Examples.of_records([r for r in records if "device" in r])
+    return dataclasses.replace(examples, symbolic=True) if symbolic else examples
 
 
 def _tensor_spec(x: Any) -> dict[str, Any]:

@@ -31,7 +31,8 @@ __all__ = [
     "tensor_bytes", "SerializableCallable", "precompile_backend_id", "caching_precompile",
     "plain_aot_settings", "BackendArtifact", "record_backend_artifact", "enable_caching_precompile",
     "save_dynamo_cache", "dynamo_names_used", "reserve_dynamo_names", "pickle_aot_metadata",
-    "aot_backward_attributes", "release_saved",
+    "aot_backward_attributes", "release_saved", "is_fake", "Symbols", "autocast_text", "no_autocast",
+    "mark_dynamic_dims", "concrete_int",
 ]
 
 
@@ -63,8 +64,6 @@ def _check_common(meta: Any, kind: str) -> None:
         (meta.grad_enabled_mutation is not None, "graph changes grad mode"),
         (bool(getattr(meta, "is_rng_op_functionalized", False)), "functionalized rng"),
         (getattr(meta, "num_graphsafe_rng_states", 0) > 0, "graph-safe rng states"),
-        (bool(getattr(meta, "dynamic_outputs", False)), "dynamic output shapes"),
-        (bool(getattr(meta, "dynamic_saved_tensors_idxs", None)), "dynamic saved tensors"),
     ]
     for bad, reason in checks:
         if bad:
@@ -91,17 +90,28 @@ def _tangent_format(meta: Any) -> dict[str, Any]:
         raise Uncacheable("tangent without a memory format")
     if fmt.memory_format is not None:
         return {"memory_format": str(fmt.memory_format).removeprefix("torch.")}
-    return {"size": [int(s) for s in fmt.size], "stride": [int(s) for s in fmt.stride]}
+    if any(not isinstance(s, int) for s in (*fmt.size, *fmt.stride)):  # int() would guard on the size
+        raise Uncacheable("a tangent of symbolic size with a non-standard layout")
+    return {"size": list(fmt.size), "stride": list(fmt.stride)}
 
 
-def runtime_plan(meta: Any, kind: str) -> dict[str, Any]:
-    """The plain facts our runtime wrapper needs (see ``backend.cache.wrappers``)."""
+def runtime_plan(meta: Any, kind: str, disable_amp: bool = False) -> dict[str, Any]:
+    """The plain facts our runtime wrapper needs (see ``backend.cache.wrappers``). ``disable_amp``:
+    autocast was on when the Dynamo graph came (AOTAutograd turns it off before it calls a compiler,
+    so ``autocast_enabled()`` must be read before AOTAutograd runs)."""
     if meta is None:
         raise Uncacheable("no AOTAutograd metadata")
     _check_common(meta, kind)
     plan: dict[str, Any] = {
         "num_inputs": len(meta.input_info),
         "num_outputs": len(meta.output_info),
+        # Outputs' symbolic dimensions, marked on them as AOTAutograd does, so that Dynamo makes
+        # those dimensions dynamic where a later graph reads the output.
+        "dynamic_dims": [[i, sorted(out.dynamic_dims)] for i, out in enumerate(meta.output_info)
+                         if getattr(out, "dynamic_dims", None)],
+        # The graph was compiled with autocast on: it holds autocast's casts, and runs with autocast
+        # off (as AOTAutograd runs it), so that aten calls in the module are not cast again.
+        "disable_amp": disable_amp,
         # Kept-in-graph mutations autograd must see: AOT bumps their version counters first.
         "bump_versions": [i for i, info in enumerate(meta.input_info)
                           if _name(info.mutation_type) == "MUTATED_IN_GRAPH"
@@ -113,8 +123,6 @@ def runtime_plan(meta: Any, kind: str) -> dict[str, Any]:
         plan["input_outputs"] = [[i, out.base_idx] for i, out in enumerate(meta.output_info)
                                  if _name(out.output_type) == "is_input"]
         return plan
-    if getattr(meta, "num_symints_saved_for_bw", 0):
-        raise Uncacheable("symbolic sizes saved for backward")
     if getattr(meta, "num_opaque_objects_saved_for_bw", 0):
         raise Uncacheable("opaque objects saved for backward")
     if getattr(meta, "indices_of_inputs_that_requires_grad_with_mutations_in_bw", None):
@@ -135,6 +143,10 @@ def runtime_plan(meta: Any, kind: str) -> dict[str, Any]:
                                    if info.requires_grad and not info.is_leaf],
         "any_input_requires_grad": any(info.requires_grad for info in meta.input_info),
         "deterministic": meta.deterministic,
+        "num_saved_symints": int(getattr(meta, "num_symints_saved_for_bw", 0) or 0),
+        # saved tensors' symbolic dimensions (by position among the saved tensors), marked as AOTAutograd does
+        "dynamic_saved": [[i, sorted(dims)] for i, dims in
+                          sorted((getattr(meta, "dynamic_saved_tensors_idxs", None) or {}).items())],
     })
     return plan
 
@@ -255,6 +267,111 @@ def saved_tensors_hooks_inlined() -> bool:
 
 def autocast_enabled() -> bool:
     return bool(torch._C._is_any_autocast_enabled())
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def autocast_text(devices: Iterable[str] = ()) -> str:
+    """Autocast's state, for the key: the device types it is on for (each with its dtype) and
+    whether it caches casts; "off" when it is off everywhere (the text of every graph compiled
+    without autocast, so their keys do not change when a torch adds a device type)."""
+    if not autocast_enabled():
+        return "off"
+    on = []
+    for device in dict.fromkeys((*_AUTOCAST_DEVICES, *devices)):
+        try:
+            if torch.is_autocast_enabled(device):
+                on.append(f"{device}:{str(torch.get_autocast_dtype(device)).removeprefix('torch.')}")
+        except (RuntimeError, TypeError, ValueError):  # a device type this torch does not know
+            continue
+    return " ".join(on) + f" cache={torch.is_autocast_cache_enabled()}"
+
+
+def no_autocast(off: bool) -> Any:
+    """The context AOTAutograd runs a graph compiled under autocast in: autocast off (the graph
+    holds its casts already; an aten call in it must not be cast again). A no-op when not ``off``."""
+    return torch._C._DisableAutocast() if off else contextlib.nullcontext()
+
+
+def mark_dynamic_dims(t: Any, dims: Iterable[int]) -> None:
+    """Mark ``t``'s dimensions ``dims`` as symbolic where AOTAutograd would (an output's or a saved
+    tensor's): Dynamo then treats them as dynamic in a graph that reads ``t``."""
+    if not isinstance(t, torch.Tensor):
+        return
+    known = getattr(t, "_dynamo_propagated_dynamic_indices", None)
+    t._dynamo_propagated_dynamic_indices = set(dims) if known is None else known | set(dims)
+
+
+def concrete_int(s: Any) -> int | None:
+    """``s`` as an int where it is one: an int, or a SymInt that a guard specialized (``s0`` replaced
+    by 2: Dynamo may pass such a size in a tensor's shape); None for a symbolic size."""
+    if isinstance(s, int):
+        return s
+    if isinstance(s, torch.SymInt):
+        return s.node.maybe_as_int()
+    return None
+
+
+def is_fake(x: Any) -> bool:
+    """A fake tensor (DDPOptimizer hands its pieces' example activations as fake tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+# ---- symbolic shapes: the guards a level-1 entry is valid under -----------------------------------
+#
+# A graph with symbolic sizes is compiled for every size its ShapeEnv's guards allow. AOTAutograd
+# and our passes add guards of their own while compiling it (a size that must not be 0 or 1, a
+# divisibility), after Dynamo traced the graph and before it reads the guards off the ShapeEnv.
+# So an entry keeps, besides its key, the guards on its graph's size inputs at the end of the
+# compile (``ShapeEnv.produce_guards_expression``, Python over ``L['t0']``, ``L['t1']``, ...); a
+# lookup evaluates them on this call's sizes (a false one is a miss), and a hit adds them to the
+# ShapeEnv, so Dynamo guards on them as it would have after compiling.
+
+class Symbols:
+    """A Dynamo graph's size inputs (the SymInt example inputs that are one backed symbol each, in
+    input order: Dynamo lifts every symbol of a tensor's sizes as such an input) and their ShapeEnv."""
+
+    def __init__(self, example_inputs: Iterable[Any]) -> None:
+        self.symints = [x for x in example_inputs if isinstance(x, torch.SymInt) and x.node.has_hint()]
+        self.shape_env = self.symints[0].node.shape_env if self.symints else None
+        self.start = len(self.shape_env.guards) if self.shape_env is not None else 0
+        # the symbols now: a guard of the compile may specialize one (``Eq(s0, 13)`` replaces s0 by 13)
+        self.names = {symbol for s in self.symints for symbol in s.node.expr.free_symbols}
+
+    def __bool__(self) -> bool:
+        return self.shape_env is not None
+
+    def settings_text(self) -> str:
+        """The ShapeEnv's settings (0/1 specialization, duck sizing, ...): for the key."""
+        return repr(getattr(self.shape_env, "settings", None))
+
+    def guards_text(self) -> str | None:
+        """The guards on the size inputs now, as Python (None: none). Uncacheable where a guard
+        added since ``__init__`` (while compiling) reads a symbol that is not a size input: it could
+        not be checked on a later call's sizes."""
+        env = self.shape_env
+        for guard in env.guards[self.start:]:
+            if not guard.expr.free_symbols <= self.names:
+                raise Uncacheable(f"the compile added the guard {guard.expr}, on sizes that are not graph inputs")
+        try:
+            return env.produce_guards_expression(self.symints, guards=env.get_pruned_guards(self.symints))
+        except Exception as exc:  # noqa: BLE001 - the graph is compiled, not cached at this level
+            raise Uncacheable(f"its guards could not be written ({type(exc).__name__}: {exc})") from None
+
+    def hold(self, text: str) -> bool:
+        """Whether the guards ``text`` hold for the sizes of this call (their hints); adds no guard."""
+        try:
+            return bool(self.shape_env.evaluate_guards_expression(text, [int(s.node.hint) for s in self.symints]))
+        except Exception:  # noqa: BLE001 - guards of another torch or graph: not this call's entry
+            return False
+
+    def install(self, text: str) -> bool:
+        """Add the guards ``text`` to the ShapeEnv (evaluated on the symbols themselves): Dynamo
+        then guards the frame on them, as after a compile that added them."""
+        return bool(self.shape_env.evaluate_guards_expression(text, self.symints))
 
 
 def functorch_config_text() -> str:

@@ -4,7 +4,9 @@ A key holds exactly what changes the compiled result: the canonical graph text (
 arguments, shapes, strides, dtypes, devices; node names replaced by their position, so renaming
 does not miss), the graph inputs' metadata, the static-input indices, the config fields marked as
 affecting codegen, a hash of our own source files, torch and Triton versions, and the device.
-Symbolic shapes print in their symbolic form.
+Symbolic shapes print in their symbolic form, an input's too (``make_key``'s ``traced_inputs``): a
+key never holds the sizes of the call that compiled a symbolic graph (the guards on them are kept
+beside the key, ``cache.aot``).
 
 ``graph_text`` is the one canonical text of a graph: the key holds it, and a generated kernel
 module's header shows its digest (``graph_digest``) beside the key's. A pass that knows what a call
@@ -96,11 +98,15 @@ def _first_difference(mine: Any, theirs: Any) -> str:
 
 def make_key(level: str, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config,
              static_inputs: Sequence[int], context: Sequence[tuple[str, str]],
-             target_texts: Mapping[str, str] = MappingProxyType({})) -> CacheKey:
+             target_texts: Mapping[str, str] = MappingProxyType({}),
+             traced_inputs: Sequence[Any] | None = None) -> CacheKey:
+    """``traced_inputs``: each input's traced value (a Dynamo graph's placeholders'), whose symbolic
+    sizes the key shows instead of this call's (None: the inputs' own)."""
+    traced = traced_inputs if traced_inputs is not None else [None] * len(example_inputs)
     return CacheKey(
         level=level,
         graph=graph_text(gm, target_texts),
-        inputs=tuple(value_text(x) for x in example_inputs),
+        inputs=tuple(value_text(x, like) for x, like in zip(example_inputs, traced, strict=True)),
         static_inputs=tuple(static_inputs),
         context=tuple((k, str(v)) for k, v in context),
         codegen=config.codegen_key(),
@@ -246,9 +252,12 @@ def _arg_text(arg: Any, index: dict[torch.fx.Node, str]) -> str:
     raise Uncacheable(f"graph argument of type {type(arg).__name__}")
 
 
-def value_text(value: Any) -> str:
-    """A tensor's type, dtype, sizes, strides, offset, device and autograd flags; other values' repr."""
+def value_text(value: Any, like: Any = None) -> str:
+    """A tensor's type, dtype, sizes, strides, offset, device and autograd flags; other values' repr.
+    ``like``: a traced value of the tensor with symbolic sizes, whose sizes, strides and offset are
+    printed instead (so that a key holds a symbolic graph's sizes as symbols, not one call's)."""
     if isinstance(value, torch.Tensor):
+        dims = like if isinstance(like, torch.Tensor) else value
         flags = []
         if value.requires_grad:
             flags.append("requires_grad")
@@ -258,8 +267,8 @@ def value_text(value: Any) -> str:
         if static is not None:
             flags.append(f"static={static}")
         kind = "" if type(value).__name__ in ("Tensor", "FakeTensor", "Parameter") else f"{type(value).__qualname__} "
-        return (f"{kind}{str(value.dtype).removeprefix('torch.')}{list(value.shape)} stride={list(value.stride())} "
-                f"offset={value.storage_offset()} {value.device} {' '.join(flags)}").rstrip()
+        return (f"{kind}{str(value.dtype).removeprefix('torch.')}{list(dims.shape)} stride={list(dims.stride())} "
+                f"offset={dims.storage_offset()} {value.device} {' '.join(flags)}").rstrip()
     if isinstance(value, (list, tuple)):
         return "(" + ", ".join(value_text(v) for v in value) + ")"
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):

@@ -13,7 +13,10 @@ backward graph, its prologue), so compiled autograd inlines that graph as it wou
 Invariants (as AOTAutograd's): outputs that do not require grad are marked non-differentiable;
 saved views are detached; inputs whose gradient the backward never produces are detached before
 the call; kept-in-graph input mutations bump the inputs' version counters; a second-order
-backward through the graph raises.
+backward through the graph raises. A symbolic graph's forward returns the sizes its backward
+takes after the saved tensors (``ctx.symints``, the backward's first inputs), and the outputs'
+and saved tensors' symbolic dimensions are marked on them for Dynamo. A graph compiled under
+autocast runs with autocast off (it holds autocast's casts).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ def inference_function(call: Boxed, plan: dict[str, Any]) -> Callable[..., Any]:
     bump = plan["bump_versions"]
     grad_enabled, no_grad = torch.is_grad_enabled, torch.no_grad
     input_outputs = plan.get("input_outputs") or ()
+    dynamic_dims = plan.get("dynamic_dims") or ()
+    if plan.get("disable_amp"):
+        call = _without_autocast(call)
 
     def run(*args: Any) -> list[Any]:
         flat = list(args)
@@ -47,7 +53,19 @@ def inference_function(call: Boxed, plan: dict[str, Any]) -> Callable[..., Any]:
         outs = outs if type(outs) is list else list(outs)
         for out, arg in input_outputs:
             outs[out] = args[arg]
+        for out, dims in dynamic_dims:
+            compat.mark_dynamic_dims(outs[out], dims)
         return outs
+
+    return run
+
+
+def _without_autocast(call: Boxed) -> Boxed:
+    """``call`` with autocast off: a graph compiled under autocast holds its casts already, and an
+    aten call in its module must not be cast again (AOTAutograd runs such graphs so too)."""
+    def run(args: list[Any]) -> Any:
+        with compat.no_autocast(True):
+            return call(args)
 
     return run
 
@@ -57,6 +75,8 @@ def training_function(forward: Boxed, backward: Boxed, plan: dict[str, Any], det
     """``aot_attributes``: what compiled autograd reads off AOTAutograd's Function
     (``compat.aot_backward_attributes``); without them it traces our backward instead."""
     bump = plan["bump_versions"]
+    if plan.get("disable_amp"):
+        forward, backward = _without_autocast(forward), _without_autocast(backward)
     function = _autograd_function(forward, backward, plan)
     for name, value in (aot_attributes or {}).items():
         setattr(function, name, value)
@@ -77,24 +97,32 @@ def training_function(forward: Boxed, backward: Boxed, plan: dict[str, Any], det
 def _autograd_function(forward: Boxed, backward: Boxed, plan: dict[str, Any]) -> type:
     num_outputs = plan["num_outputs"]
     no_vc_check = plan["num_saved_no_vc_check"]
+    num_symints = plan.get("num_saved_symints", 0)  # sizes the backward takes (a symbolic graph's), saved last
     unsafe_views = plan["unsafe_view_outputs"]
     non_differentiable = plan["non_differentiable_outputs"]
+    dynamic_dims = plan.get("dynamic_dims") or ()
+    dynamic_saved = plan.get("dynamic_saved") or ()
     tangents = list(zip(plan["tangent_outputs"], plan["tangent_formats"]))
 
     class CachedCompiledFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx: Any, *args: Any) -> tuple[Any, ...]:
             outs = list(forward(list(args)))
-            user, saved = outs[:num_outputs], outs[num_outputs:]
+            end = len(outs) - num_symints
+            user, saved, symints = outs[:num_outputs], outs[num_outputs:end], outs[end:]
             saved = [t.detach() if t._is_view() else t for t in saved]
+            for i, dims in dynamic_saved:
+                compat.mark_dynamic_dims(saved[i], dims)
             split = len(saved) - no_vc_check
             ctx.save_for_backward(*saved[:split])
             ctx.saved_no_vc_check = saved[split:]
             for i in unsafe_views:
                 user[i] = torch.ops.aten._unsafe_view(user[i], user[i].shape)
+            for i, dims in dynamic_dims:
+                compat.mark_dynamic_dims(user[i], dims)
             ctx.mark_non_differentiable(*[user[i] for i in non_differentiable])
             ctx._materialize_non_diff_grads = False
-            ctx.symints = ()  # compiled autograd checks them against its own (static shapes: none)
+            ctx.symints = tuple(symints)  # the backward's first inputs; compiled autograd checks them against its own
             return tuple(user)
 
         @staticmethod
@@ -102,7 +130,7 @@ def _autograd_function(forward: Boxed, backward: Boxed, plan: dict[str, Any]) ->
             if plan["deterministic"] is False and torch.are_deterministic_algorithms_enabled():
                 raise RuntimeError("cgtrees: this backward was compiled without deterministic algorithms, "
                                    "but torch.use_deterministic_algorithms(True) is set now")
-            args = [*ctx.saved_tensors, *ctx.saved_no_vc_check,
+            args = [*ctx.symints, *ctx.saved_tensors, *ctx.saved_no_vc_check,
                     *(_as_traced(grads[i], fmt) for i, fmt in tangents)]
             compat.release_saved(ctx)
             if torch.is_grad_enabled() and (plan["any_input_requires_grad"] or
