@@ -99,6 +99,7 @@ class CompiledGraph:
     dynamic: bool = False  # symbolic sizes: a new size may compile new kernel specialisations
     fallback: str | None = None
     gemm_choices: tuple[str, ...] = ()  # each GEMM's form and the timings behind it (codegen.gemm_choice)
+    device_scalars: tuple[int, ...] = ()  # CPU 0-d tensor inputs that ``call`` moves to the device itself
     binaries: dict[str, list[dict]] = field(default_factory=dict, compare=False)
     code: dict[str, str] | None = field(default=None, compare=False)
 
@@ -110,7 +111,8 @@ class CompiledGraph:
                 "kernels": list(self.kernels), "launches": self.launches,
                 "precompile": [k.as_record() for k in self.precompile], "library_calls": list(self.library_calls),
                 "device": self.device, "dynamic": self.dynamic, "fallback": self.fallback,
-                "gemm_choices": list(self.gemm_choices), "binaries": self.binaries, "code": self.code}
+                "gemm_choices": list(self.gemm_choices), "device_scalars": list(self.device_scalars),
+                "binaries": self.binaries, "code": self.code}
 
     @staticmethod
     def from_record(record: Any) -> "CompiledGraph":
@@ -121,7 +123,8 @@ class CompiledGraph:
                 precompile=tuple(KernelLaunch.from_record(k) for k in record["precompile"]),
                 library_calls=tuple(record["library_calls"]), device=str(record["device"]),
                 dynamic=bool(record["dynamic"]), fallback=record["fallback"],
-                gemm_choices=tuple(map(str, record.get("gemm_choices", ()))), binaries=record["binaries"],
+                gemm_choices=tuple(map(str, record.get("gemm_choices", ()))),
+                device_scalars=tuple(map(int, record.get("device_scalars", ()))), binaries=record["binaries"],
                 code=record["code"])
         except (KeyError, TypeError, ValueError) as exc:
             raise BadRecord(f"not a compiled graph ({type(exc).__name__}: {exc})") from None

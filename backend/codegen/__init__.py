@@ -72,10 +72,11 @@ def prepare(example_inputs: list, config: Config, remember_key_in: Path | None =
 # ----------------------------------------------------------------------------------------- generate
 def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) -> CompiledGraph:
     """The kernel module for ``gm``: its source and what is known of it."""
-    from backend.codegen import wrapper
+    from backend.codegen import device_scalars, wrapper
 
     _ensure_meta(gm, example_inputs)  # shapes/strides/dtypes of every node
     facts, dynamic = GraphFacts.of(gm), has_symbolic_shapes(example_inputs)
+    scalars = device_scalars.moved(gm)  # CPU 0-d inputs of a CUDA graph, on the device
     header = _header(ctx)
     if not _uses_triton(gm, ctx):  # CPU without the interpreter: aten calls only
         source = "\n".join([*header, "import math", "import operator", "", "import torch", "",
@@ -99,7 +100,7 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
     counters.bump("kernels_generated", len(text.kernels))
     return CompiledGraph(text.source, facts, ctx.graph_hash, text.kernels, text.launches, text.precompile,
                          text.library_calls, program.device, dynamic, "\n".join(wrapper.aten_call(gm)),
-                         gemm_choices=lowerer.gemm.lines())
+                         gemm_choices=lowerer.gemm.lines(), device_scalars=scalars)
 
 
 def _padded(gm: torch.fx.GraphModule, gemms: "GemmPlan") -> torch.fx.GraphModule:

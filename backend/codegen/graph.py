@@ -17,6 +17,7 @@ import torch.fx
 
 from backend import counters
 from backend.codegen import (  # noqa: F401  (register lowerings)
+    device_scalars,
     extern_strides,
     gemm_choice,
     ir,
@@ -103,6 +104,7 @@ class GraphLowerer:
         self.used_names: set[str] = set()
         self.described: dict[str, ir.Described] = {}
         self.fallbacks: list[tuple[str, str]] = []
+        self.device_scalars: list[str] = []  # inputs ``device_scalars.moved`` put on the device
         self.gemm = gemm or gemm_choice.GemmPlan.of(gm, "keep")  # timed GEMM forms (gemm_choice)
         self.ctx = LowerCtx(config.interpret, self, config.unfuse_addmm)
         self._current_origins: tuple[str, ...] = ()
@@ -119,7 +121,7 @@ class GraphLowerer:
                 exc.args = (_in_node(exc, node, self.described[node.name]), *exc.args[1:])
                 raise
         program = ir.Program(tuple(self.inputs), tuple(self.steps), self.outputs, self.device(),
-                             self.symbol_bindings(), tuple(self.described.items()))
+                             self.symbol_bindings(), tuple(self.described.items()), tuple(self.device_scalars))
         self._check_bound(program)
         return program
 
@@ -153,6 +155,8 @@ class GraphLowerer:
         name = self._claim(node.name)
         if isinstance(val, torch.Tensor):
             layout = meta_layout(val)
+            if node.meta.get(device_scalars.MARK):
+                self.device_scalars.append(name)
             self.inputs.append(ir.Input(name, "tensor", layout, val.dtype))
             self.layouts[name] = layout
             self.meta_offsets[name] = sym(val.storage_offset())

@@ -350,3 +350,4 @@ class Program:
     device: str
     symbols: tuple[tuple[str, str], ...]  # (symbol, python expression reading it from the inputs)
     described: tuple[tuple[str, Described], ...] = ()  # (node name, its line) for the kernels' comments
+    device_scalars: tuple[str, ...] = ()  # inputs that are CPU 0-d tensors of the caller's: moved to DEVICE

@@ -117,6 +117,8 @@ def _call(program: ir.Program, items: list[Item], codes: dict[int, KernelCode],
     if names:
         lines.append(f"    {', '.join(names)}, = args")
     lines.append("    args.clear()")
+    lines += [f"    {name} = {name}.to(DEVICE)  # the caller's CPU scalar (codegen.device_scalars)"
+              for name in program.device_scalars]
     lines += [f"    {s} = {src}" for s, src in program.symbols]
     outputs = {o for o in program.outputs if isinstance(o, str)}
     last = _last_uses(items)

@@ -43,12 +43,14 @@ def wrap(module: CompiledModule, examples: Examples, ctx: GraphContext,
     if not ctx.config.cudagraphs:
         return module.call
     facts = module.graph.facts
-    reason, device = skips.reason_to_skip(examples, ctx, facts)
+    scalars = getattr(module.graph, "device_scalars", ())  # a generated module's (AtenGraph: none)
+    reason, device = skips.reason_to_skip(examples, ctx, facts, scalars)
     if reason is not None:
         skip(ctx.name, reason)  # one skip per function, logged once
         _skipped[ctx.name] = reason
         return module.call
-    fn = GraphFunction(module.call, examples.symbolic, ctx, device, _managers, facts, module.graph.launches, shared)
+    fn = GraphFunction(module.call, examples.symbolic, ctx, device, _managers, facts, module.graph.launches, shared,
+                       scalars)
     _functions.add(fn)
     return fn
 

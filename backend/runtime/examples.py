@@ -22,21 +22,28 @@ class Examples:
     strided: bool = True  # every tensor input has the strided layout
     symbolic: bool = False  # a size or stride is symbolic
     aliased: tuple[int, int] | None = None  # (a mutated input, another input sharing its storage)
+    cpu_tensors: int = 0  # tensor inputs on the CPU
+    cpu_scalars: int = 0  # of those, 0-d ones (a module may move them to the device: ``device_scalars``)
 
     @staticmethod
     def of(inputs: Sequence[Any], mutated: Iterable[int] = (), static: Iterable[int] = ()) -> Examples:
         tensors = [a for a in inputs if isinstance(a, torch.Tensor)]
+        cpu = [t for t in tensors if t.device.type == "cpu"]
         return Examples(devices=frozenset(t.device for t in tensors),
                         strided=all(t.layout == torch.strided for t in tensors),
                         symbolic=has_symbolic_shapes(list(inputs)),
-                        aliased=_mutated_aliased(inputs, mutated, frozenset(static)))
+                        aliased=_mutated_aliased(inputs, mutated, frozenset(static)),
+                        cpu_tensors=len(cpu), cpu_scalars=sum(1 for t in cpu if t.dim() == 0))
 
     @staticmethod
     def of_records(records: Iterable[dict[str, Any]]) -> Examples:
         """From a cache entry's input records (``{"size", "stride", "dtype", "device"}``). An entry
         holds only static-shape strided tensors, each its own storage: AOTAutograd merges inputs
         that share one before the graph is compiled, and such a graph is never cached."""
-        return Examples(devices=frozenset(torch.device(r["device"]) for r in records))
+        records = list(records)
+        cpu = [r for r in records if torch.device(r["device"]).type == "cpu"]
+        return Examples(devices=frozenset(torch.device(r["device"]) for r in records), cpu_tensors=len(cpu),
+                        cpu_scalars=sum(1 for r in cpu if len(r["size"]) == 0))
 
 
 def _mutated_aliased(inputs: Sequence[Any], mutated: Iterable[int], static: frozenset[int]) -> tuple[int, int] | None:

@@ -66,8 +66,9 @@ _record_lock = threading.RLock()
 class GraphFunction:
     def __init__(self, call: Callable[[list[Any]], Any], dynamic: bool, ctx: GraphContext,
                  device: int, managers: Managers, facts: GraphFacts, launches: int = 0,
-                 shared: SharedTree | None = None) -> None:
+                 shared: SharedTree | None = None, device_scalars: tuple[int, ...] = ()) -> None:
         self.call = call
+        self.device_scalars = device_scalars  # CPU 0-d inputs: copied into device slots
         self.ctx = ctx
         self.name = ctx.name
         self.kind = ctx.kind
@@ -260,7 +261,7 @@ class GraphFunction:
             node.key = key
             try:
                 outs = node.record(self.call, args, self.static, self.mutated, {e.key[0] for e in live},
-                                   stable, self.copied)
+                                   stable, self.copied, self.device_scalars)
             except Exception as exc:  # noqa: BLE001 - an op that cannot be captured: run it eagerly
                 manager.release(node)
                 compat.recover_generator(manager.device)

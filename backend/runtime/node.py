@@ -166,11 +166,12 @@ class GraphNode:
     # ---------------------------------------------------------------- record
     def record(self, call: Any, args: list[Any], static: frozenset[int], mutated: tuple[int, ...],
                live_ptrs: set[int], stable: frozenset[int] = frozenset(),
-               copied: frozenset[int] = frozenset()) -> list[Any]:
+               copied: frozenset[int] = frozenset(), device_scalars: tuple[int, ...] = ()) -> list[Any]:
         """Capture ``call`` on ``args``, replay it once, checkpoint; returns this call's outputs.
         ``stable``: mutated inputs written where they are, at a stable address (``static``: the
-        inputs the program marks); ``copied``: inputs copied into slots whatever they are."""
-        self._plan_inputs(args, static, live_ptrs, mutated, stable, copied)  # which are copied, which checked
+        inputs the program marks); ``copied``: inputs copied into slots whatever they are;
+        ``device_scalars``: CPU 0-d inputs, copied into device slots of their own."""
+        self._plan_inputs(args, static, live_ptrs, mutated, stable, copied, device_scalars)
         try:
             outs = self._capture(call, args)  # the graph; outputs are pool tensors
         except BaseException:
@@ -178,6 +179,8 @@ class GraphNode:
             raise
         self._settle_handoff()
         self._view_pool_slots()
+        for i, slot in self.scalar_slots:
+            slot.copy_(args[i])
         self._copy_in(args)
         self.graph.replay()  # this call's results
         self._write_back(args)
@@ -193,7 +196,11 @@ class GraphNode:
         return self._first_outputs(outs, args)
 
     def _plan_inputs(self, args: list[Any], static: frozenset[int], live_ptrs: set[int], mutated: tuple[int, ...],
-                     stable: frozenset[int] = frozenset(), copied: frozenset[int] = frozenset()) -> None:
+                     stable: frozenset[int] = frozenset(), copied: frozenset[int] = frozenset(),
+                     device_scalars: tuple[int, ...] = ()) -> None:
+        # the caller's CPU scalars: an 8-byte host-to-device copy each, before the graph
+        self.scalar_slots = [(i, torch.empty((), dtype=args[i].dtype, device=self.device)) for i in device_scalars]
+        scalars = set(device_scalars)
         self.check_index: list[int] = []
         self.static_index: list[int] = []  # the checked inputs that are not pool outputs
         self.static_storages: list[WeakStorage] = []  # theirs, to see when their model is gone
@@ -213,7 +220,7 @@ class GraphNode:
         self.handed_holds: list[tuple[int, tuple[int, int]]] = []  # (input, _holds) before the capture
         self.consumed: dict[tuple[int, int], tuple[int, tuple[tuple[int, tuple[int, int]], ...]]] = {}
         for i, a in enumerate(args):
-            if not isinstance(a, torch.Tensor):
+            if not isinstance(a, torch.Tensor) or i in scalars:
                 continue
             if read_in_place(i, a, static | stable, live_ptrs, copied):
                 if a.untyped_storage().data_ptr() not in live_ptrs:
@@ -251,6 +258,8 @@ class GraphNode:
         if hand_off:  # before the list below holds them too
             self.handed_holds = [(i, _holds(args[i])) for i in self.handoff]
         capture_args = list(args)
+        for i, slot in self.scalar_slots:
+            capture_args[i] = slot
         for k, i in enumerate(self.copy_index):
             slot = self.slots[k]
             if slot is None:
@@ -464,6 +473,9 @@ class GraphNode:
 
     def replay(self, args: list[Any]) -> Any:
         """The hot path: copy inputs, replay, rebuild outputs. Everything else was precomputed."""
+        if self.scalar_slots:
+            for i, slot in self.scalar_slots:
+                slot.copy_(args[i])
         if self.single_slot is not None:
             self.single_slot.copy_(args[self.single_index])
         elif self.copy_dst:

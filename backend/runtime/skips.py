@@ -18,11 +18,16 @@ from backend.runtime.examples import Examples
 CPU_INPUTS = "CPU inputs"
 
 
-def reason_to_skip(examples: Examples, ctx: GraphContext, facts: GraphFacts) -> tuple[str | None, int]:
-    """(why this graph cannot use CUDA graphs or None, the CUDA device index to use)."""
+def reason_to_skip(examples: Examples, ctx: GraphContext, facts: GraphFacts,
+                   device_scalars: tuple[int, ...] = ()) -> tuple[str | None, int]:
+    """(why this graph cannot use CUDA graphs or None, the CUDA device index to use).
+    ``device_scalars``: the CPU 0-d inputs the module moves to the device itself (the runtime
+    copies them into device slots): not CPU inputs, where they are all the CPU tensors."""
     if not examples.strided:
         return "sparse (non-strided) tensor inputs", -1
     devices = examples.devices
+    if device_scalars and examples.cpu_tensors == examples.cpu_scalars == len(device_scalars):
+        devices = frozenset(d for d in devices if d.type != "cpu")
     if any(d.type == "cpu" for d in devices):
         return CPU_INPUTS, -1
     if not devices:
