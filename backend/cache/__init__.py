@@ -8,7 +8,8 @@ A kernel module is kept as its source and its kernels' compiled binaries (``code
 so a hit at either level compiles no kernel and launches them without Triton's JIT.
 
 Keys are explicit objects (key.py); entries live in a versioned, private directory, written
-atomically under a lock per entry (store.py). Every hit re-wraps the modules in the runtime.
+atomically under a lock per entry (store.py); what a level-1 entry records of its graphs' inputs
+and constants is in records.py. Every hit re-wraps the modules in the runtime.
 Every torch private API the cache uses is in compat.py.
 
 The cache sits beside the pipeline: the driver (``aot.driver``) lists the steps and asks it

@@ -3,12 +3,12 @@ codegen.
 
 An entry holds, for each aten graph AOTAutograd produced (inference, or forward and backward): its
 module record (``modules.module_record``: a generated module by the digest of its level-2 entry),
-the GraphContext fields the driver gave it, and the metadata of its example inputs; plus the
-runtime plan (``compat.runtime_plan``) our wrapper needs. A hit reads the kernel modules from level
-2 (one that is gone or bad makes the hit a counted miss, and the entry is written again), wraps
-each in the runtime again (recording is per process, through the driver's ``wrap``, which shares
-one tree between a forward and its backward) with the same context fields, and puts our wrapper
-around them.
+the GraphContext fields the driver gave it, and the metadata of its example inputs and constants
+(``records``); plus the runtime plan (``compat.runtime_plan``) our wrapper needs. A hit reads the
+kernel modules from level 2 (one that is gone or bad makes the hit a counted miss, and the entry
+is written again), wraps each in the runtime again (recording is per process, through the
+driver's ``wrap``, which shares one tree between a forward and its backward) with the same context
+fields, and puts our wrapper around them.
 
 A compiled-autograd graph (``backward=True``) is traced with grad mode off: its one graph is an
 inference graph to AOTAutograd and to our wrapper, and a backward to the runtime (the part's
@@ -47,8 +47,6 @@ this level. With the cache off, the recorder then still collects the entry, and 
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -57,14 +55,14 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from backend.cache import backward_graph, compat, events, modules, wrappers
+from backend.cache import backward_graph, compat, events, modules, records, wrappers
 from backend.cache.compat import Uncacheable
 from backend.cache.key import CacheKey, make_key
 from backend.cache.store import CorruptEntry, Store
 from backend.codegen import compat as codegen_compat
 from backend.compiled import AtenGraph, CompiledModule
 from backend.config import Config
-from backend.context import Constants, GraphContext
+from backend.context import GraphContext
 from backend.logs import log_once
 from backend.runtime import first_calls
 from backend.runtime.examples import Examples
@@ -349,7 +347,7 @@ class LazyBackward:
 
 
 def _load_part(part: dict[str, Any], kind: str, config: Config, wrap: Wrap, name: str) -> Callable[[list[Any]], Any]:
-    consts = load_constants(part.get("constants", []))
+    consts = records.load_constants(part.get("constants", []))
     # The entry's names are those of the process that wrote it ("g3_forward"): this process
     # names its graphs itself, so two functions never share a name in the runtime.
     _, sep, suffix = part["name"].partition("_")
@@ -360,36 +358,7 @@ def _load_part(part: dict[str, Any], kind: str, config: Config, wrap: Wrap, name
     module = modules.load_record(part["module"], ctx)
     if not part["wrapped"]:
         return consts.append(module.call) if consts else module.call
-    return wrap(module, _examples(part["inputs"]), ctx)  # no fake tensors: they cost ms
-
-
-MAX_CONSTANT_BYTES = 1 << 20  # an entry keeps its graphs' constants; larger ones are not kept
-
-
-def constant_records(consts: Constants | None) -> list[dict[str, Any]]:
-    """A graph's lifted constants as JSON records (their bytes in base64)."""
-    if not consts:
-        return []
-    total = sum(t.numel() * t.element_size() for t in consts.tensors)
-    if total > MAX_CONSTANT_BYTES:
-        raise Uncacheable(f"graph holds {total} bytes of tensor constants (more than {MAX_CONSTANT_BYTES})")
-    return [{"name": name, **_tensor_spec(t), "data": base64.b64encode(compat.tensor_bytes(t)).decode()}
-            for name, t in zip(consts.names, consts.tensors)]
-
-
-def load_constants(records: list[dict[str, Any]]) -> Constants | None:
-    """The graph's constants; None when it has none."""
-    if not records:
-        return None
-    tensors = []
-    for r in records:
-        dtype = getattr(torch, r["dtype"])
-        data = bytearray(base64.b64decode(r["data"]))
-        flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-        value = torch.empty_strided(r["size"], r["stride"], dtype=dtype, device=r["device"])
-        value.copy_(flat.reshape(r["size"]))
-        tensors.append(value)
-    return Constants(tuple(r["name"] for r in records), tuple(tensors))
+    return wrap(module, records.examples(part["inputs"]), ctx)  # no fake tensors: they cost ms
 
 
 class Recorder:
@@ -505,9 +474,9 @@ class Recorder:
         self.parts[kind] = {
             "name": ctx.name, "static_inputs": list(ctx.static_input_indices),
             "mutated_inputs": list(ctx.mutated_input_indices), "wrapped": wrapped,
-            "inputs": [_input_record(x) for x in example_inputs],
+            "inputs": [records.input_record(x) for x in example_inputs],
             "module": modules.module_record(gm, module, self.config, level_2 if self.store is not None else None),
-            "constants": constant_records(ctx.constants),
+            "constants": records.constant_records(ctx.constants),
         }
         if ctx.kind != kind:
             self.parts[kind]["runtime_kind"] = ctx.kind
@@ -570,35 +539,3 @@ def _inputs_to_detach(bw: torch.fx.GraphModule, plan: dict[str, Any]) -> list[in
     if len(grads) != plan["num_inputs"]:
         raise Uncacheable("backward returns extra outputs")
     return [i for i in plan["nonleaf_requiring_grad"] if grads[i] is None]
-
-
-def _input_record(x: Any) -> dict[str, Any]:
-    """An aten graph's example input, as its part records it: a tensor's metadata (a symbolic size
-    or stride as its text), or a size (``{"size_input": "s0"}``, or an int)."""
-    if isinstance(x, (int, torch.SymInt)) and not isinstance(x, bool):
-        return {"size_input": _dim(x)}
-    if not isinstance(x, torch.Tensor):
-        raise Uncacheable(f"a graph input is a {type(x).__name__}")
-    return {"size": [_dim(s) for s in x.shape], "stride": [_dim(s) for s in x.stride()],
-            "dtype": str(x.dtype).removeprefix("torch."), "device": str(x.device)}
-
-
-def _dim(s: Any) -> int | str:
-    n = compat.concrete_int(s)
-    return n if n is not None else str(s)
-
-
-def _examples(records: list[dict[str, Any]]) -> Examples:
-    """What the runtime reads of a part's inputs (``_input_record``): their devices, and whether a
-    size is symbolic (then it keys its CUDA graphs by the sizes of each call)."""
-    symbolic = any(isinstance(v, str) for r in records
-                   for v in (r.get("size_input"), *r.get("size", ()), *r.get("stride", ())))
-    examples = Examples.of_records([r for r in records if "device" in r])
-    return dataclasses.replace(examples, symbolic=True) if symbolic else examples
-
-
-def _tensor_spec(x: Any) -> dict[str, Any]:
-    if not isinstance(x, torch.Tensor) or any(not isinstance(s, int) for s in (*x.shape, *x.stride())):
-        raise Uncacheable("a graph input is not a static-shape tensor")
-    return {"size": list(x.shape), "stride": list(x.stride()),
-            "dtype": str(x.dtype).removeprefix("torch."), "device": str(x.device)}
