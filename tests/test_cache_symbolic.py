@@ -6,7 +6,7 @@ recompile where a size breaks a guard that AOTAutograd added while compiling (Dy
 graph before: only the entry's guards, added to the ShapeEnv on a hit, make it recompile).
 
 Fresh processes on a snapshot of the backend (the key hashes our source, and the tree may be
-edited meanwhile), aten mode: a few seconds each."""
+edited meanwhile), a few seconds each (aten graphs, or generated kernels through the interpreter)."""
 
 from __future__ import annotations
 
@@ -102,9 +102,10 @@ def snapshot(tmp_path_factory) -> Path:
     return root
 
 
-def _run(snapshot: Path, cache_dir: Path, case: str, sizes: str) -> dict:
+def _run(snapshot: Path, cache_dir: Path, case: str, sizes: str, interpret: bool = False) -> dict:
+    """``interpret``: generated Triton kernels through the interpreter (else aten graphs)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
-    env.update(CGTREES_CACHE_DIR=str(cache_dir), PYTHONPATH=str(snapshot))
+    env.update(CGTREES_CACHE_DIR=str(cache_dir), PYTHONPATH=str(snapshot), CGTREES_INTERPRET=str(int(interpret)))
     proc = subprocess.run([sys.executable, str(snapshot / "worker.py"), case, sizes], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -119,20 +120,23 @@ def _run(snapshot: Path, cache_dir: Path, case: str, sizes: str) -> dict:
 def test_automatic_dynamic_inference_graph_hits_level_one(snapshot, tmp_path):
     """Issue 46's repro: the recompile at a second size is dynamic ("input 0 is a SymInt" made it
     bypass level 1). A warm process loads both graphs (the static one, then the dynamic one), and
-    a third size runs on the dynamic graph without a compile."""
-    cold = _run(snapshot, tmp_path, "silu", "18,14")
+    other sizes run on the dynamic graph without a compile. Generated kernels (interpreted): the
+    dynamic graph's module takes the size as an argument."""
+    cold = _run(snapshot, tmp_path, "silu", "18,14", interpret=True)
     assert cold["events"] == ["miss", "miss"], cold
-    warm = _run(snapshot, tmp_path, "silu", "18,14,9,31")
+    warm = _run(snapshot, tmp_path, "silu", "18,14,9,31", interpret=True)
     assert warm["events"] == ["hit", "hit", "-", "-"], warm
+    assert warm["counters"]["cache_hit_module"] == 2 and not warm["counters"]["kernels_generated"], warm
 
 
 def test_automatic_dynamic_training_graph_hits_level_one(snapshot, tmp_path):
     """A training graph of a symbolic batch: its forward saves a size for the backward, which our
-    wrapper hands on (``ctx.symints``); gradients stay eager's in the warm process."""
-    cold = _run(snapshot, tmp_path, "train", "8,11,5")
+    wrapper hands on (``ctx.symints``); gradients stay eager's in the warm process, whose forward
+    and backward modules (generated, interpreted) all come from the cache."""
+    cold = _run(snapshot, tmp_path, "train", "8,11,5", interpret=True)
     assert cold["events"] == ["miss", "miss", "-"], cold
-    warm = _run(snapshot, tmp_path, "train", "8,11,5,23")
-    assert warm["events"] == ["hit", "hit", "-", "-"], warm
+    warm = _run(snapshot, tmp_path, "train", "8,11,5,23", interpret=True)
+    assert warm["events"] == ["hit", "hit", "-", "-"] and not warm["counters"]["kernels_generated"], warm
 
 
 def test_a_size_that_breaks_a_guard_of_the_compile_recompiles(snapshot, tmp_path):
