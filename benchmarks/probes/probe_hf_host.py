@@ -82,8 +82,13 @@ def main() -> None:
         hf = serve_worker.HFForward(model, "cgtrees", 1, 32 + a.new, a.new)
         hf.model.forward = torch.compile(model.forward, backend=timed_backend(a.backend, ours))
     prompt = torch.randint(0, model.config.vocab_size, (1, 32), device=device)
+    warm_s = []
     for _ in range(2):  # compile, then record
+        start = time.perf_counter()
         hf.generate(prompt)
+        serve_worker.sync(device)
+        warm_s.append(time.perf_counter() - start)
+        print(f"generation {len(warm_s)}: {warm_s[-1]:.1f} s", flush=True)
     whole = Timer()
     if a.path == "hf":
         model._compiled_call = whole.wrap(model._compiled_call)
@@ -100,7 +105,7 @@ def main() -> None:
     row = {"backend": a.backend, "path": a.path,
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "generate_ms": gen_ms, "compiled_call_ms": whole.ms(), "backend_ms": ours.ms(),
-           "decode_calls": whole.calls}
+           "decode_calls": whole.calls, "first_generations_s": warm_s}
     row["steady_counters"] = {k: v - before.get(k, 0) for k, v in counters["cgtrees"].items() if v != before.get(k, 0)}
     if a.backend == "cgtrees":
         import backend.runtime
