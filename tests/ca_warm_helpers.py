@@ -7,36 +7,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from snapshot_helpers import COUNT_AOT, backend_snapshot, keep_log
 
-WORKER = r"""
+WORKER = COUNT_AOT + keep_log("backend") + r"""
 import copy, json, logging, sys, torch
-import backend.aot.compat as aot_compat
 from backend import counters
 from backend.cache.events import BYPASS_SAYS
 AOT_BYPASS = " " + BYPASS_SAYS["aot"] + ": "
-
-calls = {"aot": 0}
-real_aot = aot_compat.aot_module_simplified
-def counting_aot(*a, **k):
-    calls["aot"] += 1
-    return real_aot(*a, **k)
-aot_compat.aot_module_simplified = counting_aot
-
-class Keep(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages = []
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-keep = Keep()
-logging.getLogger("backend").addHandler(keep)
-logging.getLogger("backend").setLevel(logging.DEBUG)
 
 device, enable, sizes = sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3].split(",")]
 torch.manual_seed(0)
@@ -110,7 +91,7 @@ def cold_and_warm(tmp_path: Path, device: str, enable: tuple[str, str] = ("confi
     """The worker's results in a cold process, then in a warm one on the same cache: each turns
     compiled autograd on as ``enable`` says ("config", "context", "context-static", or "plain": off) and trains on
     batches of ``sizes`` (comma-separated)."""
-    shutil.copytree(ROOT / "backend", tmp_path / "snapshot" / "backend", ignore=shutil.ignore_patterns("__pycache__"))
+    backend_snapshot(tmp_path / "snapshot")
     (tmp_path / "worker.py").write_text(WORKER)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
     env.update(CGTREES_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(tmp_path / "snapshot"))

@@ -12,27 +12,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from snapshot_helpers import COUNT_AOT, backend_snapshot
 
-ROOT = Path(__file__).resolve().parent.parent
-
-WORKER = r'''
+WORKER = COUNT_AOT + r'''
 import copy, json, sys, torch
 import torch.nn.functional as F
-import backend.aot.compat as aot_compat
 from backend import counters
-
-calls = {"aot": 0}
-real_aot = aot_compat.aot_module_simplified
-def counting_aot(*a, **k):
-    calls["aot"] += 1
-    return real_aot(*a, **k)
-aot_compat.aot_module_simplified = counting_aot
 
 def chunk_first(x):
     return x.chunk(2)[0] * 2  # AOTAutograd's chunk guards the second chunk: its size is neither 0 nor 1
@@ -96,10 +86,7 @@ print(json.dumps({"events": events, "error": error, "grad_error": grad_error, "c
 
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("snapshot")
-    shutil.copytree(ROOT / "backend", root / "backend", ignore=shutil.ignore_patterns("__pycache__"))
-    (root / "worker.py").write_text(WORKER)
-    return root
+    return backend_snapshot(tmp_path_factory.mktemp("snapshot"), WORKER)
 
 
 def _run(snapshot: Path, cache_dir: Path, case: str, sizes: str, interpret: bool = False) -> dict:

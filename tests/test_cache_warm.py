@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from snapshot_helpers import backend_snapshot
 
-ROOT = Path(__file__).resolve().parent.parent
 SNAPSHOT: list[Path] = []
 
 WORKER = r'''
@@ -94,9 +94,7 @@ print(json.dumps({"counters": {k: c.get(k, 0) for k in keys}, "calls": calls,
 
 @pytest.fixture(scope="module", autouse=True)
 def _snapshot(tmp_path_factory):
-    root = tmp_path_factory.mktemp("snapshot")
-    shutil.copytree(ROOT / "backend", root / "backend", ignore=shutil.ignore_patterns("__pycache__"))
-    SNAPSHOT[:] = [root]
+    SNAPSHOT[:] = [backend_snapshot(tmp_path_factory.mktemp("snapshot"))]
     yield
     SNAPSHOT.clear()
 

@@ -23,12 +23,10 @@ Tolerances, relative to each tensor's largest eager entry:
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch.distributed as dist
 from distributed_helpers import CASES, assert_close_reports, run_cases
+from snapshot_helpers import backend_snapshot
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -113,9 +111,7 @@ def test_warm_ranks_load_ddp_pieces_from_level_one(tmp_path):
     logged once a piece a rank). Two ranks fill a cache (each may load what the other wrote); two
     fresh ranks on it load every piece from level 1, trace none through AOTAutograd (DDPOptimizer
     makes a loaded piece's fake outputs itself), and get eager DDP's gradients and parameters."""
-    root = tmp_path / "snapshot"  # the ranks import this copy: the key hashes our source
-    shutil.copytree(Path(__file__).resolve().parent.parent / "backend", root / "backend",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    root = backend_snapshot(tmp_path / "snapshot")  # the ranks import this copy: the key hashes our source
     env = {"CGTREES_CACHE_DIR": str(tmp_path / "cache"), "CGTREES_INTERPRET": "0"}
     case, graphs = "compiled_ddp_buckets", 2 * PIECES
     runs = [run_cases([case], "cpu", env, timeout_s=150, backend_root=str(root)) for _ in range(2)]

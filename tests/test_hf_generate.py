@@ -22,35 +22,24 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from snapshot_helpers import backend_snapshot, keep_log
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
 
-ROOT = Path(__file__).resolve().parent.parent
 NEW_TOKENS = 10
 
-WORKER = r'''
+WORKER = keep_log("backend.cache") + r'''  # keep: every cache event, a miss with its reason
 import json, logging, sys
 import torch
 import transformers
 from torch._dynamo.utils import counters
 from backend import counters as cgtrees_counters
 
-class Keep(logging.Handler):
-    """Every cache event (hits, misses with the reason, bypasses with the reason)."""
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.messages = []
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-keep = Keep()
-logging.getLogger("backend.cache").addHandler(keep)
-logging.getLogger("backend.cache").setLevel(logging.DEBUG)  # DEBUG: a miss says why
 
 VOCAB = 160
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -95,10 +84,7 @@ print(json.dumps([generate(arch, args["path"], args["new"]) for arch in args["ar
 
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("snapshot")
-    shutil.copytree(ROOT / "backend", root / "backend", ignore=shutil.ignore_patterns("__pycache__"))
-    (root / "worker.py").write_text(WORKER)
-    return root
+    return backend_snapshot(tmp_path_factory.mktemp("snapshot"), WORKER)
 
 
 def _run(snapshot: Path, cache_dir: Path, path: str, archs: list[str], decisions: str = "measure") -> list[dict]:

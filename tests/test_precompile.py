@@ -9,15 +9,14 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from snapshot_helpers import backend_snapshot
 
-ROOT = Path(__file__).resolve().parent.parent
 MAGIC = b"cgtrees-precompiled/1"
 
 WORKER = r'''
@@ -151,10 +150,7 @@ print(json.dumps(result))
 
 @pytest.fixture(scope="module")
 def snapshot(tmp_path_factory):
-    root = tmp_path_factory.mktemp("snapshot")
-    shutil.copytree(ROOT / "backend", root / "backend", ignore=shutil.ignore_patterns("__pycache__"))
-    (root / "worker.py").write_text(WORKER)
-    return root
+    return backend_snapshot(tmp_path_factory.mktemp("snapshot"), WORKER)
 
 
 def _run(snapshot: Path, cache_dir: Path, interpret: bool, env: dict[str, str] | None = None, **args) -> dict:
