@@ -1,12 +1,12 @@
 """cgtrees: a torch.compile backend (``torch.compile(model, backend="cgtrees")``).
 
-Dynamo finds it through the ``torch_dynamo_backends`` entry point, which names ``backend:cgtrees``;
+Dynamo finds it through the ``torch_dynamo_backends`` entry point, which names ``cgtrees:cgtrees``;
 importing this package registers nothing itself (a second registration would fail).
 """
 
 from __future__ import annotations
 
-from backend.api import CgtreesBackend
+from cgtrees.api import CgtreesBackend
 
 __version__ = "0.1.0"
 

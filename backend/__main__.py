@@ -1,4 +1,4 @@
-"""``python -m backend``: the demo; ``python -m backend cache info|clear``: the cache."""
+"""``python -m cgtrees``: the demo; ``python -m cgtrees cache info|clear``: the cache."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m backend",
+        prog="python -m cgtrees",
         description="cgtrees: with no argument, runs the demo (compiles a GPT block with backend='cgtrees', "
                     "checks outputs and gradients against eager, prints compile and per-call times); "
                     "'cache info|clear' manages the persistent compile cache.")
@@ -17,10 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     cache.add_argument("action", choices=["info", "clear"])
     args = parser.parse_args(argv)
     if args.command == "cache":
-        from backend.cache import cli
+        from cgtrees.cache import cli
 
         return cli.main(args.action)
-    from backend.demo import main as demo
+    from cgtrees.demo import main as demo
 
     return demo()
 

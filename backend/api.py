@@ -8,9 +8,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from backend import counters
-from backend.config import Config
-from backend.logs import forget, log
+from cgtrees import counters
+from cgtrees.config import Config
+from cgtrees.logs import forget, log
 
 
 def restart_exceptions() -> tuple[type[BaseException], ...]:
@@ -32,7 +32,7 @@ class CgtreesBackend:
     def __init__(self) -> None:
         self._graph_ids = itertools.count()
         if os.environ.get("CGTREES_PRECOMPILE_CACHE"):  # Dynamo decides on its cache before any graph
-            from backend import precompile
+            from cgtrees import precompile
 
             precompile.use_dynamo_cache()
 
@@ -43,10 +43,10 @@ class CgtreesBackend:
         config = Config.resolve(mode, options)
         graph_id = next(self._graph_ids)
         try:
-            from backend import precompile
-            from backend.aot import compiled_autograd
-            from backend.aot.driver import compile_dynamo_graph
-            from backend.cache.aot import Level1Hints
+            from cgtrees import precompile
+            from cgtrees.aot import compiled_autograd
+            from cgtrees.aot.driver import compile_dynamo_graph
+            from cgtrees.cache.aot import Level1Hints
 
             with precompile.compiling(gm, config) as kept:  # kept: torch will save the result (aot_compile)
                 if compiled_autograd.is_backward_graph(example_inputs):  # its first input is a list
@@ -64,8 +64,8 @@ class CgtreesBackend:
         return compiled if kept is None else precompile.serializable(compiled, kept, config, gm, f"g{graph_id}")
 
     def reset(self) -> None:
-        """Called by ``torch._dynamo.reset()`` (through torch.compile's wrapper) and ``backend.reset()``."""
-        from backend import runtime
+        """Called by ``torch._dynamo.reset()`` (through torch.compile's wrapper) and ``cgtrees.reset()``."""
+        from cgtrees import runtime
 
         runtime.reset()
         forget()

@@ -43,20 +43,20 @@ class Config:
     precompile_cache: bool = _field(False, affects_codegen=False,
                                     doc="turn on Dynamo's caching precompile (torch._dynamo.config.caching_precompile) "
                                         "and save its cache at each compiled graph's first call; set it with the "
-                                        "env var, which must be in force before torch.compile (backend.precompile)")
+                                        "env var, which must be in force before torch.compile (cgtrees.precompile)")
     layout_opt: str = _field("auto", affects_codegen=True,
-                             doc="channels-last convolution graphs (backend.aot.layout): auto (CUDA graphs "
+                             doc="channels-last convolution graphs (cgtrees.aot.layout): auto (CUDA graphs "
                                  "whose convolutions gain), off (also 0/false), force (any device: tests)")
     warm_first_calls: bool = _field(True, affects_codegen=False,
                                     doc="a warm load makes its modules' cuDNN/cuBLAS/attention calls once on "
                                         "empty tensors, in a background thread, so the first call finds them "
-                                        "loaded (backend.runtime.first_calls)")
+                                        "loaded (cgtrees.runtime.first_calls)")
     unfuse_addmm: bool = _field(True, affects_codegen=True,
                                 doc="run a float32/float64 addmm whose product feeds only pointwise kernels as "
-                                    "mm, its bias added in those kernels (backend.codegen.lower_addmm)")
+                                    "mm, its bias added in those kernels (cgtrees.codegen.lower_addmm)")
 
     gemm_decisions: str = _field("measure", affects_codegen=True,
-                                 doc="how each GEMM's form is chosen (backend.codegen.gemm_choice): measure "
+                                 doc="how each GEMM's form is chosen (cgtrees.codegen.gemm_choice): measure "
                                      "(time the forms on the GPU at compile time: rows padded to 16 bytes or "
                                      "not, addmm or mm with the bias in its consumers; as traced where "
                                      "nothing can be timed), keep (as traced), rewrite (always rewritten), "
@@ -64,7 +64,7 @@ class Config:
     batch_buckets: tuple[int, ...] = _field((), affects_codegen=False,
                                             doc="batch sizes an inference graph with a dynamic batch dimension is "
                                                 "padded up to (the next one >= B; rows of row 0, outputs cut back), "
-                                                "one CUDA graph per bucket; empty: off (backend.aot.buckets)")
+                                                "one CUDA graph per bucket; empty: off (cgtrees.aot.buckets)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_buckets", _buckets(self.batch_buckets, "batch_buckets"))
@@ -127,7 +127,7 @@ def _warn_unknown_env(environ: Mapping[str, str], names: Mapping[str, Any]) -> N
         if var.startswith("CGTREES_") and var not in known and var not in _WARNED:
             _WARNED.add(var)
             hint = _nearest(var.removeprefix("CGTREES_"), [n.upper() for n in names], shown="CGTREES_{}")
-            logging.getLogger("backend").warning(
+            logging.getLogger("cgtrees").warning(
                 "cgtrees: environment variable %s is not one of ours and is ignored; %svalid: %s",
                 var, hint, ", ".join(known))
 

@@ -7,7 +7,7 @@ from typing import Any, Callable, Literal
 
 import torch
 
-from backend.config import Config
+from cgtrees.config import Config
 
 GraphKind = Literal["forward", "backward", "inference"]  # which of AOTAutograd's graphs (R3, R4)
 

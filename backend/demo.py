@@ -1,4 +1,4 @@
-"""The built-in demo (``python -m backend``): compile a small GPT block, check it against eager,
+"""The built-in demo (``python -m cgtrees``): compile a small GPT block, check it against eager,
 and print compile time, steady-state time against eager, and what the cache did.
 
 On a CPU there is nothing to accelerate: cgtrees runs each graph as aten calls (or, with
@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from backend import counters
+from cgtrees import counters
 
 
 class DemoBlock(nn.Module):
@@ -60,7 +60,7 @@ def _per_call_us(fn, x: torch.Tensor, device: torch.device, iters: int) -> float
 
 def _on_cpu() -> str:
     """What cgtrees runs on a CPU, where it compiles for correctness, not speed."""
-    from backend.config import Config
+    from cgtrees.config import Config
 
     if Config.resolve().interpret:
         return ("  on CPU with CGTREES_INTERPRET=1, cgtrees runs its generated Triton kernels through Triton's "

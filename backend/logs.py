@@ -1,11 +1,11 @@
-"""Logging through ``logging.getLogger("backend")``; ``log_once`` for reasons told once per key."""
+"""Logging through ``logging.getLogger("cgtrees")``; ``log_once`` for reasons told once per key."""
 
 from __future__ import annotations
 
 import logging
 import threading
 
-log = logging.getLogger("backend")
+log = logging.getLogger("cgtrees")
 _seen: set[tuple[str, str]] = set()
 _lock = threading.Lock()
 

@@ -36,13 +36,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from backend import counters, runtime
-from backend.cache import compat
-from backend.cache.aot import Kept
-from backend.cache.key import device_mismatch
-from backend.config import Config
+from cgtrees import counters, runtime
+from cgtrees.cache import compat
+from cgtrees.cache.aot import Kept
+from cgtrees.cache.key import device_mismatch
+from cgtrees.config import Config
 
-log = logging.getLogger("backend.precompile")
+log = logging.getLogger("cgtrees.precompile")
 
 MAGIC = b"cgtrees-precompiled/1"
 FORMAT = 1
@@ -72,7 +72,7 @@ def compiling(gm: torch.fx.GraphModule, config: Config) -> Iterator[Kept | None]
     """Around the compile of one Dynamo graph: a ``Kept`` that collects the level-1 entry when torch
     will save the result (aot_compile, caching precompile), else None."""
     if config.precompile_cache and not compat.caching_precompile():
-        from backend.logs import log_once
+        from cgtrees.logs import log_once
 
         log_once(log, "precompile_cache:late", "cgtrees: precompile_cache=True comes too late in options=: "
                  "Dynamo decides on its cache when torch.compile is called; set CGTREES_PRECOMPILE_CACHE=1 "
@@ -124,7 +124,7 @@ class PrecompiledFunction(compat.SerializableCallable):
     def artifact(self) -> bytes:
         if self.payload is None:
             raise PrecompileError(f"cgtrees: cannot save the compiled graph {self.name}: {self.why_not()}")
-        from backend.cache.store import encode
+        from cgtrees.cache.store import encode
 
         return encode({"format": FORMAT, "name": self.name, "config": self.config, "entry": self.payload},
                       magic=MAGIC)
@@ -174,7 +174,7 @@ _recorded: list[CachedArtifact] = []  # this process's, for ``names_used`` at ea
 
 def check(data: bytes) -> dict[str, Any]:
     """The saved record, if this process can load it; else PrecompileError naming why."""
-    from backend.cache.store import CorruptEntry, decode
+    from cgtrees.cache.store import CorruptEntry, decode
 
     if not isinstance(data, (bytes, bytearray)):
         raise PrecompileError(f"cgtrees: a saved function is bytes, not {type(data).__name__}")
@@ -198,7 +198,7 @@ def check(data: bytes) -> dict[str, Any]:
 
 def _start_first_calls(record: dict[str, Any]) -> None:
     """The saved modules' library calls, begun in a thread (``runtime.first_calls``); best effort."""
-    from backend.cache.aot import start_first_calls
+    from cgtrees.cache.aot import start_first_calls
 
     try:
         start_first_calls(record["entry"], loaded_config(record["config"]))
@@ -207,7 +207,7 @@ def _start_first_calls(record: dict[str, Any]) -> None:
 
 
 def _mismatch(key: dict[str, Any]) -> str | None:
-    from backend.cache.key import backend_source_hash, triton_version
+    from cgtrees.cache.key import backend_source_hash, triton_version
 
     mine = {"torch_version": torch.__version__, "triton_version": triton_version(),
             "backend_source": backend_source_hash()}
@@ -220,8 +220,8 @@ def _mismatch(key: dict[str, Any]) -> str | None:
 
 def load(record: dict[str, Any]) -> PrecompiledFunction:
     """Rebuild a checked record as a level-1 hit would (no AOTAutograd, no codegen)."""
-    from backend import cache, codegen
-    from backend.cache.aot import rebuild
+    from cgtrees import cache, codegen
+    from cgtrees.cache.aot import rebuild
 
     config = loaded_config(record["config"])
     name = f"p{next(_loaded)}"
@@ -234,7 +234,7 @@ def load(record: dict[str, Any]) -> PrecompiledFunction:
         return runtime.wrap_module(module, examples, ctx, shared)
 
     def compile_backward(gm: torch.fx.GraphModule, inputs: list[Any], static_saved: tuple[str, ...]) -> Any:
-        from backend.aot import driver  # AOTAutograd's modules: only if a backward is compiled here
+        from cgtrees.aot import driver  # AOTAutograd's modules: only if a backward is compiled here
 
         return driver.compile_backward(name, config, shared, gm, inputs, static_saved)
 

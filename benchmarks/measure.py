@@ -171,7 +171,7 @@ def profile_table(step: Step, device: torch.device, calls: int = 10, rows: int =
     return f"{calls} calls, sorted by {sort_by}\n{table}{kinds}"
 
 
-# Generated kernels by name: ours (``backend.codegen``: pw_/red_/... prefixes) and Inductor's.
+# Generated kernels by name: ours (``cgtrees.codegen``: pw_/red_/... prefixes) and Inductor's.
 GENERATED_PREFIXES = ("pw_", "red_", "scan_", "sc_", "triton_")
 
 

@@ -285,7 +285,7 @@ def _counters(backend: str) -> dict:
 
     ours = dict(counters.get("cgtrees", {}))
     if base(backend) == "cgtrees":
-        from backend import counters as cgtrees_counters
+        from cgtrees import counters as cgtrees_counters
 
         ours = {**cgtrees_counters.snapshot(), "backward_replays": backward_replays(),
                 "aten_gap_ops": cgtrees_counters.gap_ops()}
@@ -330,7 +330,7 @@ def start_figures(found: dict, backend: str) -> dict:
 def backward_replays() -> int:
     """Replays of our CUDA-graph nodes of backward functions, summed over the living trees (under
     compiled autograd only its graphs run as backward functions)."""
-    from backend import runtime
+    from cgtrees import runtime
 
     found = re.finditer(r"node \d+ g\d+_backward\S* .*?replays=(\d+)", runtime.describe())
     return sum(int(m.group(1)) for m in found)

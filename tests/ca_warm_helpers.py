@@ -13,10 +13,10 @@ from pathlib import Path
 
 from snapshot_helpers import COUNT_AOT, backend_snapshot, keep_log
 
-WORKER = COUNT_AOT + keep_log("backend") + r"""
+WORKER = COUNT_AOT + keep_log("cgtrees") + r"""
 import copy, json, logging, sys, torch
-from backend import counters
-from backend.cache.events import BYPASS_SAYS
+from cgtrees import counters
+from cgtrees.cache.events import BYPASS_SAYS
 AOT_BYPASS = " " + BYPASS_SAYS["aot"] + ": "
 
 device, enable, sizes = sys.argv[1], sys.argv[2], [int(n) for n in sys.argv[3].split(",")]

@@ -1,5 +1,5 @@
 """Helpers for the codegen tests: trace a function to aten graphs, compile them with
-``backend.codegen.compile_graph`` (no driver involved), and compare with eager."""
+``cgtrees.codegen.compile_graph`` (no driver involved), and compare with eager."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any, Callable
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from backend.aot.decompositions import decomposition_table
-from backend.config import Config
-from backend.context import GraphContext
+from cgtrees.aot.decompositions import decomposition_table
+from cgtrees.config import Config
+from cgtrees.context import GraphContext
 
 # Interpreted (CPU) and compiled (CUDA) kernels never mix in one process: on a CUDA machine the CPU
 # codegen tests are skipped unless CGTREES_INTERPRET=1 asks for them, and tests/gpu runs instead.
@@ -61,7 +61,7 @@ def trace(fn: Callable, *inputs: Any, dynamic: bool = False) -> torch.fx.GraphMo
 
 def compile_fn(fn: Callable, *inputs: Any, name: str = "test", cfg: Config | None = None, dynamic: bool = False):
     """Trace ``fn`` and compile its graph; returns the kernel module."""
-    from backend import codegen
+    from cgtrees import codegen
 
     gm = trace(fn, *inputs, dynamic=dynamic)
     try:
@@ -72,7 +72,7 @@ def compile_fn(fn: Callable, *inputs: Any, name: str = "test", cfg: Config | Non
 
 def context(gm: torch.fx.GraphModule, cfg: Config, kind: str, name: str) -> GraphContext:
     """What the driver tells codegen of a graph (its mutated inputs by the driver's own rule)."""
-    from backend.aot.driver import mutated_inputs
+    from cgtrees.aot.driver import mutated_inputs
 
     return GraphContext(cfg, kind, name, mutated_input_indices=mutated_inputs(gm))
 
@@ -86,9 +86,9 @@ def run(module: Any, *inputs: Any) -> Any:
 
 
 def check(module: Any) -> None:
-    from backend.codegen import KernelModule
+    from cgtrees.codegen import KernelModule
 
-    assert isinstance(module, KernelModule), "the graph was not generated (see the backend.codegen log)"
+    assert isinstance(module, KernelModule), "the graph was not generated (see the cgtrees.codegen log)"
     assert module.failure is None, f"the generated module failed: {module.failure}\n{module.path}"
 
 
@@ -100,7 +100,7 @@ class Compiler:
         self.modules: list[Any] = []
 
     def __call__(self, kind: str):
-        from backend import codegen
+        from cgtrees import codegen
 
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
             ctx = context(gm, self.cfg, kind, f"g_{kind}_{len(self.modules)}")
@@ -122,8 +122,8 @@ class Compiler:
 
     def with_our_partition(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         """A ``torch.compile`` backend: AOTAutograd with our partitioner, graphs compiled here."""
-        from backend.aot import compat
-        from backend.aot.partition import partition
+        from cgtrees.aot import compat
+        from cgtrees.aot.partition import partition
 
         return compat.aot_module_simplified(gm, example_inputs, fw_compiler=self("forward"),
                                             bw_compiler=self("backward"), partition_fn=partition,

@@ -6,7 +6,7 @@ twice on the same data: once in eager (DDP, or FSDP2 for the fsdp cases), once w
 case's pattern. After each backward it measures every parameter's gradient against eager's, and
 after the last step every parameter; it returns, per rank and case, a ``Report``: the largest
 absolute difference and the largest absolute reference value per (step, parameter), the cgtrees
-counters of the compiled run and ``backend.runtime.describe()`` after it (its CUDA graph trees).
+counters of the compiled run and ``cgtrees.runtime.describe()`` after it (its CUDA graph trees).
 Errors are measured in the ranks and only numbers and text come back.
 
 Cases (``CASES``), each a pattern of the issue:
@@ -48,7 +48,7 @@ class Report:
     params: dict[str, tuple[float, float]]  # after the last step
     counters: dict[str, int]
     eval_diff: tuple[float, float] | None = None  # no_grad forward after training, where a case runs one
-    describe: str = ""  # backend.runtime.describe() after the compiled run (its trees on CUDA)
+    describe: str = ""  # cgtrees.runtime.describe() after the compiled run (its trees on CUDA)
 
 
 class UserMLP(nn.Module):
@@ -153,7 +153,7 @@ def _params(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _train(case: Case, compiled: bool, batches: list[list[torch.Tensor]], device: str) -> dict[str, Any]:
-    from backend import runtime
+    from cgtrees import runtime
 
     model = mlp(case.width, case.kind, device)
     owner, step_fn = _wrap(case, model, compiled, device)

@@ -121,7 +121,7 @@ class Pipeline:
     def __init__(self, case: Case) -> None:
         from torch._functorch.aot_autograd import aot_function
 
-        from backend.aot.partition import partition
+        from cgtrees.aot.partition import partition
 
         self.case = case
         self.mode = "aten"
@@ -137,7 +137,7 @@ class Pipeline:
 
     def lowered_ops(self) -> set[str]:
         """The ops in its graphs that codegen has a lowering for."""
-        from backend.codegen.graph import LOWERINGS
+        from cgtrees.codegen.graph import LOWERINGS
 
         return {str(n.target) for gm, _ in self.graphs.values() for n in gm.graph.nodes
                 if n.op == "call_function" and n.target in LOWERINGS}
@@ -174,7 +174,7 @@ class Pipeline:
 
     def _compiler(self, kind: str) -> Callable:
         def compile_graph(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-            from backend.aot import constants
+            from cgtrees.aot import constants
 
             consts = constants.lift(gm)  # as the driver does: get_attr tensors become trailing inputs
             self.graphs[kind] = (gm, [*example_inputs, *consts.tensors])
@@ -192,9 +192,9 @@ class Pipeline:
         """What ``codegen.compile_graph`` makes of the graph, with the reason kept when codegen
         hands the graph to aten."""
         if (self.mode, kind) not in self.modules:
-            from backend import codegen
-            from backend.config import Config
-            from backend.context import GraphContext
+            from cgtrees import codegen
+            from cgtrees.config import Config
+            from cgtrees.context import GraphContext
 
             gm, examples = self.graphs[kind]
             ctx = GraphContext(Config(interpret=self.mode == "interpret", cache=False), kind,
@@ -222,7 +222,7 @@ class _Fired:
 @functools.lru_cache(maxsize=1)  # 970 entries: made once, not per trace
 def recording_table() -> dict:
     """Our decomposition table, each entry noting in ``_Fired.into`` that it ran (nothing else changes)."""
-    from backend.aot.decompositions import decomposition_table
+    from cgtrees.aot.decompositions import decomposition_table
 
     def record(op: torch._ops.OpOverload, fn: Callable) -> Callable:
         def decomposition(*args: Any, **kwargs: Any) -> Any:

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Worker source: counts AOTAutograd's traces in ``calls["aot"]`` (a level-1 hit traces none).
 COUNT_AOT = '''
-import backend.aot.compat as aot_compat
+import cgtrees.aot.compat as aot_compat
 calls = {"aot": 0}
 real_aot = aot_compat.aot_module_simplified
 def counting_aot(*a, **k):
@@ -39,7 +39,7 @@ logging.getLogger({logger!r}).setLevel(logging.DEBUG)
 
 def backend_snapshot(root: Path, worker: str | None = None) -> Path:
     """``root`` holding a copy of the backend package (and ``worker.py``, when given)."""
-    shutil.copytree(ROOT / "backend", root / "backend", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "backend", root / "cgtrees", ignore=shutil.ignore_patterns("__pycache__"))
     if worker is not None:
         (root / "worker.py").write_text(worker)
     return root

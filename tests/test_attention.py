@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.aot.decompositions import decomposition_table, is_attention
+from cgtrees.aot.decompositions import decomposition_table, is_attention
 
 
 def _grads_match(fn, *inputs, atol=1e-5, rtol=1e-4):

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from codegen_helpers import INTERPRET, sum_tolerance, trace
 from models import MLP, TinyLM
 
-from backend.aot import buckets, driver
-from backend.config import Config
+from cgtrees.aot import buckets, driver
+from cgtrees.config import Config
 
 BUCKETS = (1, 2, 4, 8, 16)
 needs_interpreter = pytest.mark.skipif(
@@ -136,7 +136,7 @@ def test_batch_folded_into_rows_and_cut_along_another_dimension(cgtrees_counters
 def test_past_the_largest_bucket_runs_unpadded_logged_once(cgtrees_counters, caplog):
     model = MLP(d=8, hidden=16, out=3).eval()
     f = torch.compile(model, backend="cgtrees", options={"batch_buckets": (2, 4)})
-    with caplog.at_level(logging.WARNING, logger="backend"), torch.no_grad():
+    with caplog.at_level(logging.WARNING, logger="cgtrees"), torch.no_grad():
         for b in (3, 5, 6, 7):
             x = torch.randn(b, 8)
             torch._dynamo.mark_dynamic(x, 0)
@@ -171,7 +171,7 @@ def test_graph_that_mixes_rows_runs_unbucketed_with_the_reason(case, cgtrees_cou
     fn, reason = MIXING[case]
     eager = copy.deepcopy(fn) if isinstance(fn, nn.Module) else fn
     f = torch.compile(fn, backend="cgtrees", options={"batch_buckets": (4, 8)})
-    with caplog.at_level(logging.WARNING, logger="backend"), torch.no_grad():
+    with caplog.at_level(logging.WARNING, logger="cgtrees"), torch.no_grad():
         for b in (3, 5):
             x = torch.randn(b, 6)
             torch._dynamo.mark_dynamic(x, 0)
@@ -187,7 +187,7 @@ def test_training_graph_is_left_alone(cgtrees_counters, caplog):
     model = MLP(d=8, hidden=16, out=3)
     reference = copy.deepcopy(model)
     f = torch.compile(model, backend="cgtrees", options={"batch_buckets": (4, 8)})
-    with caplog.at_level(logging.INFO, logger="backend"):
+    with caplog.at_level(logging.INFO, logger="cgtrees"):
         for b in (3, 5):
             x = torch.randn(b, 8)
             torch._dynamo.mark_dynamic(x, 0)
@@ -235,7 +235,7 @@ def test_analysis_allows(case):
 @pytest.mark.parametrize("case", list(MIXES_ROWS))
 def test_analysis_refuses(case, caplog):
     fn, reason = MIXES_ROWS[case]
-    with caplog.at_level(logging.WARNING, logger="backend"):
+    with caplog.at_level(logging.WARNING, logger="cgtrees"):
         assert _plan(fn, f"refuses {case}") is None
     assert reason in caplog.text
 

@@ -1,4 +1,4 @@
-"""The checks that decide whether a stored binary may be launched (``backend.codegen.binaries``), on
+"""The checks that decide whether a stored binary may be launched (``cgtrees.codegen.binaries``), on
 CPU: what the binary assumes of each argument, and the JIT for everything else. The loading and
 launching themselves need a GPU: tests/gpu/test_binaries_gpu.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.codegen import binaries, compat
+from cgtrees.codegen import binaries, compat
 
 
 class FakeLoaded:
@@ -168,10 +168,10 @@ def test_a_warm_load_leaves_kernels_with_binaries_undecorated(monkeypatch, tmp_p
 def test_the_cache_keeps_what_a_module_captures_and_passes_it_back(monkeypatch, caplog):
     import dataclasses
 
-    from backend import codegen
-    from backend.cache import modules
-    from backend.compiled import CompiledGraph, GraphFacts
-    from backend.config import Config
+    from cgtrees import codegen
+    from cgtrees.cache import modules
+    from cgtrees.compiled import CompiledGraph, GraphFacts
+    from cgtrees.config import Config
 
     graph = CompiledGraph("", GraphFacts(), kernels=("pw_0",))
     captured = {"pw_0": [{"binary": "..."}]}
@@ -247,10 +247,10 @@ def test_a_self_contained_record_keeps_the_compiled_code_too(monkeypatch, tmp_pa
     source (it compiled 153 kernels' source in a warm convnet start on the H100, 0.06-0.1 s)."""
     import dataclasses
 
-    from backend import codegen
-    from backend.cache import modules
-    from backend.compiled import CompiledGraph, GraphFacts
-    from backend.config import Config
+    from cgtrees import codegen
+    from cgtrees.cache import modules
+    from cgtrees.compiled import CompiledGraph, GraphFacts
+    from cgtrees.config import Config
 
     class Module(codegen.KernelModule):
         def __init__(self) -> None:

@@ -13,11 +13,11 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from backend.cache import modules
-from backend.cache.key import graph_text, make_key
-from backend.cache.store import CorruptEntry, Store, base_dir, decode, encode
-from backend.config import Config
-from backend.context import GraphContext
+from cgtrees.cache import modules
+from cgtrees.cache.key import graph_text, make_key
+from cgtrees.cache.store import CorruptEntry, Store, base_dir, decode, encode
+from cgtrees.config import Config
+from cgtrees.context import GraphContext
 
 
 def _graph(rename: str = "") -> torch.fx.GraphModule:
@@ -85,7 +85,7 @@ def test_store_is_private_and_refuses_unsafe_directories(tmp_path, caplog):
     assert store is not None and store.root == tmp_path / "c" / "v1"
     assert os.stat(store.root).st_mode & 0o777 == 0o700
     os.chmod(store.root / "aot", 0o777)
-    with caplog.at_level(logging.WARNING, logger="backend.cache"):
+    with caplog.at_level(logging.WARNING, logger="cgtrees.cache"):
         assert Store.open(config) is None
     assert "writable by group or others" in caplog.text
     # the remedy, in the user's words (issue 46)
@@ -95,15 +95,15 @@ def test_store_is_private_and_refuses_unsafe_directories(tmp_path, caplog):
 def test_an_unusable_cache_directory_says_what_to_set(tmp_path, monkeypatch, caplog):
     """A cache directory that cannot be created (a read-only file system: the OSError is injected,
     root ignores modes) compiles uncached and says which variables to set."""
-    from backend import logs
-    from backend.cache import store as store_module
+    from cgtrees import logs
+    from cgtrees.cache import store as store_module
 
     def read_only(path):
         raise OSError(30, "Read-only file system", str(path))
 
     logs.forget()
     monkeypatch.setattr(store_module, "_mkdir_private", read_only)
-    with caplog.at_level(logging.WARNING, logger="backend.cache"):
+    with caplog.at_level(logging.WARNING, logger="cgtrees.cache"):
         assert Store.open(Config(cache_dir=str(tmp_path / "ro"))) is None
     assert "unusable" in caplog.text and "Read-only file system" in caplog.text, caplog.text
     assert "Set CGTREES_CACHE_DIR to a writable directory, or CGTREES_CACHE=0" in caplog.text, caplog.text
@@ -122,12 +122,12 @@ def test_store_write_read_evict_clear(tmp_path):
 
 
 def test_cli_clear_on_a_read_only_cache_says_what_to_do(tmp_path, monkeypatch, capsys):
-    """``python -m backend cache clear`` where the entries cannot be removed (a read-only file
+    """``python -m cgtrees cache clear`` where the entries cannot be removed (a read-only file
     system; root ignores file modes, so the OSError is injected): a message that names the
     directory, what was removed and the remedy, exit 1, not a traceback (issue 46)."""
     from pathlib import Path
 
-    from backend.cache import cli
+    from cgtrees.cache import cli
 
     config = Config(cache_dir=str(tmp_path))
     store = Store.open(config)
@@ -154,7 +154,7 @@ def test_store_write_failure_is_a_warning(tmp_path, monkeypatch, caplog):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "fsync", full)
-    with caplog.at_level(logging.WARNING, logger="backend.cache"):
+    with caplog.at_level(logging.WARNING, logger="cgtrees.cache"):
         assert store.write("module", "d4", {"source": "x"}) is False
     assert "could not write cache entry" in caplog.text
     assert store.usage().entries == 0 and not list((store.root / "module").iterdir())
@@ -163,7 +163,7 @@ def test_store_write_failure_is_a_warning(tmp_path, monkeypatch, caplog):
 def test_kernel_module_level_shares_one_aten_graph(tmp_path, cgtrees_counters):
     """Two graphs that differ only in names share one kernel module entry: key, look up, codegen
     and store, as the driver lists them."""
-    from backend import codegen
+    from cgtrees import codegen
 
     config = Config(cache_dir=str(tmp_path))
     x, y = torch.randn(4, 8), torch.randn(8, 3)
@@ -187,8 +187,8 @@ def test_module_header_shows_the_graph_text_digest_and_the_key(tmp_path):
     """One canonical graph text: the module's graph hash is the digest of the text the key holds,
     and its header names it and the key's digest (the name of its cache entry), as the driver
     compiles it; without the cache the header says so and still names the graph's digest."""
-    from backend.aot.driver import kernel_module
-    from backend.cache.key import graph_digest
+    from cgtrees.aot.driver import kernel_module
+    from cgtrees.cache.key import graph_digest
 
     x, y = torch.randn(4, 8), torch.randn(8, 3)
     gm = make_fx(_graph())(x, y)
@@ -204,7 +204,7 @@ def test_module_header_shows_the_graph_text_digest_and_the_key(tmp_path):
 
 def test_store_keeps_generated_modules_only(tmp_path):
     """A graph that runs through aten has no source: level 2 keeps nothing for it."""
-    from backend import codegen
+    from cgtrees import codegen
 
     x, y = torch.randn(4, 8), torch.randn(8, 3)
     gm = make_fx(_graph())(x, y)
@@ -221,7 +221,7 @@ def test_triton_key_is_computed_once_and_remembered_across_processes(tmp_path, m
     and computed again when the stamp changes or the file is damaged."""
     import threading
 
-    from backend.codegen import compat
+    from cgtrees.codegen import compat
 
     calls = []
 
@@ -267,7 +267,7 @@ def test_triton_stamp_follows_the_installed_files(tmp_path, monkeypatch):
     """The stamp changes with any file of the Triton package (size or mtime), nothing else."""
     import triton
 
-    from backend.codegen import compat
+    from cgtrees.codegen import compat
 
     fake = tmp_path / "triton"
     (fake / "_C").mkdir(parents=True)
@@ -294,7 +294,7 @@ class _Scale:
 def test_key_refuses_a_call_target_bound_to_an_object():
     """``_Scale(2).apply`` and ``_Scale(3).apply`` have one qualified name and differ: a graph
     calling either has no canonical text (the first cache level bypasses it)."""
-    from backend.cache.compat import Uncacheable
+    from cgtrees.cache.compat import Uncacheable
 
     for k in (2.0, 3.0):
         graph = torch.fx.Graph()
@@ -338,7 +338,7 @@ def test_key_names_a_target_by_the_module_that_publishes_it(monkeypatch):
     """torch 2.11 gives ``torch._C._log_api_usage_once`` the ``__module__`` of its pybind11 function
     record (``torch._C.pybind11_detail_function_record_v1_...``, the C++ ABI spelled out in it): the
     key names it by the module above that publishes it, as torch 2.13 does."""
-    from backend.cache.key import stable_name
+    from cgtrees.cache.key import stable_name
 
     def probe():
         pass
@@ -362,11 +362,11 @@ def test_key_names_a_target_by_the_module_that_publishes_it(monkeypatch):
 def test_a_bypass_reason_warns_once_and_later_graphs_say_so_at_debug(caplog, cgtrees_counters):
     """One warning per reason and level in a process (DDP's pieces all bypass level 1 for one
     reason); every later graph still names itself and the reason at DEBUG, and every bypass counts."""
-    from backend import logs
-    from backend.cache import events
+    from cgtrees import logs
+    from cgtrees.cache import events
 
     logs.forget()
-    with caplog.at_level(logging.DEBUG, logger="backend.cache"):
+    with caplog.at_level(logging.DEBUG, logger="cgtrees.cache"):
         events.bypass("aot", "g0", "input 0 is a FakeTensor")
         events.bypass("aot", "g1", "input 0 is a FakeTensor")
         events.bypass("aot", "g2", "another reason")

@@ -22,7 +22,7 @@ from snapshot_helpers import COUNT_AOT, backend_snapshot
 WORKER = COUNT_AOT + r'''
 import copy, json, sys, torch
 import torch.nn.functional as F
-from backend import counters
+from cgtrees import counters
 
 def chunk_first(x):
     return x.chunk(2)[0] * 2  # AOTAutograd's chunk guards the second chunk: its size is neither 0 nor 1

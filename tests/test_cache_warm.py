@@ -34,9 +34,9 @@ if args.get("fail"):  # disk full / read-only directory, simulated (tests run as
     else:
         tempfile.mkstemp = fail
 
-import backend.aot.compat as aot_compat
-import backend.aot.partition as partition_module
-from backend import counters
+import cgtrees.aot.compat as aot_compat
+import cgtrees.aot.partition as partition_module
+from cgtrees import counters
 
 calls = {"aot": 0, "partition": 0}
 real_aot, real_partition = aot_compat.aot_module_simplified, partition_module.split
@@ -50,7 +50,7 @@ aot_compat.aot_module_simplified, partition_module.split = counting_aot, countin
 
 torch.manual_seed(0)
 if args["model"] == "demo":
-    from backend.demo import DemoBlock
+    from cgtrees.demo import DemoBlock
     model, x = DemoBlock(128, 4), torch.randn(4, 64, 128)
 else:
     nn = torch.nn
@@ -156,7 +156,7 @@ def cold(tmp_path, _cold_once):
 
 
 def _codegen_ready() -> bool:
-    from backend import codegen
+    from cgtrees import codegen
 
     return hasattr(codegen, "generate") and hasattr(codegen, "load")
 
@@ -261,7 +261,7 @@ def test_bad_entry_is_corrupt_removed_and_recompiled(tmp_path, cold, damage):
     assert result["counters"]["cache_hit_aot"] == 1  # the other graph's entry is fine
     _same_results(cold_results, tmp_path / "again.pt")
     # Recompiled and rewritten as a good entry.
-    from backend.cache.store import decode
+    from cgtrees.cache.store import decode
 
     assert "parts" in decode(target.read_bytes(), "aot", target.stem)
 
@@ -269,7 +269,7 @@ def test_bad_entry_is_corrupt_removed_and_recompiled(tmp_path, cold, damage):
 def test_level_one_entries_refer_to_level_two(cold):
     """A level-1 entry holds no module source: each generated module is named by the digest of
     the level-2 entry that holds it."""
-    from backend.cache.store import decode
+    from cgtrees.cache.store import decode
 
     cache_dir, _ = cold
     modules = {p.stem for p in _entries(cache_dir, "module")}
@@ -347,7 +347,7 @@ def test_concurrent_cold_processes_leave_one_entry_per_graph(tmp_path, n):
         _same_results(tmp_path / "r0.pt", tmp_path / f"r{i}.pt")
     entries = _entries(cache_dir)
     assert len(entries) == 2
-    from backend.cache.store import decode
+    from cgtrees.cache.store import decode
 
     assert all("parts" in decode(e.read_bytes()) for e in entries)
     assert not list((cache_dir / "v1" / "aot").glob(".tmp-*"))
@@ -366,7 +366,7 @@ def test_cli_info_and_clear(tmp_path, cold):
     cache_dir, _ = cold
 
     def cli(action: str) -> str:
-        proc = subprocess.run([sys.executable, "-m", "backend", "cache", action], env=_env(cache_dir),
+        proc = subprocess.run([sys.executable, "-m", "cgtrees", "cache", action], env=_env(cache_dir),
                               capture_output=True, text=True, timeout=120, cwd=SNAPSHOT[0])
         assert proc.returncode == 0, proc.stderr
         return proc.stdout

@@ -11,7 +11,7 @@ import pytest
 import torch
 from codegen_helpers import INTERPRET, Compiler, aten_call_targets, compile_fn, config, kernel_count, run, trace
 
-from backend import codegen
+from cgtrees import codegen
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 
@@ -106,8 +106,8 @@ def test_cpu_graphs_start_no_triton_hash():
     """Only a graph with CUDA inputs starts Triton's self-hash on a thread (tests/gpu has that case)."""
     import dataclasses
 
-    from backend.codegen import compat
-    from backend.config import Config
+    from cgtrees.codegen import compat
+    from cgtrees.config import Config
 
     codegen.prepare([torch.randn(3), 2.0], Config())
     codegen.prepare([torch.randn(3)], dataclasses.replace(Config(), interpret=True))
@@ -119,15 +119,15 @@ def test_precompile_list_gives_each_kernel_its_launch_types():
     left to compile at the launch."""
     import sympy
 
-    from backend.codegen.heuristics import Config
-    from backend.codegen.kernel import KernelCode
-    from backend.codegen.wrapper import _precompile_list
+    from cgtrees.codegen.heuristics import Config
+    from cgtrees.codegen.kernel import KernelCode
+    from cgtrees.codegen.wrapper import _precompile_list
 
     def code(name, args, dtypes, xnumel, rnumel=None):
         return KernelCode(name, "", args, dtypes, sympy.sympify(xnumel), rnumel, Config(64, 32, 4), frozenset(),
                           False)
 
-    from backend.compiled import KernelLaunch
+    from cgtrees.compiled import KernelLaunch
 
     launches = _precompile_list([
         code("red_0", ("x", "out", "128", "300"), (torch.float32, torch.bool), 128, sympy.Integer(300)),
@@ -142,7 +142,7 @@ def test_precompile_list_gives_each_kernel_its_launch_types():
 def test_mm_falls_back_to_aten(cgtrees_counters, caplog):
     x, w = torch.randn(16, 32), torch.randn(32, 8)
     f = lambda x, w: torch.relu(x @ w) * 2
-    with caplog.at_level(logging.INFO, logger="backend.codegen"):
+    with caplog.at_level(logging.INFO, logger="cgtrees.codegen"):
         m = compile_fn(f, x, w)
     assert "aten.mm.default(" in m.source
     assert cgtrees_counters["aten_fallbacks"] >= 1
@@ -362,8 +362,8 @@ def test_debug_dir_keeps_every_module(tmp_path):
 
 def test_debug_dir_with_the_cache_on(tmp_path, monkeypatch):
     """DESIGN: codegen writes the debug dir whether or not the cache is on, on a miss and a hit."""
-    from backend.aot.driver import kernel_module
-    from backend.context import GraphContext
+    from cgtrees.aot.driver import kernel_module
+    from cgtrees.context import GraphContext
 
     monkeypatch.setenv("CGTREES_CACHE_DIR", str(tmp_path / "cache"))
     debug = tmp_path / "debug"
@@ -378,7 +378,7 @@ def test_debug_dir_with_the_cache_on(tmp_path, monkeypatch):
 
 
 def test_compile_error_switches_to_aten(caplog):
-    from backend.context import GraphContext
+    from cgtrees.context import GraphContext
 
     x = torch.randn(4, 4)
     m = compile_fn(lambda x: x.exp() + 1, x)
@@ -386,7 +386,7 @@ def test_compile_error_switches_to_aten(caplog):
 
     ctx = GraphContext(config(), "inference", "broken")
     bad = codegen.load(broken, ctx)
-    with caplog.at_level(logging.WARNING, logger="backend.codegen"):
+    with caplog.at_level(logging.WARNING, logger="cgtrees.codegen"):
         out = bad.call([x])
     close(out[0], x.exp() + 1)
     assert any(bad.path in r.getMessage() for r in caplog.records)
@@ -540,10 +540,10 @@ def test_a_window_of_many_loads_takes_smaller_blocks():
     import torch.nn.functional as F
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from backend.aot.decompositions import decomposition_table
-    from backend.codegen import _ensure_meta, heuristics, scheduler, wrapper
-    from backend.codegen.graph import GraphLowerer
-    from backend.config import Config
+    from cgtrees.aot.decompositions import decomposition_table
+    from cgtrees.codegen import _ensure_meta, heuristics, scheduler, wrapper
+    from cgtrees.codegen.graph import GraphLowerer
+    from cgtrees.config import Config
 
     for kernel, conv_block in ((3, 1024), (5, heuristics.HEAVY_XBLOCK), (7, heuristics.HEAVY_XBLOCK)):
         x = torch.randn(8, 40, 28, 28).to(memory_format=torch.channels_last)

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from codegen_helpers import INTERPRET, Compiler, aten_call_targets, compile_fn, config, kernel_count, run
 from torch.testing._internal.common_methods_invocations import op_db
 
-from backend.codegen.ir import index_symbols
-from backend.codegen.lower_views import split_remap
+from cgtrees.codegen.ir import index_symbols
+from cgtrees.codegen.lower_views import split_remap
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 

@@ -183,7 +183,7 @@ def test_opinfo_allocation_metadata(op, dtype):
 
 
 def test_copy_from_another_device_is_left_to_aten():
-    from backend.codegen.lowering import why_not_lowered
+    from cgtrees.codegen.lowering import why_not_lowered
 
     graph = torch.fx.Graph()
     dst, src = graph.placeholder("dst"), graph.placeholder("src")

@@ -15,9 +15,9 @@ from codegen_helpers import INTERPRET, Compiler, compile_fn, run
 from layout_helpers import same
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from backend.aot.decompositions import decomposition_table
-from backend.codegen import heuristics
-from backend.codegen.heuristics import Split
+from cgtrees.aot.decompositions import decomposition_table
+from cgtrees.codegen import heuristics
+from cgtrees.codegen.heuristics import Split
 
 RESNET_BN = [(32, 64, 112, 112), (32, 64, 56, 56), (32, 128, 28, 28), (32, 256, 14, 14), (32, 512, 7, 7)]
 MOBILENET_BN = [(32, 16, 112, 112), (32, 576, 7, 7)]
@@ -26,10 +26,10 @@ LAUNCH = re.compile(r"^\s*(red_\w+)\[\((\d+),\)\]\(.*XBLOCK=(\d+), RBLOCK=(\d+),
 
 def gpu_source(fn, *inputs: torch.Tensor) -> str:
     """The module source that compiled (not interpreted) kernels would get for ``fn``'s graph."""
-    from backend.codegen import wrapper
-    from backend.codegen.graph import GraphLowerer
-    from backend.codegen.scheduler import schedule
-    from backend.config import Config
+    from cgtrees.codegen import wrapper
+    from cgtrees.codegen.graph import GraphLowerer
+    from cgtrees.codegen.scheduler import schedule
+    from cgtrees.config import Config
 
     gm = make_fx(fn, decomposition_table=decomposition_table(), tracing_mode="fake")(*inputs)
     program = GraphLowerer(gm, Config(interpret=False)).run()

@@ -116,7 +116,7 @@ def test_copied_only_where_strides_of_real_dimensions_differ(traced, actual, sha
 def test_a_copy_is_logged_once(caplog):
     x = torch.randn(SHAPE)
     m = compile_fn(lambda x: _one(x, NCHW, NHWC), x)
-    with caplog.at_level(logging.DEBUG, logger="backend.codegen"):
+    with caplog.at_level(logging.DEBUG, logger="cgtrees.codegen"):
         run(m, x)
         run(m, x)
     said = [r.getMessage() for r in caplog.records if "came back from aten with strides" in r.getMessage()]

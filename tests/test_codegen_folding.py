@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from codegen_helpers import INTERPRET, Compiler, compile_fn, kernel_count, run
 from models import GPTBlock
 
-from backend.codegen import ir, naming
-from backend.codegen.simplify import fold
+from cgtrees.codegen import ir, naming
+from cgtrees.codegen.simplify import fold
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 f32, f64, i64 = torch.float32, torch.float64, torch.int64
@@ -286,8 +286,8 @@ def test_source_line_is_the_innermost_frame():
 
 def test_lowering_error_names_the_node_and_the_source_line():
     """As torch.fx's interpreter re-raises: the node, its op and where the user wrote it."""
-    from backend.codegen.graph import GraphLowerer
-    from backend.config import Config
+    from cgtrees.codegen.graph import GraphLowerer
+    from cgtrees.config import Config
 
     class WithSubmodule(torch.nn.Module):
         def __init__(self) -> None:

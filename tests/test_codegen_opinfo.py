@@ -1,5 +1,5 @@
 """Op sweep driven by PyTorch's OpInfo samples: for every op we lower, one sample per dtype,
-compiled through ``backend.codegen`` (Triton's interpreter on CPU), compared with eager within the
+compiled through ``cgtrees.codegen`` (Triton's interpreter on CPU), compared with eager within the
 dtype's tolerance. An op that codegen hands to aten is still run (and must still be right)."""
 
 from __future__ import annotations

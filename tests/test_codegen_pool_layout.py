@@ -21,7 +21,7 @@ from codegen_helpers import INTERPRET, aten_calls, compile_fn, kernel_count, run
 from layout_helpers import train_against_eager
 from test_codegen_pool import MAX_CONFIGS
 
-from backend.codegen.lower_pool import UNROLL_LIMIT
+from cgtrees.codegen.lower_pool import UNROLL_LIMIT
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: interpreted kernels only with CGTREES_INTERPRET=1")
 

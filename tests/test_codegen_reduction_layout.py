@@ -31,7 +31,7 @@ from codegen_helpers import INTERPRET
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from backend.aot.decompositions import decomposition_table
+from cgtrees.aot.decompositions import decomposition_table
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CPU tier: runs kernels through Triton's interpreter")
 
@@ -83,10 +83,10 @@ def test_vit_first_layernorm_values_and_gradients_match_eager():
 # ------------------------------------------------------------------------ what a GPU would get
 def gpu_kernel(batch: int) -> tuple[str, str]:
     """The fused norm's kernel source as compiled (not interpreted) code gets it, and its launch."""
-    from backend.codegen import wrapper
-    from backend.codegen.graph import GraphLowerer
-    from backend.codegen.scheduler import schedule
-    from backend.config import Config
+    from cgtrees.codegen import wrapper
+    from cgtrees.codegen.graph import GraphLowerer
+    from cgtrees.codegen.scheduler import schedule
+    from cgtrees.config import Config
 
     inputs = (torch.empty(batch, D, 14, 14), torch.empty(1, 1, D), torch.empty(1, TOKENS, D), torch.empty(D),
               torch.empty(D))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from codegen_helpers import HALF_TOL, INTERPRET, aten_calls, compile_fn, kernel_count, run
 
-from backend.codegen import heuristics, lower_scan
+from cgtrees.codegen import heuristics, lower_scan
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: interpreted kernels only with CGTREES_INTERPRET=1")
 

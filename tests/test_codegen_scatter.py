@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from codegen_helpers import HALF_TOL, INTERPRET, Compiler, aten_calls, compile_fn, run, sum_tolerance
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from backend import codegen
-from backend.context import GraphContext
+from cgtrees import codegen
+from cgtrees.context import GraphContext
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: interpreted kernels only with CGTREES_INTERPRET=1")
 

@@ -1,4 +1,4 @@
-"""Compiled autograd's backward graphs through our pipeline (``backend.aot.compiled_autograd``).
+"""Compiled autograd's backward graphs through our pipeline (``cgtrees.aot.compiled_autograd``).
 
 A model compiled with ``backend="cgtrees"`` is trained with its backward captured by compiled
 autograd and compiled by cgtrees too, turned on both ways torch offers: the context manager
@@ -262,8 +262,8 @@ def _backward_graph(op: Any) -> torch.fx.GraphModule:
 
 
 def _compile_and_check(op: Any, graph_id: int) -> None:
-    from backend.aot.compiled_autograd import compile_backward_graph
-    from backend.config import Config
+    from cgtrees.aot.compiled_autograd import compile_backward_graph
+    from cgtrees.config import Config
 
     grad, x = torch.randn(5, 3), torch.randn(5, 3)
     gm = _backward_graph(op)
@@ -286,7 +286,7 @@ def test_graph_with_a_cpp_custom_function_bypasses_level_one(cgtrees_counters, c
     (``CppNode<Name><n>``, numbered in the order it meets them): such a graph bypasses level 1
     with that reason, logged, and is still compiled, right, and cached at level 2."""
     op = _op("CgtreesTestSquare", _double, custom=True)
-    with caplog.at_level(logging.WARNING, logger="backend"):
+    with caplog.at_level(logging.WARNING, logger="cgtrees"):
         _compile_and_check(op, 0)
     assert cgtrees_counters["cache_bypass_aot"] == 1 and cgtrees_counters["cache_miss_aot"] == 0
     assert f"calls {op.__name__}, the backward of a C++ custom autograd Function" in caplog.text
@@ -297,7 +297,7 @@ def test_graph_of_torch_backward_ops_is_cached_at_level_one(cgtrees_counters, mo
     """The same graph calling one of torch's own backward ops (named by the C++ node, the same in
     every process): level 1 keys it by that name, records it, and a second compile hits it; both
     times the runtime is handed a backward, and the list input is stolen."""
-    from backend.aot import driver
+    from cgtrees.aot import driver
 
     kinds, wrap = [], driver.Compilers.wrap
 
@@ -336,7 +336,7 @@ def test_forward_from_level_one_then_compiled_autograd(cgtrees_counters):
 
 # ------------------------------------------------------------------ the flattening pass itself
 def test_flatten_replaces_list_reads_and_rebuilds_other_uses():
-    from backend.aot.compiled_autograd import flatten
+    from cgtrees.aot.compiled_autograd import flatten
 
     graph = torch.fx.Graph()
     inputs = graph.placeholder("inputs")
@@ -366,7 +366,7 @@ def test_flatten_replaces_list_reads_and_rebuilds_other_uses():
 
 
 def test_a_graph_of_user_code_is_not_taken_for_a_backward():
-    from backend.aot.compiled_autograd import is_backward_graph
+    from cgtrees.aot.compiled_autograd import is_backward_graph
 
     assert not is_backward_graph([torch.randn(2)])
     assert not is_backward_graph([[torch.randn(2)]])  # a list, but compiled autograd is not tracing

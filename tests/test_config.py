@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from backend.config import MODES, Config
+from cgtrees.config import MODES, Config
 
 
 def test_defaults():
@@ -70,11 +70,11 @@ def test_torch_compile_passes_mode_and_options():
 def test_an_unknown_cgtrees_variable_is_named_with_the_nearest_one(caplog, monkeypatch):
     """A typo of a real variable (``CGTREES_CUDAGRAPH``) or a name of none (``CGTREES_NOPE``) was
     ignored without a word: each is named once a process, with the nearest valid name (issue 46)."""
-    from backend import config as config_module
+    from cgtrees import config as config_module
 
     monkeypatch.setattr(config_module, "_WARNED", set())
     env = {"CGTREES_CUDAGRAPH": "0", "CGTREES_NOPE": "1", "CGTREES_CACHE": "0", "OTHER": "x"}
-    with caplog.at_level(logging.WARNING, logger="backend"):
+    with caplog.at_level(logging.WARNING, logger="cgtrees"):
         cfg = Config.resolve(environ=env)
         Config.resolve(environ=env)  # once a process
     assert cfg.cache is False and cfg.cudagraphs == Config().cudagraphs  # the typo changes nothing

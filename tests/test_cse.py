@@ -9,7 +9,7 @@ import torch
 from codegen_helpers import INTERPRET, Compiler
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from backend.aot import cse
+from cgtrees.aot import cse
 
 aten = torch.ops.aten
 

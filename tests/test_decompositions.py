@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from backend.aot.decompositions import decomposition_table
+from cgtrees.aot.decompositions import decomposition_table
 
 aten = torch.ops.aten
 

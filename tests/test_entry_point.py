@@ -28,7 +28,7 @@ def test_listed_before_import_and_resolved_by_name():
 
 def test_import_does_not_register():
     out = _run("""
-        import backend
+        import cgtrees
         from torch._dynamo.backends import registry
         print(sorted(registry._COMPILER_FNS))
         import torch
@@ -36,3 +36,29 @@ def test_import_does_not_register():
         print("ok")
     """)
     assert "'cgtrees'" not in out.splitlines()[0] and "ok" in out
+
+
+def test_installed_as_cgtrees_with_no_top_level_backend(tmp_path):
+    """`import cgtrees` and `python -m cgtrees` work from any directory; no module named `backend` is
+    loaded (the repository's folder is installed under the name cgtrees)."""
+    done = subprocess.run([sys.executable, "-c", "import sys, cgtrees, cgtrees.aot.driver, cgtrees.cache, "
+                           "cgtrees.codegen, cgtrees.runtime; import importlib.util as u; "
+                           "print(sorted(m for m in sys.modules if m.split('.')[0] == 'backend'), "
+                           "u.find_spec('backend') is None)"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "True"], done.stdout
+
+
+def test_every_folder_of_the_package_is_installed():
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert tool["package-dir"] == {"cgtrees": "backend"}
+    folders = {"cgtrees" + "".join(f".{p}" for p in d.relative_to(root / "backend").parts)
+               for d in [root / "backend", *(root / "backend").rglob("*")]
+               if d.is_dir() and d.name != "__pycache__" and any(d.glob("*.py"))}
+    assert folders == set(tool["packages"]), folders ^ set(tool["packages"])

@@ -1,5 +1,5 @@
 """The library calls a kernel module makes, listed when it is generated (``codegen.library_calls``,
-kept in its ``CompiledGraph``), for a warm load to make beforehand (``backend.runtime.first_calls``): each with the
+kept in its ``CompiledGraph``), for a warm load to make beforehand (``cgtrees.runtime.first_calls``): each with the
 sizes, strides and dtype its ``call`` passes, so the call made on empty tensors is the same
 configuration; only calls that are safe on uninitialised memory and draw no random numbers. The
 thread itself runs on CUDA (tests/gpu/test_first_calls_gpu.py)."""
@@ -13,11 +13,11 @@ import torch
 import torch.nn.functional as F
 from codegen_helpers import INTERPRET, compile_fn, config, trace
 
-from backend.cache.modules import load_record, module_record, record_graph
-from backend.codegen import library_calls
-from backend.compiled import CompiledGraph
-from backend.context import GraphContext
-from backend.runtime import first_calls
+from cgtrees.cache.modules import load_record, module_record, record_graph
+from cgtrees.codegen import library_calls
+from cgtrees.compiled import CompiledGraph
+from cgtrees.context import GraphContext
+from cgtrees.runtime import first_calls
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 
@@ -121,7 +121,7 @@ def test_the_thread_makes_each_call_and_only_logs_a_failure(monkeypatch, caplog)
     monkeypatch.setattr(first_calls, "_made", [])
     good = _spec("aten.mm.default", _t(3, 4), _t(4, 5)) | {"device": "cpu"}
     bad = _spec("aten.mm.default", _t(3, 4), _t(5, 5)) | {"device": "cpu"}  # sizes that do not multiply
-    with caplog.at_level(logging.DEBUG, logger="backend.runtime"):
+    with caplog.at_level(logging.DEBUG, logger="cgtrees.runtime"):
         first_calls._run([good, bad], None)
     assert first_calls._made == [1]
     assert "a library call made beforehand failed" in caplog.text and "aten.mm.default" in caplog.text

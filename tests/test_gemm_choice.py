@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from codegen_helpers import INTERPRET, Compiler, compile_fn, config
 
-from backend.codegen import gemm_choice
-from backend.compiled import CompiledGraph
-from backend.config import Config
+from cgtrees.codegen import gemm_choice
+from cgtrees.compiled import CompiledGraph
+from cgtrees.config import Config
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 
@@ -144,6 +144,6 @@ def test_choices_travel_in_the_record_and_the_mode_is_checked():
 
 
 def gemm_choice_facts():
-    from backend.compiled import GraphFacts
+    from cgtrees.compiled import GraphFacts
 
     return GraphFacts()

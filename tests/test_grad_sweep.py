@@ -31,7 +31,7 @@ from codegen_helpers import INTERPRET
 from grad_sweep_helpers import MODES, Case, NoSample, Pipeline, case, compare, eager, op_id
 from torch.testing._internal.common_methods_invocations import op_db
 
-from backend.aot.decompositions import EXTRA_DECOMPOSED
+from cgtrees.aot.decompositions import EXTRA_DECOMPOSED
 
 aten = torch.ops.aten
 DTYPES = (torch.float32, torch.float64)

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.aot import constants
-from backend.cache.key import stable_name
+from cgtrees.aot import constants
+from cgtrees.cache.key import stable_name
 
 
 def _check(fn, *inputs, counters, interpret=False):
@@ -67,7 +67,7 @@ def test_constant_values_are_part_of_the_cache_key(cgtrees_counters):
 
 
 def test_constant_bytes_change_the_module_key():
-    from backend.cache.key import constants_text
+    from cgtrees.cache.key import constants_text
 
     a = constants_text(["c"], [torch.tensor([1.0, 2.0])])
     assert a == constants_text(["c"], [torch.tensor([1.0, 2.0])])

@@ -33,12 +33,12 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 NEW_TOKENS = 10
 
-WORKER = keep_log("backend.cache") + r'''  # keep: every cache event, a miss with its reason
+WORKER = keep_log("cgtrees.cache") + r'''  # keep: every cache event, a miss with its reason
 import json, logging, sys
 import torch
 import transformers
 from torch._dynamo.utils import counters
-from backend import counters as cgtrees_counters
+from cgtrees import counters as cgtrees_counters
 
 
 VOCAB = 160

@@ -13,7 +13,7 @@ from codegen_helpers import INTERPRET, Compiler, kernel_count
 from conv_models import BasicBlock, ConvBNReLU
 from layout_helpers import train_against_eager
 
-from backend.codegen import input_writes
+from cgtrees.codegen import input_writes
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 

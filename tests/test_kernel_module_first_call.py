@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from backend.codegen.module import KernelModule
-from backend.compiled import CompiledGraph, GraphFacts
+from cgtrees.codegen.module import KernelModule
+from cgtrees.compiled import CompiledGraph, GraphFacts
 
 
 class FakeGenerated:

@@ -2,7 +2,7 @@
 only for type checking) goes from a later stage of the pipeline to an earlier one, and no set of
 modules imports itself around a circle. A stage that needs something of a later one is handed it
 (the cache gets the driver's backward compiler and the runtime's wrap as arguments); a type that
-two stages share lives below both (``backend.compiled``, ``backend.context``)."""
+two stages share lives below both (``cgtrees.compiled``, ``cgtrees.context``)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ RANKS = {
 def _modules() -> dict[str, Path]:
     out = {}
     for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        parts = ("cgtrees", *path.relative_to(ROOT).with_suffix("").parts)  # installed as cgtrees
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
     return out

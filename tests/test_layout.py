@@ -16,10 +16,10 @@ from conv_models import BasicBlock, ConvBNReLU, ConvNeXtBlock, MobileBlock
 from layout_helpers import same, train_against_eager
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from backend.aot import layout
-from backend.aot.measure import run_partitioned
-from backend.aot.partition import partition
-from backend.config import Config
+from cgtrees.aot import layout
+from cgtrees.aot.measure import run_partitioned
+from cgtrees.aot.partition import partition
+from cgtrees.config import Config
 
 aten = torch.ops.aten
 
@@ -121,8 +121,8 @@ def test_saved_bytes_grow_by_no_more_than_the_converted_copies():
     """The layout changes strides and adds conversions. A convolution's backward reads the
     channels-last copies of its input and weight, so those are saved rather than converted again
     (cost.reads_from_memory); beyond them the partitioner saves no more than in eager's layout."""
-    from backend.aot.cost import saved_bytes
-    from backend.aot.measure import measure
+    from cgtrees.aot.cost import saved_bytes
+    from cgtrees.aot.measure import measure
 
     model, x = MODELS["resnet_basic_block"]()
     plain = measure(copy.deepcopy(model), (x.clone().requires_grad_(),), partition)
@@ -248,8 +248,8 @@ def test_pointwise_kernel_walks_channels_last_memory_in_order():
 def test_reductions_read_row_or_column_from_strides(strides, reduced_innermost):
     import sympy
 
-    from backend.codegen import ir
-    from backend.codegen.kernel_facts import reduces_innermost as _reduces_innermost
+    from cgtrees.codegen import ir
+    from cgtrees.codegen.kernel_facts import reduces_innermost as _reduces_innermost
 
     x0, r0 = sympy.Symbol("x0", integer=True, nonnegative=True), sympy.Symbol("r0", integer=True, nonnegative=True)
     load = ir.Load("buf", strides[0] * x0 + strides[1] * r0, torch.float32)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from backend.cache import wrappers
+from cgtrees.cache import wrappers
 
 
 @pytest.fixture

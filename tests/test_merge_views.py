@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from codegen_helpers import INTERPRET, Compiler, config
 
-from backend.codegen import ir, merge_views
+from cgtrees.codegen import ir, merge_views
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 
@@ -181,7 +181,7 @@ def test_a_merged_view_written_transposed_keeps_its_own_kernel():
     value stored transposed (the layout its backward matrix product reads). Joining the row
     kernel, it would write each row a column apart (0.7 ms a step more on BERT-base); a merged step
     joins only where its stores run along the kernel's rows (``scheduler._Open._stores_along``)."""
-    from backend.codegen import scheduler
+    from cgtrees.codegen import scheduler
 
     x, y = ir.index_symbols(4), ir.index_symbols(3)
     size = (2, 3, 37, 37)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from codegen_helpers import INTERPRET, Compiler, compile_fn, kernel_count, run, sum_tolerance, trace
 
-from backend.codegen import merged_sums
+from cgtrees.codegen import merged_sums
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from codegen_helpers import compile_fn, config, trace
 
-from backend import codegen
-from backend.cache.modules import FxModule, fx_code, load_record, module_record
-from backend.codegen.module import AtenModule
-from backend.compiled import AtenGraph, BadRecord, GraphFacts
-from backend.context import GraphContext
-from backend.runtime import skips
-from backend.runtime.examples import Examples
+from cgtrees import codegen
+from cgtrees.cache.modules import FxModule, fx_code, load_record, module_record
+from cgtrees.codegen.module import AtenModule
+from cgtrees.compiled import AtenGraph, BadRecord, GraphFacts
+from cgtrees.context import GraphContext
+from cgtrees.runtime import skips
+from cgtrees.runtime.examples import Examples
 
 
 def test_generated_module_has_facts():

@@ -75,7 +75,7 @@ def test_input_mutation_matches_eager():
 
 
 def test_codegen_failure_falls_back_to_aten(monkeypatch, caplog, cgtrees_counters):
-    from backend import codegen
+    from cgtrees import codegen
 
     def broken(*args, **kwargs):
         raise RuntimeError("lowering exploded")
@@ -84,14 +84,14 @@ def test_codegen_failure_falls_back_to_aten(monkeypatch, caplog, cgtrees_counter
     monkeypatch.setattr(codegen, "generate", broken, raising=False)
     f = torch.compile(lambda x: torch.tanh(x) * 3, backend="cgtrees")
     x = torch.randn(4)
-    with caplog.at_level(logging.WARNING, logger="backend"):
+    with caplog.at_level(logging.WARNING, logger="cgtrees"):
         torch.testing.assert_close(f(x), torch.tanh(x) * 3)
     assert cgtrees_counters["graph_fallbacks"] == 1
     assert "lowering exploded" in caplog.text and "runs through aten" in caplog.text
 
 
 def test_aot_failure_runs_eagerly(monkeypatch, caplog, cgtrees_counters):
-    from backend.aot import driver
+    from cgtrees.aot import driver
 
     def broken(*args, **kwargs):
         raise RuntimeError("tracing exploded")
@@ -99,20 +99,20 @@ def test_aot_failure_runs_eagerly(monkeypatch, caplog, cgtrees_counters):
     monkeypatch.setattr(driver, "compile_dynamo_graph", broken)
     f = torch.compile(lambda x: x.exp() + 1, backend="cgtrees")
     x = torch.randn(4)
-    with caplog.at_level(logging.WARNING, logger="backend"):
+    with caplog.at_level(logging.WARNING, logger="cgtrees"):
         torch.testing.assert_close(f(x), x.exp() + 1)
     assert cgtrees_counters["graph_fallbacks"] == 1 and "tracing exploded" in caplog.text
 
 
 @pytest.mark.parametrize("reset", ["backend", "dynamo"])
 def test_reset_hooks(reset, monkeypatch):
-    import backend
-    from backend import runtime
+    import cgtrees
+    from cgtrees import runtime
 
     calls = []
     monkeypatch.setattr(runtime, "reset", lambda: calls.append(1))
     torch.compile(lambda x: x + 1, backend="cgtrees")(torch.ones(2))
-    backend.reset() if reset == "backend" else torch._dynamo.reset()
+    cgtrees.reset() if reset == "backend" else torch._dynamo.reset()
     assert calls
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from codegen_helpers import INTERPRET, Compiler
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from backend.aot import compat, order
+from cgtrees.aot import compat, order
 
 
 def _names(graph: torch.fx.Graph) -> list[str]:

@@ -13,10 +13,10 @@ from conv_models import BasicBlock, ConvBNReLU, ConvNeXtBlock, MobileBlock
 from models import GPT2, MLP, NormAct
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
-from backend.aot import compat
-from backend.aot.decompositions import decomposition_table
-from backend.aot.measure import measure, saved_activation_bytes
-from backend.aot.partition import partition
+from cgtrees.aot import compat
+from cgtrees.aot.decompositions import decomposition_table
+from cgtrees.aot.measure import measure, saved_activation_bytes
+from cgtrees.aot.partition import partition
 
 CASES = {
     "mlp": lambda: (MLP(), torch.randn(32, 64)),
@@ -97,7 +97,7 @@ def test_saved_bytes_bounds_whole_batch_norm():
 
 
 def test_never_recomputes_matmul_or_random():
-    from backend.aot.cost import is_recomputable
+    from cgtrees.aot.cost import is_recomputable
 
     aten = torch.ops.aten
     graph = torch.fx.Graph()
@@ -118,7 +118,7 @@ def test_never_recomputes_matmul_or_random():
     (torch.ops.aten.mean.dim, [2, 3], True),  # global average pooling: 256 per output
 ])
 def test_recomputes_only_row_reductions(op, dims, recompute):
-    from backend.aot.cost import is_recomputable
+    from cgtrees.aot.cost import is_recomputable
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -150,7 +150,7 @@ def _partitioned(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.fx.Grap
         got.append((fw, bw, num_fwd_outputs))
         return fw, bw
 
-    from backend.aot.measure import run_partitioned
+    from cgtrees.aot.measure import run_partitioned
 
     run_partitioned(model, (x.requires_grad_(),), spy)
     return got[0]
@@ -173,7 +173,7 @@ def test_what_a_backward_library_call_reads_is_saved_not_recomputed(name):
     """A matmul or convolution of the backward reads its operands whole from memory: recomputing
     one (a LayerNorm's or an activation's output) would write it again there. Each operand, seen
     through views, is a saved value or a gradient."""
-    from backend.aot.cost import is_view, reads_from_memory
+    from cgtrees.aot.cost import is_view, reads_from_memory
 
     case = (lambda: (SinThenLinear(), torch.randn(8, 32))) if name == "sin_then_linear" else CASES[name]
     _, bw, _ = _partitioned(*case())

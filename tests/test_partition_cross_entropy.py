@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from backend.aot.measure import measure, run_partitioned
-from backend.aot.partition import partition
+from cgtrees.aot.measure import measure, run_partitioned
+from cgtrees.aot.partition import partition
 
 ROWS, WIDTH = 6, 16
 

@@ -26,9 +26,9 @@ import torch
 args = json.loads(sys.argv[1])
 torch._dynamo.config.enable_aot_compile = True
 
-import backend.aot.compat as aot_compat  # imported in both roles, before any timer starts
-import backend.codegen as codegen
-from backend import counters
+import cgtrees.aot.compat as aot_compat  # imported in both roles, before any timer starts
+import cgtrees.codegen as codegen
+from cgtrees import counters
 
 calls = {"aot": 0, "generate": 0}
 real_aot, real_generate = aot_compat.aot_module_simplified, codegen.generate
@@ -338,7 +338,7 @@ else:
     saved = torch.load(sys.argv[2] + "/lean_saved.pt")
     assert torch.equal(saved["out"], out.detach())
     assert all(torch.equal(a, b) for a, b in zip(saved["grads"], grads))
-print(json.dumps({m: m in sys.modules for m in ("torch._functorch.aot_autograd", "backend.aot.driver")}))
+print(json.dumps({m: m in sys.modules for m in ("torch._functorch.aot_autograd", "cgtrees.aot.driver")}))
 '''
 
 
@@ -357,8 +357,8 @@ def test_loading_imports_no_aot_autograd(snapshot, tmp_path):
         assert proc.returncode == 0, proc.stderr
         results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     saved, loaded = results
-    assert saved == {"torch._functorch.aot_autograd": True, "backend.aot.driver": True}, saved  # the compile's
-    assert loaded == {"torch._functorch.aot_autograd": False, "backend.aot.driver": False}, loaded
+    assert saved == {"torch._functorch.aot_autograd": True, "cgtrees.aot.driver": True}, saved  # the compile's
+    assert loaded == {"torch._functorch.aot_autograd": False, "cgtrees.aot.driver": False}, loaded
 
 
 def test_dynamo_cache_loading_mends_torch_errors(monkeypatch):
@@ -367,7 +367,7 @@ def test_dynamo_cache_loading_mends_torch_errors(monkeypatch):
     other error installing a saved entry becomes the RuntimeError torch recovers from."""
     from torch._dynamo import guards, package
 
-    from backend.cache import compat
+    from cgtrees.cache import compat
 
     def broken_install(self, backends):
         raise TypeError("a torch bug")
@@ -394,7 +394,7 @@ def test_the_collector_is_paused_while_a_saved_entry_installs(monkeypatch):
 
     from torch._dynamo import guards, package
 
-    from backend.cache import compat
+    from cgtrees.cache import compat
 
     seen = []
 
@@ -430,7 +430,7 @@ def test_guard_sources_pickle_their_constructor_fields_only(monkeypatch):
     from torch import _guards
     from torch._dynamo.source import DefaultsSource, LocalSource
 
-    from backend.cache import compat
+    from cgtrees.cache import compat
 
     def every_field(self):  # torch 2.11's reduce
         return (self.__class__, tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
@@ -453,7 +453,7 @@ def test_guard_state_tensors_share_one_fake_mode(monkeypatch):
     device, type, grad), all in one fake mode instead of a new mode each."""
     from torch._dynamo import guards
 
-    from backend.cache import compat
+    from cgtrees.cache import compat
 
     pickler = guards.GuardsStatePickler
     original = pickler.__dict__["_unpickle_tensor"]
@@ -477,8 +477,8 @@ def test_a_loaded_function_takes_this_processs_runtime_settings():
     """A saved function keeps the options it was compiled with, except those that do not shape its
     code where the loading process sets them (``CGTREES_WARM_FIRST_CALLS=0`` turns the first calls
     off there); one that shapes the code stays as saved, whatever the environment says."""
-    from backend.config import Config
-    from backend.precompile import _saved_config, loaded_config
+    from cgtrees.config import Config
+    from cgtrees.precompile import _saved_config, loaded_config
 
     saved = _saved_config(Config.resolve(options={"cudagraphs": False, "max_shapes_per_function": 3},
                                          environ={}))

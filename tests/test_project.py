@@ -42,11 +42,11 @@ def test_readme_gives_a_gpu_user_an_install_line_without_the_cpu_pin():
     readme = open(os.path.join(ROOT, "README.md")).read()
     blocks = [b.strip() for b in re.findall(r"```bash\n(.*?)```", readme, re.S)]
     gpu = [b for b in blocks if "pip install" in b and "torch==" not in b]
-    assert gpu and "python -m backend" in gpu[0], blocks
+    assert gpu and "python -m cgtrees" in gpu[0], blocks
 
 
 def test_help_says_that_no_argument_runs_the_demo():
-    done = subprocess.run([sys.executable, "-m", "backend", "--help"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "cgtrees", "--help"], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert "with no argument, runs the demo" in " ".join(done.stdout.split())  # argparse wraps lines
@@ -56,7 +56,7 @@ def test_help_says_that_no_argument_runs_the_demo():
 def test_demo_runs_and_matches_eager(tmp_path):
     env = {**os.environ, "CGTREES_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
     env.pop("CGTREES_INTERPRET", None)  # as a new user runs it
-    done = subprocess.run([sys.executable, "-m", "backend"], capture_output=True, text=True, env=env,
+    done = subprocess.run([sys.executable, "-m", "cgtrees"], capture_output=True, text=True, env=env,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "demo OK" in done.stdout and "steady state per call" in done.stdout
@@ -77,7 +77,7 @@ def test_pytest_hides_only_the_interpreters_expected_numpy_warnings(tmp_path):
         "def test_w():\n"
         "    warn('`torch.jit.script_method` is deprecated. Please', 'torch.jit._script', DeprecationWarning)\n"
         "    warn('divide by zero encountered in log', 'triton.runtime.interpreter')\n"
-        "    warn('divide by zero encountered in log', 'backend.codegen.interp')\n"
+        "    warn('divide by zero encountered in log', 'cgtrees.codegen.interp')\n"
         "    warn('something else', 'triton.runtime.interpreter')\n")
     shutil.copy(os.path.join(ROOT, "setup.cfg"), tmp_path)  # the project's pytest config, beside the test
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "test_w.py"], cwd=tmp_path,
@@ -93,14 +93,14 @@ def test_readme_first_screen_says_where_cgtrees_stands_and_the_demo_needs_no_tes
     assert "NVIDIA GPU" in first_screen and "docs/benchmarks.md" in first_screen
     assert "On a CPU it is not faster" in first_screen  # CPU runs are for correctness, said up front
     blocks = [b.strip() for b in re.findall(r"```bash\n(.*?)```", readme, re.S)]
-    demo = next(b for b in blocks if "python -m backend" in b and "torch==" in b)
+    demo = next(b for b in blocks if "python -m cgtrees" in b and "torch==" in b)
     assert "[test]" not in demo and "pytest" not in demo, demo
 
 
 def test_readme_lists_every_option_with_its_default_and_variable():
     import dataclasses
 
-    from backend.config import Config
+    from cgtrees.config import Config
 
     readme = open(os.path.join(ROOT, "README.md")).read()
     for f in dataclasses.fields(Config):

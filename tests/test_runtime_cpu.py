@@ -10,14 +10,14 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-import backend
-import backend.runtime as runtime
-from backend.compiled import AtenGraph, GraphFacts
-from backend.config import Config
-from backend.context import GraphContext
-from backend.runtime import compat
-from backend.runtime.examples import Examples
-from backend.runtime.function import _changing_dims
+import cgtrees
+import cgtrees.runtime as runtime
+from cgtrees.compiled import AtenGraph, GraphFacts
+from cgtrees.config import Config
+from cgtrees.context import GraphContext
+from cgtrees.runtime import compat
+from cgtrees.runtime.examples import Examples
+from cgtrees.runtime.function import _changing_dims
 
 
 def _model() -> nn.Module:
@@ -28,7 +28,7 @@ def _model() -> nn.Module:
 def test_cpu_inputs_skip_counted_per_function_logged_once_at_info(cgtrees_counters, caplog):
     model = _model()
     f = torch.compile(model, backend="cgtrees")
-    with caplog.at_level(logging.INFO, logger="backend"):
+    with caplog.at_level(logging.INFO, logger="cgtrees"):
         for _ in range(3):
             x = torch.randn(4, 8)
             f(x).sum().backward()  # forward + backward: two functions
@@ -47,7 +47,7 @@ def test_describe_names_skipped_functions():
         f(torch.randn(2, 8))
     text = runtime.describe()
     assert "_inference: no CUDA graphs: CPU inputs" in text, text
-    backend.reset()
+    cgtrees.reset()
     assert runtime.describe() == "no CUDA graph trees"
 
 
@@ -91,7 +91,7 @@ def test_compat_on_a_cpu_build():
 
 
 def test_mark_step_counter_does_not_import_inductor_trees():
-    code = ("import sys, torch\nfrom backend.runtime import compat\ncompat.mark_step_counter()\n"
+    code = ("import sys, torch\nfrom cgtrees.runtime import compat\ncompat.mark_step_counter()\n"
             "print('torch._inductor.cudagraph_trees' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -107,7 +107,7 @@ def test_changing_dimension_is_named():
 # ------------------------------------------------------------ reused outputs (liveness.dead)
 def _entry_keeping(make):
     """An entry that keeps the tensor ``make()`` returns, as a forward node keeps a saved activation."""
-    from backend.runtime.liveness import keeping
+    from cgtrees.runtime.liveness import keeping
 
     t = make()
     storage = t.untyped_storage()
@@ -118,7 +118,7 @@ def test_a_kept_tensor_is_dead_only_when_nothing_else_holds_it():
     """The test that lets a replay hand out last replay's tensor again: every way a program can
     still reach it (the Python object, a view, a storage, autograd's saved tensors holding the
     TensorImpl alone) keeps it live; held by its entry alone it is idle (dead)."""
-    from backend.runtime.liveness import dead
+    from cgtrees.runtime.liveness import dead
 
     entry = _entry_keeping(lambda: torch.randn(4, 3))
     assert dead(entry)
@@ -147,7 +147,7 @@ def test_a_kept_tensor_is_dead_only_when_nothing_else_holds_it():
 
 
 def test_an_entry_without_a_kept_tensor_lives_with_its_storage():
-    from backend.runtime.liveness import LiveOutput, dead, still_alive
+    from cgtrees.runtime.liveness import LiveOutput, dead, still_alive
 
     t = torch.randn(5)
     storage = t.untyped_storage()
@@ -161,7 +161,7 @@ def test_an_entry_without_a_kept_tensor_lives_with_its_storage():
 def test_forward_context_names_where_its_saved_activations_begin(monkeypatch):
     """The forward's context says which outputs only the backward reads (the runtime reuses
     their tensors): after the user's outputs and the new value of a mutated input."""
-    from backend.aot import driver
+    from cgtrees.aot import driver
 
     seen = []
     compile_graph = driver.Compilers.compile_aten_graph
@@ -194,7 +194,7 @@ def test_a_forward_reuses_only_saved_outputs_that_own_their_storage():
     """Which outputs a forward node hands out again (``GraphNode._plan_reuse``): those from
     ``saved_from`` on that own one pool storage alone; a user's output, a saved tensor that shares
     its storage with another output, an input's alias and a constant are rebuilt every replay."""
-    from backend.runtime.node import Out
+    from cgtrees.runtime.node import Out
 
     x, outs = _recorded_outputs()
     node = _planned_node("forward", 1, outs, x)
@@ -217,7 +217,7 @@ def test_replay_outputs_hand_out_the_kept_tensor_and_build_the_rest(monkeypatch)
     # a CUDA build's C call takes CUDA storages only
     monkeypatch.setattr(compat, "tensor_from_storage", compat.tensor_set_to_storage)
 
-    from backend.runtime.liveness import dead
+    from cgtrees.runtime.liveness import dead
 
     x, recorded = _recorded_outputs()
     node = _planned_node("forward", 1, recorded, x)
@@ -274,7 +274,7 @@ def _recorded_outputs() -> tuple[torch.Tensor, list]:
 
 
 def _planned_node(kind: str, saved_from: int | None, outs: list, x: torch.Tensor, copy_out: bool = False):
-    from backend.runtime.node import GraphNode
+    from cgtrees.runtime.node import GraphNode
 
     ctx = GraphContext(Config.resolve(), kind, "g0_" + kind, saved_from=saved_from)
     pool = SimpleNamespace(device=0, generation=0, live=[])
@@ -292,8 +292,8 @@ def test_a_consumed_input_replays_only_while_the_call_alone_holds_it(monkeypatch
     graph that saved it holds neither a new storage nor a new TensorImpl: its reference shows only
     in the Python object's count, or the TensorImpl's uses. The forward's own kept tensor
     (``entry.cached``) does not count."""
-    from backend.runtime import node as node_mod
-    from backend.runtime.node import GraphNode, _held
+    from cgtrees.runtime import node as node_mod
+    from cgtrees.runtime.node import GraphNode, _held
 
     monkeypatch.setattr(compat, "keep_graph", lambda: False)
     ctx = GraphContext(Config.resolve(), "backward", "g0_backward")
@@ -331,7 +331,7 @@ def test_a_consumed_input_replays_only_while_the_call_alone_holds_it(monkeypatch
 def test_copied_bytes_counts_what_a_replay_copies():
     """Static inputs, parameters and live pool outputs are read where they are; every other tensor
     is copied whole, except a broadcast one (one element per stride-0 dimension)."""
-    from backend.runtime.node import copied_bytes
+    from cgtrees.runtime.node import copied_bytes
 
     plain, static, pooled = torch.randn(16, 8), torch.randn(100), torch.randn(50)
     param = nn.Parameter(torch.randn(30))
@@ -345,7 +345,7 @@ def test_copied_bytes_counts_what_a_replay_copies():
 def test_copies_outweigh_launches_by_the_option():
     """The check of ``max_copy_mb_per_launch``: a reason past the limit, None within it, with the
     option at 0, or where the module's launches are not known."""
-    from backend.runtime.function import GraphFunction
+    from cgtrees.runtime.function import GraphFunction
 
     def why(limit, launches, mib):
         fn = SimpleNamespace(config=Config(max_copy_mb_per_launch=limit), launches=launches, static=frozenset(),

@@ -50,7 +50,7 @@ def test_rewrite_runs_q_k_v_in_one_launch_with_eager_values(rows, dtype):
     call = module.source.split("\ndef call(")[1]
     assert len(re.findall(r"torch\.ops\.cgtrees\.grouped_mm\.default\(", call)) == 2, call
     assert "aten.mm" not in call, call
-    assert "import backend.codegen.grouped_gemv" in module.source
+    assert "import cgtrees.codegen.grouped_gemv" in module.source
     for got, want in zip(module.call(list(args)), projections(*args)):
         _close(got, want)
 
@@ -83,7 +83,7 @@ def test_what_does_not_qualify_stays_as_traced():
 def test_the_op_computes_each_product(dtype, rows, widths):
     """One to three weights of irregular widths (blocks past a weight's last row are masked), K not
     a multiple of the block: ``grouped_mm(x, ws) == [x @ w.t() for w in ws]``."""
-    from backend.codegen import grouped_gemv, interp  # noqa: F401 - registers the op
+    from cgtrees.codegen import grouped_gemv, interp  # noqa: F401 - registers the op
 
     interp.enable()  # as codegen does before it loads a module that calls the op (on a CPU)
     g = torch.Generator().manual_seed(1)

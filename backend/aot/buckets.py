@@ -36,12 +36,12 @@ import sympy
 import torch
 import torch.fx
 
-from backend import counters
-from backend.aot.batch_rows import NotBucketable, Trace, expr, same, sizes, value
-from backend.cache import compat as cache_compat
-from backend.logs import log_once
+from cgtrees import counters
+from cgtrees.aot.batch_rows import NotBucketable, Trace, expr, same, sizes, value
+from cgtrees.cache import compat as cache_compat
+from cgtrees.logs import log_once
 
-log = logging.getLogger("backend.aot.buckets")
+log = logging.getLogger("cgtrees.aot.buckets")
 Boxed = Callable[[list[Any]], Any]
 
 

@@ -55,12 +55,12 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 
-from backend import counters
-from backend.aot import compat, driver
-from backend.cache.aot import Level1Hints
-from backend.config import Config
+from cgtrees import counters
+from cgtrees.aot import compat, driver
+from cgtrees.cache.aot import Level1Hints
+from cgtrees.config import Config
 
-log = logging.getLogger("backend.aot")
+log = logging.getLogger("cgtrees.aot")
 
 
 def is_backward_graph(example_inputs: Sequence[Any]) -> bool:
@@ -87,7 +87,7 @@ def compile_backward_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], 
 def name_ops(gm: torch.fx.GraphModule) -> Level1Hints:
     """The text the cache key shows for each call of compiled autograd's own (by node name), or
     why the first cache level must not key the graph."""
-    from backend.cache.compat import Uncacheable
+    from cgtrees.cache.compat import Uncacheable
 
     texts: dict[str, str] = {}
     for node in gm.graph.nodes:
@@ -115,8 +115,8 @@ def name_ops(gm: torch.fx.GraphModule) -> Level1Hints:
 def _traced_text(node: torch.fx.Node) -> str:
     """The canonical text of ``node``'s call traced on its arguments' example values: all that
     AOTAutograd, tracing the graph on values of the same shapes, will see of it."""
-    from backend.cache.compat import Uncacheable
-    from backend.cache.key import graph_text
+    from cgtrees.cache.compat import Uncacheable
+    from cgtrees.cache.key import graph_text
 
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
     if any(isinstance(leaf, torch.fx.Node) and "example_value" not in leaf.meta for leaf in leaves):

@@ -15,7 +15,7 @@ trailing graph input, so every later stage sees only inputs:
 
 Invariant: a lifted graph holds no ``get_attr`` of a tensor; its attributes are deleted, so a
 stale copy cannot be read by mistake. ``Constants`` (what every stage is told) lives in
-``backend.context``: a level-1 hit or a loaded precompiled function makes it without AOTAutograd.
+``cgtrees.context``: a level-1 hit or a loaded precompiled function makes it without AOTAutograd.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from typing import Any
 import torch
 import torch.fx
 
-from backend.context import Constants
+from cgtrees.context import Constants
 
 
 def lift(gm: torch.fx.GraphModule) -> Constants:
     """Replace each tensor ``get_attr`` of ``gm`` by a trailing placeholder (in place)."""
-    from backend.aot import compat  # AOTAutograd: not imported where a loaded entry only appends constants
+    from cgtrees.aot import compat  # AOTAutograd: not imported where a loaded entry only appends constants
 
     attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(_attr(gm, n), torch.Tensor)]
     if not attrs:

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from backend.codegen.heuristics import PERSISTENT_LIMIT
+from cgtrees.codegen.heuristics import PERSISTENT_LIMIT
 
 aten = torch.ops.aten
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from backend.aot import compat
+from cgtrees.aot import compat
 
 aten = torch.ops.aten
 _ALLOCATIONS = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,

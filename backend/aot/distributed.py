@@ -44,10 +44,10 @@ from __future__ import annotations
 
 import logging
 
-from backend import counters
-from backend.aot import compat
+from cgtrees import counters
+from cgtrees.aot import compat
 
-log = logging.getLogger("backend.aot")
+log = logging.getLogger("cgtrees.aot")
 
 
 def is_piece(name: str) -> bool:

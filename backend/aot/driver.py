@@ -24,17 +24,17 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from backend import cache, codegen, counters, runtime
-from backend.aot import buckets, compat, constants, cse, distributed, layout
-from backend.aot import partition as partitioner
-from backend.aot.partition import Split
-from backend.cache import compat as cache_compat
-from backend.cache.aot import NO_HINTS, Level1Hints, Recorder, lean_training
-from backend.compiled import CompiledModule, has_symbolic_shapes
-from backend.config import Config
-from backend.context import GraphContext, GraphKind
-from backend.logs import log, log_once
-from backend.runtime.examples import Examples
+from cgtrees import cache, codegen, counters, runtime
+from cgtrees.aot import buckets, compat, constants, cse, distributed, layout
+from cgtrees.aot import partition as partitioner
+from cgtrees.aot.partition import Split
+from cgtrees.cache import compat as cache_compat
+from cgtrees.cache.aot import NO_HINTS, Level1Hints, Recorder, lean_training
+from cgtrees.compiled import CompiledModule, has_symbolic_shapes
+from cgtrees.config import Config
+from cgtrees.context import GraphContext, GraphKind
+from cgtrees.logs import log, log_once
+from cgtrees.runtime.examples import Examples
 
 
 class Compilers:
@@ -145,7 +145,7 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
         return found.function
     compilers.recorder = found.recorder  # on a miss: collects the entry
     codegen.prepare(example_inputs, config, key_file)  # start what compiled kernels wait for
-    from backend.aot.decompositions import decomposition_table  # a warm start never needs it
+    from cgtrees.aot.decompositions import decomposition_table  # a warm start never needs it
 
     if backward:  # traced with grad mode off: AOTAutograd makes no training graph of it
         fw_compiler = bw_compiler = _not_training
@@ -184,8 +184,8 @@ def _lean_inference(call: Callable[[list[Any]], Any], num_inputs: int,
     """Our wrapper for an inference graph, where it does what AOTAutograd's would (the level-1
     cache's rule: no aliased or metadata-mutated outputs, no subclasses, inputs not merged);
     None where AOTAutograd's wrappers are needed."""
-    from backend.cache import compat as plans
-    from backend.cache import wrappers
+    from cgtrees.cache import compat as plans
+    from cgtrees.cache import wrappers
 
     if num_inputs != compilers.num_inputs:
         return None  # AOTAutograd deduplicated or merged inputs

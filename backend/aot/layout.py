@@ -52,12 +52,12 @@ from typing import Any
 import torch
 import torch.fx
 
-from backend import counters
-from backend.aot import compat
-from backend.logs import log_once
+from cgtrees import counters
+from cgtrees.aot import compat
+from cgtrees.logs import log_once
 
 aten = torch.ops.aten
-log = logging.getLogger("backend.aot.layout")
+log = logging.getLogger("cgtrees.aot.layout")
 
 CHANNELS_LAST = torch.channels_last
 

@@ -7,8 +7,8 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from backend.aot import compat
-from backend.aot.cost import saved_bytes
+from cgtrees.aot import compat
+from cgtrees.aot.cost import saved_bytes
 
 
 def saved_activation_bytes(fw: torch.fx.GraphModule, num_fwd_outputs: int,
@@ -41,7 +41,7 @@ def measure(model: torch.nn.Module, inputs: tuple[Any, ...], partition_fn: Calla
 def run_partitioned(model: torch.nn.Module, inputs: tuple[Any, ...], partition_fn: Callable) -> None:
     """One forward and backward of ``model`` through AOTAutograd, partitioned by ``partition_fn``
     (AOTAutograd's protocol), its graphs run as traced: what a partitioner does, without codegen."""
-    from backend.aot.decompositions import decomposition_table
+    from cgtrees.aot.decompositions import decomposition_table
 
     def nop(gm, _):
         return compat.make_boxed_func(gm.forward)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch.fx
 
-from backend.aot import compat
-from backend.aot.cost import is_recomputable
+from cgtrees.aot import compat
+from cgtrees.aot.cost import is_recomputable
 
 
 def place(fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, num_fwd_outputs: int) -> None:

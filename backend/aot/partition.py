@@ -25,8 +25,8 @@ from typing import Any
 import networkx as nx
 import torch.fx
 
-from backend.aot import compat, cse, layout, order
-from backend.aot.cost import is_recomputable, is_view, reads_from_memory, saved_bytes, splits_kernels
+from cgtrees.aot import compat, cse, layout, order
+from cgtrees.aot.cost import is_recomputable, is_view, reads_from_memory, saved_bytes, splits_kernels
 
 _SOURCE, _SINK = "__source__", "__sink__"
 _MAX_CUTS = 4  # cuts tried, each pinning what the one before would have recomputed across kernels

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import torch.fx
 
-from backend.cache.aot import load as load_aot
-from backend.cache.compat import Uncacheable
-from backend.cache.key import graph_digest, text_digest
-from backend.cache.modules import ModuleKey, triton_key_file
-from backend.cache.modules import key_for as module_key
-from backend.cache.modules import lookup as lookup_module
-from backend.cache.modules import store as store_module
+from cgtrees.cache.aot import load as load_aot
+from cgtrees.cache.compat import Uncacheable
+from cgtrees.cache.key import graph_digest, text_digest
+from cgtrees.cache.modules import ModuleKey, triton_key_file
+from cgtrees.cache.modules import key_for as module_key
+from cgtrees.cache.modules import lookup as lookup_module
+from cgtrees.cache.modules import store as store_module
 
 __all__ = ["load_aot", "module_key", "lookup_module", "store_module", "graph_hash", "triton_key_file"]
 

@@ -39,7 +39,7 @@ the backward compiler the driver hands in: this module imports nothing of the dr
 found uncacheable leaves a bypass marker, so later processes count a bypass with the reason instead
 of a miss and go straight to AOTAutograd.
 
-Precompile (``backend.precompile``) saves the same entry in a file of its own: it hands a ``Kept``
+Precompile (``cgtrees.precompile``) saves the same entry in a file of its own: it hands a ``Kept``
 in the ``Level1Hints``, and ``load`` and the recorder leave there the entry (a hit's or a new one's,
 its modules' sources and binaries in it: the file needs no cache) or the reason the graph bypasses
 this level. With the cache off, the recorder then still collects the entry, and writes nothing.
@@ -55,19 +55,19 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 
-from backend.cache import backward_graph, compat, events, modules, records, wrappers
-from backend.cache.compat import Uncacheable
-from backend.cache.key import CacheKey, make_key
-from backend.cache.store import CorruptEntry, Store
-from backend.codegen import compat as codegen_compat
-from backend.compiled import AtenGraph, CompiledModule
-from backend.config import Config
-from backend.context import GraphContext
-from backend.logs import log_once
-from backend.runtime import first_calls
-from backend.runtime.examples import Examples
+from cgtrees.cache import backward_graph, compat, events, modules, records, wrappers
+from cgtrees.cache.compat import Uncacheable
+from cgtrees.cache.key import CacheKey, make_key
+from cgtrees.cache.store import CorruptEntry, Store
+from cgtrees.codegen import compat as codegen_compat
+from cgtrees.compiled import AtenGraph, CompiledModule
+from cgtrees.config import Config
+from cgtrees.context import GraphContext
+from cgtrees.logs import log_once
+from cgtrees.runtime import first_calls
+from cgtrees.runtime.examples import Examples
 
-log = logging.getLogger("backend.cache")
+log = logging.getLogger("cgtrees.cache")
 
 LEVEL = "aot"
 Wrap = Callable[[CompiledModule, Examples, GraphContext], Callable[[list[Any]], Any]]

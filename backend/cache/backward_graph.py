@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from backend.cache import compat
-from backend.cache.compat import Uncacheable
-from backend.cache.modules import _fx_globals
+from cgtrees.cache import compat
+from cgtrees.cache.compat import Uncacheable
+from cgtrees.cache.modules import _fx_globals
 
 
 def record(bw: torch.fx.GraphModule, static_saved: tuple[str, ...]) -> dict[str, Any]:

@@ -1,10 +1,10 @@
-"""``python -m backend cache info|clear``."""
+"""``python -m cgtrees cache info|clear``."""
 
 from __future__ import annotations
 
-from backend import counters
-from backend.cache.store import Store, base_dir
-from backend.config import Config
+from cgtrees import counters
+from cgtrees.cache.store import Store, base_dir
+from cgtrees.config import Config
 
 
 def main(action: str, config: Config | None = None) -> int:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.fx
 
-log = logging.getLogger("backend.cache")
+log = logging.getLogger("cgtrees.cache")
 
 __all__ = [
     "Uncacheable", "fw_metadata", "runtime_plan", "fake_mode", "fake_tensors", "storage_id",
@@ -96,7 +96,7 @@ def _tangent_format(meta: Any) -> dict[str, Any]:
 
 
 def runtime_plan(meta: Any, kind: str, disable_amp: bool = False) -> dict[str, Any]:
-    """The plain facts our runtime wrapper needs (see ``backend.cache.wrappers``). ``disable_amp``:
+    """The plain facts our runtime wrapper needs (see ``cgtrees.cache.wrappers``). ``disable_amp``:
     autocast was on when the Dynamo graph came (AOTAutograd turns it off before it calls a compiler,
     so ``autocast_enabled()`` must be read before AOTAutograd runs)."""
     if meta is None:
@@ -396,7 +396,7 @@ def tensor_bytes(value: torch.Tensor) -> bytes:
         return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
-# ---- precompile (``backend.precompile``): torch 2.11 and 2.13 have the same names ------------------
+# ---- precompile (``cgtrees.precompile``): torch 2.11 and 2.13 have the same names ------------------
 
 def _serializable_callable() -> type:
     """torch's ABC that ``aot_compile`` checks the backend's result against (``object`` where it

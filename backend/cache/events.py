@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from backend import counters
-from backend.logs import log_once
+from cgtrees import counters
+from cgtrees.logs import log_once
 
-log = logging.getLogger("backend.cache")
+log = logging.getLogger("cgtrees.cache")
 
 
 def hit(level: str, name: str) -> None:

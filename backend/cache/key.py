@@ -31,8 +31,8 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.fx
 
-from backend.cache.compat import Uncacheable, tensor_bytes
-from backend.config import Config
+from cgtrees.cache.compat import Uncacheable, tensor_bytes
+from cgtrees.config import Config
 
 
 @dataclass(frozen=True)

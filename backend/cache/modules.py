@@ -7,7 +7,7 @@ A lookup and store service beside the pipeline; the driver lists the steps (``ao
     lookup(key, gm, example_inputs, ctx) -> module | None    a hit loads the entry's CompiledGraph
     store(key, module, ctx) -> bool                          whether the entry now holds the module
 
-An entry is the module's ``CompiledGraph`` record (``backend.compiled``): its source, its kernels'
+An entry is the module's ``CompiledGraph`` record (``cgtrees.compiled``): its source, its kernels'
 compiled binaries and the compiled Python of its source, and what is known of it. A graph that
 runs through aten is not stored here. A bad entry is a counted ``corrupt``, removed, and a miss.
 A hit takes the facts of the graph at hand (its outputs' source lines are this program's).
@@ -30,16 +30,16 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from backend import codegen
-from backend.cache import events
-from backend.cache.compat import Uncacheable
-from backend.cache.key import CacheKey, constants_text, make_key
-from backend.cache.store import CorruptEntry, Store
-from backend.codegen import binaries as codegen_binaries
-from backend.codegen import compat as codegen_compat
-from backend.compiled import AtenGraph, CompiledGraph, CompiledModule, GraphFacts
-from backend.config import Config
-from backend.context import GraphContext
+from cgtrees import codegen
+from cgtrees.cache import events
+from cgtrees.cache.compat import Uncacheable
+from cgtrees.cache.key import CacheKey, constants_text, make_key
+from cgtrees.cache.store import CorruptEntry, Store
+from cgtrees.codegen import binaries as codegen_binaries
+from cgtrees.codegen import compat as codegen_compat
+from cgtrees.compiled import AtenGraph, CompiledGraph, CompiledModule, GraphFacts
+from cgtrees.config import Config
+from cgtrees.context import GraphContext
 
 LEVEL = "module"
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from backend.cache import compat
-from backend.cache.compat import Uncacheable
-from backend.context import Constants
-from backend.runtime.examples import Examples
+from cgtrees.cache import compat
+from cgtrees.cache.compat import Uncacheable
+from cgtrees.context import Constants
+from cgtrees.runtime.examples import Examples
 
 MAX_CONSTANT_BYTES = 1 << 20  # an entry keeps its graphs' constants; larger ones are not kept
 

@@ -28,14 +28,14 @@ from typing import Any, Mapping
 
 from filelock import FileLock, Timeout
 
-from backend.config import Config
-from backend.logs import log_once
+from cgtrees.config import Config
+from cgtrees.logs import log_once
 
 SCHEMA = 1
 MAGIC = b"cgtrees-cache-entry/1"
 LEVELS = ("aot", "module")
 LOCK_TIMEOUT_S = 120.0
-log = logging.getLogger("backend.cache")
+log = logging.getLogger("cgtrees.cache")
 
 
 class CorruptEntry(Exception):
@@ -193,7 +193,7 @@ class Store:
 # ---- the file format ---------------------------------------------------------------------------
 
 def encode(payload: dict[str, Any], magic: bytes = MAGIC) -> bytes:
-    """``magic`` names the kind of file: a cache entry, or a precompiled function (``backend.precompile``)."""
+    """``magic`` names the kind of file: a cache entry, or a precompiled function (``cgtrees.precompile``)."""
     body = json.dumps(payload, sort_keys=True).encode()
     header = magic + b" sha256=" + hashlib.sha256(body).hexdigest().encode() + b" bytes=" + str(len(body)).encode()
     return header + b"\n" + body

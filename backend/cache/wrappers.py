@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from backend.cache import compat
+from cgtrees.cache import compat
 
 Boxed = Callable[[list[Any]], Any]
 

@@ -1,7 +1,7 @@
 """codegen: lower one aten graph to a kernel module with ``call(args) -> outputs``.
 
     generate(gm, example_inputs, ctx) -> CompiledGraph   the module text (readable, runs on its own)
-                                                         and what is known of it (``backend.compiled``)
+                                                         and what is known of it (``cgtrees.compiled``)
     load(graph, ctx, fresh=True) -> KernelModule         import it (from a file, so Triton can read
                                                          it); its kernels launch from compiled
                                                          binaries: compiled now (``fresh``) or the
@@ -35,18 +35,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx
 
-from backend import counters
-from backend.codegen.module import AtenModule, KernelModule, aten_launches
-from backend.codegen.precompile import precompile
-from backend.compiled import CompiledGraph, GraphFacts, has_symbolic_shapes
-from backend.config import Config
-from backend.context import GraphContext
-from backend.logs import log_once
+from cgtrees import counters
+from cgtrees.codegen.module import AtenModule, KernelModule, aten_launches
+from cgtrees.codegen.precompile import precompile
+from cgtrees.compiled import CompiledGraph, GraphFacts, has_symbolic_shapes
+from cgtrees.config import Config
+from cgtrees.context import GraphContext
+from cgtrees.logs import log_once
 
 if TYPE_CHECKING:
-    from backend.codegen.gemm_choice import GemmPlan
+    from cgtrees.codegen.gemm_choice import GemmPlan
 
-log = logging.getLogger("backend.codegen")
+log = logging.getLogger("cgtrees.codegen")
 
 __all__ = ["generate", "load", "compile_graph", "prepare", "KernelModule", "AtenModule", "debug_path"]
 
@@ -61,7 +61,7 @@ def prepare(example_inputs: list, config: Config, remember_key_in: Path | None =
     building, whose GIL it would share)."""
     if config.interpret or not any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
         return
-    from backend.codegen.compat import hash_triton_in_background, share_triton_key
+    from cgtrees.codegen.compat import hash_triton_in_background, share_triton_key
 
     if compiles:
         hash_triton_in_background(remember_key_in)
@@ -72,7 +72,7 @@ def prepare(example_inputs: list, config: Config, remember_key_in: Path | None =
 # ----------------------------------------------------------------------------------------- generate
 def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) -> CompiledGraph:
     """The kernel module for ``gm``: its source and what is known of it."""
-    from backend.codegen import device_scalars, wrapper
+    from cgtrees.codegen import device_scalars, wrapper
 
     _ensure_meta(gm, example_inputs)  # shapes/strides/dtypes of every node
     facts, dynamic = GraphFacts.of(gm), has_symbolic_shapes(example_inputs)
@@ -82,9 +82,9 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
         source = "\n".join([*header, "import math", "import operator", "", "import torch", "",
                             "aten = torch.ops.aten", "", "", *wrapper.aten_call(gm, "call"), ""])
         return CompiledGraph(source, facts, ctx.graph_hash, launches=aten_launches(gm), device="cpu", dynamic=dynamic)
-    from backend.codegen import gemm_choice, grouped_attention, input_writes, merged_sums, shared_input_gemms
-    from backend.codegen.graph import GraphLowerer
-    from backend.codegen.scheduler import schedule
+    from cgtrees.codegen import gemm_choice, grouped_attention, input_writes, merged_sums, shared_input_gemms
+    from cgtrees.codegen.graph import GraphLowerer
+    from cgtrees.codegen.scheduler import schedule
 
     gm = merged_sums.rewritten(gm)  # a bias gradient's sum next to the kernel of what it sums
     gm = input_writes.placed(gm)  # a running statistic's update next to the kernel of the statistic
@@ -106,7 +106,7 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
 def _padded(gm: torch.fx.GraphModule, gemms: "GemmPlan") -> torch.fx.GraphModule:
     """``gm`` with the GEMMs ``gemms`` pads rewritten (``gemm_padding``); as it was, each choice
     noted as not taken, where the rewrite would change an output's layout."""
-    from backend.codegen import gemm_padding
+    from cgtrees.codegen import gemm_padding
 
     try:
         return gemm_padding.padded(gm, gemms.pads)
@@ -165,7 +165,7 @@ def load(graph: CompiledGraph, ctx: GraphContext, fresh: bool = True) -> KernelM
     on-disk cache), and runs ``graph.code`` (the compiled Python of its source) where it has it."""
     if ctx.config.interpret:
         # Triton decides interpreted or compiled when a kernel is decorated: set before importing.
-        from backend.codegen import interp
+        from cgtrees.codegen import interp
 
         interp.enable()
     path = _written(graph.source, debug_path(ctx, graph), ctx.name)
@@ -174,7 +174,7 @@ def load(graph: CompiledGraph, ctx: GraphContext, fresh: bool = True) -> KernelM
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # Triton looks kernels' globals up through their module
     if not fresh and not ctx.config.interpret:
-        from backend.codegen.binaries import exec_deferred
+        from cgtrees.codegen.binaries import exec_deferred
 
         exec_deferred(module, graph.source, path, graph.binaries, graph.code)  # kernels with binaries undecorated
     else:
@@ -208,7 +208,7 @@ def _launch_from_binaries(module: ModuleType, graph: CompiledGraph, records: dic
                           name: str) -> int:
     """The number of kernels that launch from a compiled binary (``records``: the graph's stored
     ones; None: those its kernels compiled in this process)."""
-    from backend.codegen import binaries
+    from cgtrees.codegen import binaries
 
     try:
         if records is None:

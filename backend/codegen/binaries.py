@@ -37,10 +37,10 @@ import marshal
 from types import CodeType, ModuleType
 from typing import Any, Callable, Sequence
 
-from backend.codegen import compat
-from backend.logs import log_once
+from cgtrees.codegen import compat
+from cgtrees.logs import log_once
 
-log = logging.getLogger("backend.codegen")
+log = logging.getLogger("cgtrees.codegen")
 
 INT_RANGES = {"i32": (-(2**31), 2**31), "i64": (-(2**63), 2**63), "u64": (0, 2**64)}
 

@@ -55,7 +55,7 @@ def {NAME}(t, stride, name):
     same_memory = all(n == 1 or a == b for n, a, b in zip(t.shape, t.stride(), stride))
     if name not in _RESTRIDED:
         _RESTRIDED.add(name)
-        logging.getLogger("backend.codegen").debug(
+        logging.getLogger("cgtrees.codegen").debug(
             "cgtrees kernel module %s: %s came back from aten with strides %s, traced %s: %s", __file__, name,
             t.stride(), stride, "viewed with the traced strides" if same_memory else "copied into the traced strides")
     if same_memory:

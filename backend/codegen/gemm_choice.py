@@ -37,9 +37,9 @@ from typing import Callable
 import torch
 import torch.fx
 
-from backend.codegen import compat, gemm_timing
-from backend.codegen.gemm_padding import TRANSPOSES, VIEWS
-from backend.codegen.lowering import is_library_op
+from cgtrees.codegen import compat, gemm_timing
+from cgtrees.codegen.gemm_padding import TRANSPOSES, VIEWS
+from cgtrees.codegen.lowering import is_library_op
 
 aten = torch.ops.aten
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from backend.codegen import compat
+from cgtrees.codegen import compat
 
 aten = torch.ops.aten
 

@@ -15,8 +15,8 @@ import sympy
 import torch
 import torch.fx
 
-from backend import counters
-from backend.codegen import (  # noqa: F401  (register lowerings)
+from cgtrees import counters
+from cgtrees.codegen import (  # noqa: F401  (register lowerings)
     device_scalars,
     extern_strides,
     gemm_choice,
@@ -33,7 +33,7 @@ from backend.codegen import (  # noqa: F401  (register lowerings)
     naming,
     ops,
 )
-from backend.codegen.lowering import (
+from cgtrees.codegen.lowering import (
     LOWERINGS,
     CannotLower,
     LowerCtx,
@@ -45,10 +45,10 @@ from backend.codegen.lowering import (
     sym,
     why_not_lowered,
 )
-from backend.config import Config
-from backend.logs import log_once
+from cgtrees.config import Config
+from cgtrees.logs import log_once
 
-log = logging.getLogger("backend.codegen")
+log = logging.getLogger("cgtrees.codegen")
 aten = torch.ops.aten
 
 INLINE_LIMIT = 120  # expression nodes; a bigger lazy value is materialized rather than inlined again
@@ -397,7 +397,7 @@ class GraphLowerer:
         self.ctx.node = node
         self._current_origins = (*self.origins.get(src_node, ()), node.name) if self._is_lazy(src_node) \
             else (node.name,)
-        from backend.codegen.lowering import broadcast
+        from cgtrees.codegen.lowering import broadcast
         body = broadcast(src, dst.size, dst.dtype)
         if any(ld.buf == name and ld.index != dst.body.index for ld in ir.loads(body)):
             src = self.realize(src, src_node)  # reads the input elsewhere: compute it fully first

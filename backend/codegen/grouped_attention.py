@@ -36,10 +36,10 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
-from backend.codegen.gemm_choice import MARGIN, random_like, span_bytes
+from cgtrees.codegen.gemm_choice import MARGIN, random_like, span_bytes
 
 if TYPE_CHECKING:
-    from backend.codegen.gemm_choice import GemmPlan
+    from cgtrees.codegen.gemm_choice import GemmPlan
 
 aten = torch.ops.aten
 

@@ -5,7 +5,7 @@ Two layers:
 - *Values* (``Expr`` subclasses) describe how ONE element is computed, as a tree over index symbols
   ``x0, x1, ...`` (one per dimension of the iteration space). ``Load`` reads a buffer at a sympy
   index, ``Const`` is a scalar, ``IndexValue`` is an index expression used as data (``arange``),
-  ``Op`` applies an entry of ``backend.codegen.ops.OPS``, ``Indirect`` is an index read from data
+  ``Op`` applies an entry of ``cgtrees.codegen.ops.OPS``, ``Indirect`` is an index read from data
   (``embedding``'s token ids), range-checked.
 - A ``Load`` may read where a condition holds only (``mask``: ``cat`` and ``constant_pad_nd`` read
   each input only inside its own range, 0 elsewhere), and its index may hold indirect symbols
@@ -92,7 +92,7 @@ class IndexValue:
 
 @dataclass(frozen=True)
 class Op:
-    name: str  # a key of backend.codegen.ops.OPS
+    name: str  # a key of cgtrees.codegen.ops.OPS
     args: tuple["Expr", ...]
     dtype: torch.dtype
 

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import sympy
 import torch
 
-from backend.codegen import heuristics, ir, online_softmax, ops, printer
-from backend.codegen import kernel_facts as facts
-from backend.codegen.scheduler import Kernel, Member
-from backend.codegen.simplify import fold, merge_dims
+from cgtrees.codegen import heuristics, ir, online_softmax, ops, printer
+from cgtrees.codegen import kernel_facts as facts
+from cgtrees.codegen.scheduler import Kernel, Member
+from cgtrees.codegen.simplify import fold, merge_dims
 
 INT32_LIMIT = 2**31 - 1
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import sympy
 
-from backend.codegen import ir
-from backend.codegen.scheduler import Kernel
+from cgtrees.codegen import ir
+from cgtrees.codegen.scheduler import Kernel
 
 
 def size_symbols(kernel: Kernel, xnumel: sympy.Expr, rnumel: sympy.Expr | None) -> set[sympy.Symbol]:

@@ -16,8 +16,8 @@ from typing import Any, Iterable
 import sympy
 import torch
 
-from backend.codegen import ir
-from backend.runtime.first_calls import CONVOLUTIONS, numel, op
+from cgtrees.codegen import ir
+from cgtrees.runtime.first_calls import CONVOLUTIONS, numel, op
 
 MAX_BYTES = 256 << 20  # a call's tensor arguments; larger calls are left to the first real call
 _OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", *CONVOLUTIONS,

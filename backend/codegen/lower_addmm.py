@@ -38,9 +38,9 @@ from typing import Any
 import torch
 import torch.fx
 
-from backend.codegen.ir import Op
-from backend.codegen.lower_views import split_remap
-from backend.codegen.lowering import (
+from cgtrees.codegen.ir import Op
+from cgtrees.codegen.lower_views import split_remap
+from cgtrees.codegen.lowering import (
     LOWERINGS,
     LowerCtx,
     TensorValue,

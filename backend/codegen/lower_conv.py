@@ -28,10 +28,10 @@ import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv
 
-from backend.codegen import ir
-from backend.codegen.ir import Const, Op
-from backend.codegen.lower_pool import FUSE_INPUT_LIMIT, Pool, Window, element, fold, where
-from backend.codegen.lowering import LowerCtx, TensorValue, cast, compute_dtype, lowering, meta_size, sym
+from cgtrees.codegen import ir
+from cgtrees.codegen.ir import Const, Op
+from cgtrees.codegen.lower_pool import FUSE_INPUT_LIMIT, Pool, Window, element, fold, where
+from cgtrees.codegen.lowering import LowerCtx, TensorValue, cast, compute_dtype, lowering, meta_size, sym
 
 aten = torch.ops.aten
 

@@ -22,9 +22,9 @@ from typing import Any
 import sympy
 import torch
 
-from backend.codegen import ir
-from backend.codegen.ir import Const, IndexValue, Op
-from backend.codegen.lowering import (
+from cgtrees.codegen import ir
+from cgtrees.codegen.ir import Const, IndexValue, Op
+from cgtrees.codegen.lowering import (
     CannotLower,
     LowerCtx,
     TensorValue,

@@ -47,9 +47,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils._sympy.functions import FloorDiv
 
-from backend.codegen import ir
-from backend.codegen.ir import Const, IndexValue, Op
-from backend.codegen.lowering import (
+from cgtrees.codegen import ir
+from cgtrees.codegen.ir import Const, IndexValue, Op
+from cgtrees.codegen.lowering import (
     LowerCtx,
     TensorValue,
     cast,

@@ -19,10 +19,10 @@ from typing import Any
 import sympy
 import torch
 
-from backend.codegen import heuristics, ir, one_hot, online_softmax
-from backend.codegen import kernel_facts as facts
-from backend.codegen.ir import Op
-from backend.codegen.lowering import (
+from cgtrees.codegen import heuristics, ir, one_hot, online_softmax
+from cgtrees.codegen import kernel_facts as facts
+from cgtrees.codegen.ir import Op
+from cgtrees.codegen.lowering import (
     CannotLower,
     LowerCtx,
     TensorValue,

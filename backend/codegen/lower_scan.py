@@ -22,9 +22,9 @@ import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv
 
-from backend.codegen import heuristics, ir
-from backend.codegen.ir import Const, IndexValue, Op
-from backend.codegen.lowering import LowerCtx, TensorValue, cast, compute_dtype, lowering, meta_layout
+from cgtrees.codegen import heuristics, ir
+from cgtrees.codegen.ir import Const, IndexValue, Op
+from cgtrees.codegen.lowering import LowerCtx, TensorValue, cast, compute_dtype, lowering, meta_layout
 
 aten = torch.ops.aten
 

@@ -46,10 +46,10 @@ from typing import Any
 import sympy
 import torch
 
-from backend.codegen import ir
-from backend.codegen.ir import Const, IndexValue, Op
-from backend.codegen.lower_indexing import INTEGER_INDEX, advanced_coords, indexed_size
-from backend.codegen.lowering import (
+from cgtrees.codegen import ir
+from cgtrees.codegen.ir import Const, IndexValue, Op
+from cgtrees.codegen.lower_indexing import INTEGER_INDEX, advanced_coords, indexed_size
+from cgtrees.codegen.lowering import (
     LowerCtx,
     TensorValue,
     broadcast,

@@ -15,8 +15,8 @@ from typing import Any
 import sympy
 import torch
 
-from backend.codegen import ir, merge_views
-from backend.codegen.lowering import (
+from cgtrees.codegen import ir, merge_views
+from cgtrees.codegen.lowering import (
     LOWERINGS,
     LowerCtx,
     TensorValue,

@@ -18,8 +18,8 @@ import sympy
 import torch
 import torch.fx
 
-from backend.codegen import ir, ops
-from backend.codegen.ir import Const, Expr, Load, Op
+from cgtrees.codegen import ir, ops
+from cgtrees.codegen.ir import Const, Expr, Load, Op
 
 aten = torch.ops.aten
 
@@ -101,7 +101,7 @@ def _meta_tensors(node: torch.fx.Node) -> list[torch.Tensor]:
 class LowerCtx:
     """What lowerings may use: the node being lowered, mode flags, and the program being built.
 
-    ``builder`` is the graph lowerer (``backend.codegen.graph``): it owns buffers and steps.
+    ``builder`` is the graph lowerer (``cgtrees.codegen.graph``): it owns buffers and steps.
     ``unfuse_addmm``: the config's option of that name (``lower_addmm``).
     """
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sympy
 
-from backend.codegen import ir
+from cgtrees.codegen import ir
 
 
 def merged_body(body: ir.Expr, src: tuple, dst: tuple) -> ir.Expr | None:

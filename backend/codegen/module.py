@@ -1,4 +1,4 @@
-"""Compiled graphs ready to run: what the runtime wraps (``backend.compiled.CompiledModule``).
+"""Compiled graphs ready to run: what the runtime wraps (``cgtrees.compiled.CompiledModule``).
 
     KernelModule    a ``CompiledGraph`` imported; its fallback (the same graph through aten)
                     takes over if its code fails
@@ -21,12 +21,12 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from backend import counters
-from backend.compiled import AtenGraph, CompiledGraph, GraphFacts
-from backend.logs import log_once
-from backend.runtime import first_calls
+from cgtrees import counters
+from cgtrees.compiled import AtenGraph, CompiledGraph, GraphFacts
+from cgtrees.logs import log_once
+from cgtrees.runtime import first_calls
 
-log = logging.getLogger("backend.codegen")
+log = logging.getLogger("cgtrees.codegen")
 
 
 class AtenModule:
@@ -35,7 +35,7 @@ class AtenModule:
     every input until the graph returns: the whole of a backward's saved activations)."""
 
     def __init__(self, gm: torch.fx.GraphModule, facts: GraphFacts | None = None) -> None:
-        from backend.codegen import compat
+        from cgtrees.codegen import compat
 
         self.gm = gm
         self.graph = AtenGraph(GraphFacts.of(gm) if facts is None else facts, aten_launches(gm))
@@ -89,7 +89,7 @@ class KernelModule:
 
     def compiled(self) -> CompiledGraph:
         """The graph with the binaries its kernels have compiled so far, for the cache to keep."""
-        from backend.codegen import binaries
+        from cgtrees.codegen import binaries
 
         return dataclasses.replace(self.graph, binaries=binaries.capture(self.module, self.graph.kernels))
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 import os
 import re
 
-from backend.codegen import ir, printer
-from backend.codegen.scheduler import Kernel
+from cgtrees.codegen import ir, printer
+from cgtrees.codegen.scheduler import Kernel
 
 PATTERNS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("log_softmax", ("amax", "exp", "sum", "log")),

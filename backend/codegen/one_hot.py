@@ -32,8 +32,8 @@ from typing import Any
 import sympy
 import torch
 
-from backend.codegen import ir
-from backend.codegen.ir import Const, IndexValue, Op
+from cgtrees.codegen import ir
+from cgtrees.codegen.ir import Const, IndexValue, Op
 
 _CASTS = ("cast", "to_bf16")
 

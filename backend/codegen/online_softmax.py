@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from backend.codegen import ir
+from cgtrees.codegen import ir
 
 aten = torch.ops.aten
 

@@ -24,11 +24,11 @@ from types import ModuleType
 
 import torch
 
-from backend.codegen import compat
-from backend.compiled import CompiledGraph
-from backend.logs import log_once
+from cgtrees.codegen import compat
+from cgtrees.compiled import CompiledGraph
+from cgtrees.logs import log_once
 
-log = logging.getLogger("backend.codegen")
+log = logging.getLogger("cgtrees.codegen")
 
 MAX_THREADS = 16
 

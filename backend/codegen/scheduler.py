@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from backend.codegen import heuristics, ir
+from cgtrees.codegen import heuristics, ir
 
 _MAX_PERMUTATIONS = 24  # ways to map a permuted step onto a kernel's dimensions that are tried
 WINDOW_LOADS = 9  # loads of one buffer per element that make a step a window (a 3x3 convolution's)

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.fx
 
-from backend.codegen.gemm_choice import MARGIN, random_like, span_bytes
+from cgtrees.codegen.gemm_choice import MARGIN, random_like, span_bytes
 
 if TYPE_CHECKING:
-    from backend.codegen.gemm_choice import GemmPlan
+    from cgtrees.codegen.gemm_choice import GemmPlan
 
 aten = torch.ops.aten
 
@@ -144,7 +144,7 @@ def _grouped_form(group: list[torch.fx.Node], config: tuple[int, int, int], devi
     x, ws = _metas(group)
 
     def build() -> Callable[[], None]:
-        from backend.codegen import grouped_gemv
+        from cgtrees.codegen import grouped_gemv
 
         tx, tws, outs = _operands(x, ws, device)
         return lambda: grouped_gemv.launch(tx, tws, outs, *config)
@@ -174,7 +174,7 @@ def _bytes(x: torch.Tensor, ws: list[torch.Tensor]) -> int:
 def _rewrite(graph: torch.fx.Graph, group: list[torch.fx.Node], config: tuple[int, int, int]) -> None:
     """One ``cgtrees.grouped_mm`` call before the group's first GEMM; each GEMM's readers read its
     item of the result, and the GEMMs and their weights' transposes go."""
-    from backend.codegen import grouped_gemv  # noqa: F401 - registers the op (its kernel is decorated lazily)
+    from cgtrees.codegen import grouped_gemv  # noqa: F401 - registers the op (its kernel is decorated lazily)
 
     x = group[0].args[0]
     weights = [_weight(mm) for mm in group]

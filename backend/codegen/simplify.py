@@ -23,7 +23,7 @@ from typing import Any, Callable
 import sympy
 import torch
 
-from backend.codegen import ir
+from cgtrees.codegen import ir
 
 
 def merge_dims(ranges: tuple[sympy.Expr, ...], reduced: tuple[int, ...],

@@ -15,11 +15,11 @@ import sympy
 import torch
 import torch.fx
 
-from backend.codegen import extern_strides, ir, library_calls, printer
-from backend.codegen.kernel import HELPERS, KernelCode, write_kernel
-from backend.codegen.naming import kernel_name, origin_comment
-from backend.codegen.scheduler import Item, Kernel, reads
-from backend.compiled import KernelLaunch
+from cgtrees.codegen import extern_strides, ir, library_calls, printer
+from cgtrees.codegen.kernel import HELPERS, KernelCode, write_kernel
+from cgtrees.codegen.naming import kernel_name, origin_comment
+from cgtrees.codegen.scheduler import Item, Kernel, reads
+from cgtrees.compiled import KernelLaunch
 
 
 # ------------------------------------------------------------------------------------------ module
@@ -49,7 +49,7 @@ def module_source(header: list[str], program: ir.Program, items: list[Item], int
     if libdevice:
         out.append("from triton.language.extra import libdevice")
     if any(isinstance(s, ir.Extern) and s.target.startswith("torch.ops.cgtrees.") for s in program.steps):
-        out += ["", "import backend.codegen.grouped_gemv  # noqa: F401 - registers torch.ops.cgtrees.grouped_mm"]
+        out += ["", "import cgtrees.codegen.grouped_gemv  # noqa: F401 - registers torch.ops.cgtrees.grouped_mm"]
     out += ["", "aten = torch.ops.aten", f"DEVICE = torch.device({program.device!r})", ""]
     if checks:
         out += ["", extern_strides.HELPER]

@@ -12,7 +12,7 @@ Files: ``compat`` (every private torch API), ``liveness`` (live outputs, generat
 ``function`` (one wrapped graph: node choice and limits), ``skips`` (reasons known at wrap time),
 ``examples`` (what wrapping reads of the example inputs), ``first_calls`` (a warm load's library
 calls, made beforehand in threads). The runtime imports no other stage: what it wraps is a
-``backend.compiled.CompiledModule``.
+``cgtrees.compiled.CompiledModule``.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from __future__ import annotations
 import weakref
 from typing import Any, Callable
 
-from backend import counters
-from backend.compiled import CompiledModule
-from backend.context import GraphContext
-from backend.logs import log_once
-from backend.runtime import skips
-from backend.runtime.examples import Examples
-from backend.runtime.function import GraphFunction, log, skip
-from backend.runtime.manager import Managers, SharedTree
+from cgtrees import counters
+from cgtrees.compiled import CompiledModule
+from cgtrees.context import GraphContext
+from cgtrees.logs import log_once
+from cgtrees.runtime import skips
+from cgtrees.runtime.examples import Examples
+from cgtrees.runtime.function import GraphFunction, log, skip
+from cgtrees.runtime.manager import Managers, SharedTree
 
 _managers = Managers()
 _functions: "weakref.WeakSet[GraphFunction]" = weakref.WeakSet()

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from backend.compiled import has_symbolic_shapes
+from cgtrees.compiled import has_symbolic_shapes
 
 
 @dataclass(frozen=True)

@@ -42,10 +42,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from backend import counters
-from backend.runtime import compat
+from cgtrees import counters
+from cgtrees.runtime import compat
 
-log = logging.getLogger("backend.runtime")
+log = logging.getLogger("cgtrees.runtime")
 
 CONVOLUTIONS = ("aten.convolution.", "aten.convolution_backward.", "aten._convolution.")
 

@@ -39,15 +39,15 @@ from typing import Any, Callable
 
 import torch
 
-from backend import counters
-from backend.compiled import GraphFacts
-from backend.context import GraphContext
-from backend.logs import log_once
-from backend.runtime import compat, skips
-from backend.runtime.manager import Managers, SharedTree, TreeManager
-from backend.runtime.node import FIT_OK, Fit, GraphNode, copied_bytes, marked_static
+from cgtrees import counters
+from cgtrees.compiled import GraphFacts
+from cgtrees.context import GraphContext
+from cgtrees.logs import log_once
+from cgtrees.runtime import compat, skips
+from cgtrees.runtime.manager import Managers, SharedTree, TreeManager
+from cgtrees.runtime.node import FIT_OK, Fit, GraphNode, copied_bytes, marked_static
 
-log = logging.getLogger("backend.runtime")
+log = logging.getLogger("cgtrees.runtime")
 
 
 class Why(enum.Enum):

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.compiled import GraphFacts
-from backend.runtime import compat
+from cgtrees.compiled import GraphFacts
+from cgtrees.runtime import compat
 
 
 @dataclass(frozen=True)

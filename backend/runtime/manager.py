@@ -28,11 +28,11 @@ import weakref
 
 import torch
 
-from backend.context import GraphKind
-from backend.runtime import compat, liveness
-from backend.runtime.liveness import LiveOutput
-from backend.runtime.node import GraphNode
-from backend.runtime.pool import Pool
+from cgtrees.context import GraphKind
+from cgtrees.runtime import compat, liveness
+from cgtrees.runtime.liveness import LiveOutput
+from cgtrees.runtime.node import GraphNode
+from cgtrees.runtime.pool import Pool
 
 
 class TreeManager(Pool):

@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from backend.compiled import GraphFacts
-from backend.context import GraphContext
-from backend.runtime import compat, first_calls, liveness
-from backend.runtime.liveness import LiveOutput, Origin, WeakStorage
-from backend.runtime.pool import Pool
+from cgtrees.compiled import GraphFacts
+from cgtrees.context import GraphContext
+from cgtrees.runtime import compat, first_calls, liveness
+from cgtrees.runtime.liveness import LiveOutput, Origin, WeakStorage
+from cgtrees.runtime.pool import Pool
 
 
 class Fit(enum.Enum):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.runtime.liveness import LiveOutput
+from cgtrees.runtime.liveness import LiveOutput
 
 
 class Pool:

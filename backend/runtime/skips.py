@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from backend.compiled import GraphFacts
-from backend.context import GraphContext
-from backend.runtime import compat
-from backend.runtime.examples import Examples
+from cgtrees.compiled import GraphFacts
+from cgtrees.context import GraphContext
+from cgtrees.runtime import compat
+from cgtrees.runtime.examples import Examples
 
 CPU_INPUTS = "CPU inputs"
 

@@ -25,10 +25,10 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from backend import codegen  # noqa: E402
-from backend.aot.decompositions import decomposition_table  # noqa: E402
-from backend.config import Config  # noqa: E402
-from backend.context import GraphContext  # noqa: E402
+from cgtrees import codegen  # noqa: E402
+from cgtrees.aot.decompositions import decomposition_table  # noqa: E402
+from cgtrees.config import Config  # noqa: E402
+from cgtrees.context import GraphContext  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BLOCKS = (1024, 256)

@@ -108,9 +108,9 @@ def main() -> None:
            "decode_calls": whole.calls, "first_generations_s": warm_s}
     row["steady_counters"] = {k: v - before.get(k, 0) for k, v in counters["cgtrees"].items() if v != before.get(k, 0)}
     if a.backend == "cgtrees":
-        import backend.runtime
+        import cgtrees.runtime
 
-        row["describe"] = backend.runtime.describe().splitlines()
+        row["describe"] = cgtrees.runtime.describe().splitlines()
     if ours.profiler is not None:
         ours.profiler.disable()
         text = io.StringIO()

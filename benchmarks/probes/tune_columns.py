@@ -59,7 +59,7 @@ def inputs(shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, 
 
 @contextlib.contextmanager
 def patched(knobs: dict) -> Iterator[None]:
-    from backend.codegen import heuristics
+    from cgtrees.codegen import heuristics
 
     old = {k: getattr(heuristics, k) for k in knobs}
     for k, v in knobs.items():
@@ -74,7 +74,7 @@ def patched(knobs: dict) -> Iterator[None]:
 @contextlib.contextmanager
 def kept_sources(out: list[str]) -> Iterator[None]:
     """Keep the source of every kernel module compiled inside."""
-    from backend import codegen
+    from cgtrees import codegen
 
     real = codegen.compile_graph
 

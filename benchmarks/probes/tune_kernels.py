@@ -29,7 +29,7 @@ LAUNCH = re.compile(r"^(\s*)(\w+)\[\((.*)\)\]\((.*)\bnum_warps=(\d+)\)$")
 
 def capture(workload: str, mode: str) -> list[tuple[object, list]]:
     """(KernelModule, its first call's arguments) for every module the workload runs."""
-    from backend import codegen
+    from cgtrees import codegen
 
     seen: list[tuple[object, list]] = []
     real_call = codegen.KernelModule.call
@@ -106,9 +106,9 @@ def _regrid(grid: str, old: int, new: int) -> str:
 
 
 def sweep(module, args: list, out_dir: str | None) -> list[str]:
-    from backend import codegen
-    from backend.config import Config
-    from backend.context import GraphContext
+    from cgtrees import codegen
+    from cgtrees.config import Config
+    from cgtrees.context import GraphContext
 
     ctx = GraphContext(config=Config.resolve(options={"cudagraphs": False, "cache": False}), kind="forward",
                        name=module.name + "_tune", static_input_indices=(), mutated_input_indices=(), pair=None)

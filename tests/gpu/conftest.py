@@ -23,12 +23,12 @@ def _fresh_runtime():
         return
     from torch._dynamo.utils import counters
 
-    import backend
+    import cgtrees
 
-    backend.reset()
+    cgtrees.reset()
     counters["cgtrees"].clear()
     yield
-    backend.reset()
+    cgtrees.reset()
     torch._dynamo.reset()
 
 
@@ -55,6 +55,6 @@ def kernel_modules(request, monkeypatch):
     monkeypatch.setenv("CGTREES_CACHE", "0")
     if request.param == "codegen":
         return
-    from backend import codegen
+    from cgtrees import codegen
 
     monkeypatch.setattr(codegen, "compile_graph", lambda gm, example_inputs, ctx: codegen.AtenModule(gm))

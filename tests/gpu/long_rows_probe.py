@@ -28,7 +28,7 @@ def compiled(fn, name: str):
     if name == "inductor":
         return torch.compile(fn)
     if name == "cgtrees-by-elements":
-        from backend.codegen import scheduler
+        from cgtrees.codegen import scheduler
 
         scheduler._by_rows = lambda ranges, members: ()
     if name.startswith("cgtrees@"):  # cgtrees@2048x16: looped row kernels of RBLOCK 2048, 16 warps
@@ -37,7 +37,7 @@ def compiled(fn, name: str):
 
 
 def _loop_blocks(rblock: int, warps: int) -> None:
-    from backend.codegen import heuristics
+    from cgtrees.codegen import heuristics
 
     original = getattr(heuristics, "_probe_original", heuristics.reduction)
     heuristics._probe_original = original

@@ -6,8 +6,8 @@ import sys
 import torch
 import torch.nn as nn
 
-import backend
-import backend.runtime as runtime
+import cgtrees
+import cgtrees.runtime as runtime
 
 
 def deep_mlp():
@@ -49,7 +49,7 @@ def probe(name):
         print(runtime.describe())
     del f, model, opt
     torch._dynamo.reset()
-    backend.reset()
+    cgtrees.reset()
 
 
 if __name__ == "__main__":

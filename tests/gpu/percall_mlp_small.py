@@ -109,8 +109,8 @@ def profile(model: nn.Module, x: torch.Tensor) -> None:
 
 def runtime_only(ours, x: torch.Tensor) -> None:
     """Our wrapper alone (no Dynamo, no AOTAutograd), and a bare copy + replay of the same node."""
-    import backend.runtime as runtime
-    from backend.runtime.function import GraphFunction
+    import cgtrees.runtime as runtime
+    from cgtrees.runtime.function import GraphFunction
 
     # the function that replayed most: mlp_small's (others ran before it with --history)
     fn = max((f for f in runtime._functions if f.kind == "inference"),
@@ -215,8 +215,8 @@ def main() -> None:
         # The runtime's own figure: the kernel modules are the aten graphs, without decompositions,
         # so the graph holds the kernels the raw graph holds (the default path's figure says what
         # codegen adds or saves).
-        from backend import codegen
-        from backend.aot import decompositions
+        from cgtrees import codegen
+        from cgtrees.aot import decompositions
 
         codegen.compile_graph = lambda gm, example_inputs, ctx: codegen.AtenModule(gm)
         decompositions.decomposition_table = dict

@@ -1,4 +1,4 @@
-"""Kernels launched from their compiled binaries (``backend.codegen.binaries``), without Triton's
+"""Kernels launched from their compiled binaries (``cgtrees.codegen.binaries``), without Triton's
 JIT: a fresh module launches its own, a module loaded with stored records (as from the cache)
 launches those and compiles or looks up nothing, and what a binary does not fit goes through the
 JIT with the right numbers."""
@@ -31,7 +31,7 @@ def _inputs():
 
 
 def _kernels(module):
-    from backend.codegen.binaries import CachedKernel
+    from cgtrees.codegen.binaries import CachedKernel
 
     return {name: obj for name, obj in vars(module.module).items() if isinstance(obj, CachedKernel)}
 
@@ -48,8 +48,8 @@ class _NoJit:
 
 def _warm_load(m, records, name="warm"):
     """What a cache hit does: load the source, no precompile, the records as stored (JSON)."""
-    from backend import codegen
-    from backend.context import GraphContext
+    from cgtrees import codegen
+    from cgtrees.context import GraphContext
 
     ctx = GraphContext(h.config(), "inference", name)
     return codegen.load(dataclasses.replace(m.graph, binaries=json.loads(json.dumps(records))), ctx, fresh=False)
@@ -79,7 +79,7 @@ def _loaded(module):
 def test_binaries_launch_through_torchs_static_launcher():
     """No launcher is built from C source (Triton's, per signature: about 1.2 s each on a cold
     cache): torch's static CUDA launcher launches every binary, with the right numbers."""
-    from backend.codegen import compat
+    from cgtrees.codegen import compat
 
     assert compat._static_launch_kernel() is not None, "this torch has no static CUDA launcher"
     x, y = _inputs()
@@ -92,7 +92,7 @@ def test_binaries_launch_through_torchs_static_launcher():
 
 
 def test_without_torchs_static_launcher_tritons_launches(monkeypatch):
-    from backend.codegen import compat
+    from cgtrees.codegen import compat
 
     monkeypatch.setattr(compat, "_static_launch_kernel", lambda: None)
     x, y = _inputs()
@@ -148,7 +148,7 @@ def test_a_binary_that_does_not_load_is_dropped_for_the_jit(caplog):
     name = sorted(records)[0]
     records[name][0]["binary"] = "bm90IGEgY3ViaW4="  # base64 of "not a cubin"
     warm = _warm_load(cold, records, name="damaged")
-    with caplog.at_level(logging.WARNING, logger="backend.codegen"):
+    with caplog.at_level(logging.WARNING, logger="cgtrees.codegen"):
         for a, b in zip(h.run(warm, x, y), f(x, y)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert "could not be loaded" in caplog.text

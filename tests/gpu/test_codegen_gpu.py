@@ -57,7 +57,7 @@ def test_kernels_compile_together_before_the_first_call():
     entries = m.graph.precompile
     assert len(entries) == h.kernel_count(m) >= 2, m.source
     dev = torch.cuda.current_device()
-    from backend.codegen.binaries import CachedKernel
+    from cgtrees.codegen.binaries import CachedKernel
 
     kernels = [vars(m.module)[e.kernel] for e in entries]
     kernels = [k._jit if isinstance(k, CachedKernel) else k for k in kernels]  # launched from a binary: its JIT
@@ -131,9 +131,9 @@ def test_triton_hashes_itself_while_a_cuda_graph_compiles(tmp_path, monkeypatch)
     Triton then uses is the one it computes itself, and it is kept in the file given."""
     import triton.runtime.cache as triton_cache
 
-    from backend import codegen
-    from backend.codegen import compat
-    from backend.config import Config
+    from cgtrees import codegen
+    from cgtrees.codegen import compat
+    from cgtrees.config import Config
 
     original = getattr(triton_cache.triton_key, "compute", triton_cache.triton_key)
     monkeypatch.setattr(triton_cache, "triton_key", original)  # as if no graph had come before
@@ -155,9 +155,9 @@ def test_a_warm_load_shares_the_key_without_hashing(tmp_path, monkeypatch):
     through the JIT after all; a later compile starts the hash as a cold process does."""
     import triton.runtime.cache as triton_cache
 
-    from backend import codegen
-    from backend.codegen import compat
-    from backend.config import Config
+    from cgtrees import codegen
+    from cgtrees.codegen import compat
+    from cgtrees.config import Config
 
     original = getattr(triton_cache.triton_key, "compute", triton_cache.triton_key)
     monkeypatch.setattr(triton_cache, "triton_key", original)
@@ -310,9 +310,9 @@ def _warps_sweep(m, args, moved: float, copy_bw: float) -> dict:
     """The same kernel with other num_warps (data for the block-size heuristic)."""
     import re
 
-    from backend import codegen
-    from backend.config import Config
-    from backend.context import GraphContext
+    from cgtrees import codegen
+    from cgtrees.config import Config
+    from cgtrees.context import GraphContext
 
     out = {}
     for warps in (4, 8, 16):

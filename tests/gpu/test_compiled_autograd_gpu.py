@@ -6,7 +6,7 @@ cgtrees (``torch._dynamo.compiled_autograd._enable`` around ``backward()``, or
 ``torch._dynamo.config.compiled_autograd`` with the training step compiled), against eager on a
 copy: every parameter's gradient and value after every step. Beyond eager's values they check that
 the backward graph replays (``cudagraph_replayed``, and the replays of its nodes in
-``backend.runtime.describe()``), that it shares its forward's tree (one tree manager), that no
+``cgtrees.runtime.describe()``), that it shares its forward's tree (one tree manager), that no
 graph falls back and none runs without CUDA graphs, and R4: gradients accumulated over several
 backward calls without ``zero_grad``, across generation ends, stay eager's.
 """
@@ -88,13 +88,13 @@ class Trainer:
 def backward_replays() -> int:
     """Replays of the nodes of backward functions (under compiled autograd, only its graphs run as
     backward functions: AOTAutograd's own backward of the forward never runs)."""
-    from backend import runtime
+    from cgtrees import runtime
 
     return sum(int(m.group(1)) for m in re.finditer(r"node \d+ g\d+_backward\S* .*?replays=(\d+)", runtime.describe()))
 
 
 def trees() -> int:
-    from backend import runtime
+    from cgtrees import runtime
 
     return sum(1 for line in runtime.describe().splitlines() if line.startswith("tree cuda:"))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import backend.runtime as runtime
+import cgtrees.runtime as runtime
 
 DEV = "cuda"
 
@@ -58,9 +58,9 @@ def test_cache_hit_captures_too():
     with torch.no_grad():
         _run(torch.compile(step, backend="cgtrees"), n, 3)
         torch._dynamo.reset()
-        import backend
+        import cgtrees
 
-        backend.reset()
+        cgtrees.reset()
         counters["cgtrees"].clear()
         _run(torch.compile(step, backend="cgtrees"), n, 5)
     assert stat("cache_hit_aot") == 1, dict(counters["cgtrees"])

@@ -1,4 +1,4 @@
-"""A warm process makes its modules' library calls beforehand (``backend.runtime.first_calls``): in
+"""A warm process makes its modules' library calls beforehand (``cgtrees.runtime.first_calls``): in
 a thread started as it loads a level-1 entry, joined before the first call. It must change nothing
 but the time: the warm process's outputs and gradients are the cold one's, bit for bit, with
 dropout in the model (a warm-up that drew random numbers would move the generator and change the
@@ -45,7 +45,7 @@ for _ in range(3):
         p.grad = None
 torch.cuda.synchronize()
 first_step_s = time.perf_counter() - start
-from backend.runtime import first_calls
+from cgtrees.runtime import first_calls
 torch.save({"outs": outs, "grads": grads, "rng": torch.cuda.get_rng_state()}, sys.argv[1])
 print(json.dumps({"counters": dict(counters["cgtrees"]), "pending": len(first_calls._pending),
                   "first_steps_s": first_step_s}))
@@ -95,7 +95,7 @@ def test_backward_calls_run_on_autograds_device_thread(monkeypatch):
     backward are made on the thread where autograd runs a CUDA backward, not on the loading one."""
     import threading
 
-    from backend.runtime import first_calls
+    from cgtrees.runtime import first_calls
 
     for name in ("_pending", "_made"):
         monkeypatch.setattr(first_calls, name, [])

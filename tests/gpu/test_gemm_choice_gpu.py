@@ -71,7 +71,7 @@ def _compile(fn, inputs):
 @pytest.mark.timing
 @pytest.mark.parametrize("case", list(_cases()))
 def test_the_taken_form_is_within_5_percent_of_the_other_timed_afresh(case):
-    from backend.codegen import gemm_timing
+    from cgtrees.codegen import gemm_timing
 
     fn, *shapes = _cases()[case]
     inputs = [torch.randn(*s[:-1], dtype=s[-1], device="cuda") for s in shapes]

@@ -5,7 +5,7 @@ Forced on the H100 before the generated module checked the strides of what aten 
 conv-BN-ReLU gave wrong input gradients: cuDNN's ``convolution_backward`` returned a gradient in
 other strides than its meta said, and our kernels read it with the traced ones. The module now
 gives each such result its traced strides (backend/codegen/extern_strides.py); which values
-came back otherwise is printed (the DEBUG log of ``backend.codegen``), for the record.
+came back otherwise is printed (the DEBUG log of ``cgtrees.codegen``), for the record.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_forced_channels_last_training_matches_eager(cudagraphs, memory_format, 
     model = ConvBNReLUConv().to(DEV)
     x = torch.randn(8, 3, 32, 32, device=DEV).contiguous(memory_format=memory_format)
     options = {"layout_opt": "force", "cudagraphs": cudagraphs, "cache": False, "debug_dir": str(tmp_path)}
-    with caplog.at_level(logging.DEBUG, logger="backend.codegen"):
+    with caplog.at_level(logging.DEBUG, logger="cgtrees.codegen"):
         train_against_eager(model, x, options, steps=3, buffers_against_float64=True)
     assert counters["cgtrees"]["layout_channels_last"] == 1  # the joint graph was rewritten
     assert counters["cgtrees"]["graph_fallbacks"] == 0  # forward and backward generated

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-import backend.runtime as runtime
+import cgtrees.runtime as runtime
 
 DEV = "cuda"
 pytestmark = pytest.mark.usefixtures("kernel_modules")

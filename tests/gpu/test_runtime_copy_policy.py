@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-import backend.runtime as runtime
+import cgtrees.runtime as runtime
 
 DEV = "cuda"
 

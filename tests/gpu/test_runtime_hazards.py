@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-import backend.runtime as runtime
+import cgtrees.runtime as runtime
 
 DEV = "cuda"
 pytestmark = pytest.mark.usefixtures("kernel_modules")
@@ -163,7 +163,7 @@ def test_dynamic_shapes_rerecord_limit(caplog):
 
     f = cg(fn, dynamic=True, options={"max_shapes_per_function": 2})
     w = torch.randn(32, device=DEV)
-    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="backend"):
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="cgtrees"):
         for n in (2, 3, 4, 5, 6):
             for _ in range(3):
                 x = torch.randn(n, 32, device=DEV)
@@ -278,8 +278,8 @@ def test_uncapturable_op_explained_before_capture():
 
 
 def test_capture_failure_runs_eagerly_and_leaves_rng_working():
-    from backend.config import Config
-    from backend.context import GraphContext
+    from cgtrees.config import Config
+    from cgtrees.context import GraphContext
 
     def call(args):
         x = args[0]
@@ -291,8 +291,8 @@ def test_capture_failure_runs_eagerly_and_leaves_rng_working():
     x = torch.randn(8, device=DEV)
     from types import SimpleNamespace
 
-    from backend.compiled import AtenGraph, GraphFacts
-    from backend.runtime.examples import Examples
+    from cgtrees.compiled import AtenGraph, GraphFacts
+    from cgtrees.runtime.examples import Examples
 
     ctx = GraphContext(config=Config.resolve(), kind="inference", name="sync_inside")
     fn = runtime.wrap(SimpleNamespace(call=call, graph=AtenGraph(GraphFacts(), 1)), Examples.of([x]), ctx)

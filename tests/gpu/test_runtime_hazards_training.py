@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
 
-import backend.runtime as runtime
+import cgtrees.runtime as runtime
 
 DEV = "cuda"
 pytestmark = pytest.mark.usefixtures("kernel_modules")
@@ -267,7 +267,7 @@ def test_failed_backward_capture_reruns_on_the_activations_it_freed(monkeypatch)
     """A backward's capture that fails after it freed the activations handed to it: the step still
     gets eager's gradients (the graph runs eagerly on their memory, which nothing reused), and so
     do the next steps, without CUDA graphs for that backward."""
-    import backend.runtime.node as node_mod
+    import cgtrees.runtime.node as node_mod
 
     real = node_mod.GraphNode._capture
 

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
 
-import backend
-import backend.runtime as runtime
+import cgtrees
+import cgtrees.runtime as runtime
 
 DEV = "cuda"
 pytestmark = pytest.mark.usefixtures("kernel_modules")
@@ -46,7 +46,7 @@ def test_reset_frees_the_pool():
     kept = y  # a replayed output the user still holds across reset
     assert runtime._managers.all()[0].pool_bytes() > 0
     torch._dynamo.reset()
-    backend.reset()
+    cgtrees.reset()
     del f, y
     assert _settled_allocated() == baseline, runtime.describe()
     try:  # R1: the kept output is invalid, never garbage
@@ -168,7 +168,7 @@ def _training_peak(backend_name: str, steps: int = 6, described: list[str] | Non
         described.append(runtime.describe())
     del f, model, opt
     torch._dynamo.reset()
-    backend.reset()
+    cgtrees.reset()
     return peak
 
 

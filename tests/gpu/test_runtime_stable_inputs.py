@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch._dynamo.utils import counters
 
-import backend.runtime as runtime
+import cgtrees.runtime as runtime
 
 DEV = "cuda"
 pytestmark = pytest.mark.usefixtures("kernel_modules")
