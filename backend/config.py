@@ -65,6 +65,12 @@ class Config:
                                             doc="batch sizes an inference graph with a dynamic batch dimension is "
                                                 "padded up to (the next one >= B; rows of row 0, outputs cut back), "
                                                 "one CUDA graph per bucket; empty: off (cgtrees.aot.buckets)")
+    remote_cache: str = _field("", affects_codegen=False,
+                               doc="a Redis server as the cache's second tier behind the local directory, "
+                                   "shared by a cluster: redis://host:port/db; empty: local only (cgtrees.cache)")
+    remote_cache_key: str = _field("", affects_codegen=False,
+                                   doc="the secret shared by the cluster that signs remote entries (HMAC); set "
+                                       "it with the env var CGTREES_REMOTE_CACHE_KEY rather than in code")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "batch_buckets", _buckets(self.batch_buckets, "batch_buckets"))
