@@ -251,12 +251,17 @@ def precompile_notes(rows: list[dict]) -> list[str]:
 MARKED = re.compile(r"<!-- ([\w-]+):begin -->.*?<!-- \1:end -->", re.S)
 
 
-def marked_blocks(text: str) -> str:
+FIRST = ("real-size", "real-size-reading", "serving-section")  # the sizes users run open the page
+
+
+def marked_blocks(text: str, first: bool | None = None) -> str:
     """Every block of ``text`` from ``<!-- name:begin -->`` to ``<!-- name:end -->``, verbatim, in
     order, each ending in a newline, a blank line between them ("" if none): the real-model section
     and hand-written ones (such as docs/warm_start.md's precompile section), which rewriting the own
-    suite's report keeps."""
-    return "\n".join(m.group(0) + "\n" for m in MARKED.finditer(text))
+    suite's report keeps. ``first``: only the blocks that open the page (``FIRST``), or only the
+    others."""
+    return "\n".join(m.group(0) + "\n" for m in MARKED.finditer(text)
+                     if first is None or (m.group(1) in FIRST) == first)
 
 
 def splice(text: str, block: str, begin: str, end: str) -> str:
@@ -466,10 +471,11 @@ def reproduce(meta: dict) -> str:
     ])
 
 
-def markdown(rows: list[dict], kernels: dict | None, meta: dict, kept: str = "") -> str:
-    """The own suite's page: its table, the reading of its misses (``meta["analysis"]``), then ``kept``
-    (the marked blocks of the page it replaces, such as the real-model section), how to read and
-    reproduce it, and every figure per workload. The runs' commands, start-up phases and profiles
+def markdown(rows: list[dict], kernels: dict | None, meta: dict, kept: str = "", opening: str = "") -> str:
+    """The own suite's page: ``opening`` first (the marked real-size and serving sections of the page it
+    replaces: the sizes users run), then the own suite's table, the reading of its misses
+    (``meta["analysis"]``), ``kept`` (the page's other marked blocks, such as the real-model section),
+    how to read and reproduce it, and every figure per workload. The runs' commands, start-up phases and profiles
     go to ``details``."""
     found = checks(rows)
     met, fails = sum(c.ok is True for c in found), failures(rows)
@@ -481,6 +487,7 @@ def markdown(rows: list[dict], kernels: dict | None, meta: dict, kept: str = "")
         "its table; readings of earlier runs, superseded results and the commands of every run lie beside the "
         "result files in `benchmarks/results/`.",
         "",
+        *([opening.rstrip("\n"), ""] if opening else []),
         "## Own suite",
         "",
         SUITE,

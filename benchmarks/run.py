@@ -40,9 +40,10 @@ and mode) per 10-minute call, cold and three warm processes each:
 ``--markdown`` rewrites the whole page but keeps, verbatim and in their order, every block between
 ``<!-- name:begin -->`` and ``<!-- name:end -->`` that it had (the real-model section, hand-written
 ones such as the precompile section of docs/warm_start.md), right after the own suite's table and the
-reading of its misses (``--analysis``). ``--details`` writes what the page leaves out (each run's
-command, every target, start-up phases, profiles; for the real suite its full tables) to a file
-beside the results. Each table names the GPU, torch and commit of its rows: a result file's commit is
+reading of its misses (``--analysis``); the real-size and serving sections (``report.FIRST``) open the
+page. ``--details`` writes what the page leaves out (each run's command, every target, start-up phases,
+profiles; for the real suite its full tables) to a file beside the results. Each table names the GPU,
+torch and commit of its rows: a result file's commit is
 its ``meta["commit"]`` (``--commit``, else ``git_commit``: ``+dirty`` when ``backend/`` had changes), or
 for older files the ``-at-<commit>`` in its name.
 
@@ -431,10 +432,11 @@ def measure_all(args: argparse.Namespace, on_row: Callable[[list[dict]], None]) 
 
 def write_markdown(path: Path, rows: list[dict], kernels: dict | None, meta: dict) -> None:
     """The own suite's report at ``path``, with the marked blocks the old file had (the real-model
-    section and hand-written ones, ``report.marked_blocks``) kept verbatim, in their order, after the
-    own suite's table and misses."""
-    kept = report.marked_blocks(path.read_text()) if path.exists() else ""
-    path.write_text(report.markdown(rows, kernels, meta, kept))
+    section and hand-written ones, ``report.marked_blocks``) kept verbatim, in their order: the real-size
+    and serving sections before the own suite's table, the others after its misses."""
+    old = path.read_text() if path.exists() else ""
+    kept, opening = report.marked_blocks(old, first=False), report.marked_blocks(old, first=True)
+    path.write_text(report.markdown(rows, kernels, meta, kept, opening))
 
 
 def git_commit() -> str | None:

@@ -266,7 +266,7 @@ def block(rows: list[dict]) -> str:
         return "\n".join(body) + "\n"
     if all(r.get("smoke") for r in rows):
         body += ["**Smoke rows**: tiny configs on a CPU, which check the plumbing, not speed.", ""]
-    body += [ABOUT, "", main_table(rows), "", "### Errors against eager, memory", "", error_table(rows), ""]
+    body += [main_table(rows), "", ABOUT, "", "### Errors against eager, memory", "", error_table(rows), ""]
     found = misses(rows)
     body += [f"### Where cgtrees takes more than {TARGET}x Inductor's step", ""]
     if found:

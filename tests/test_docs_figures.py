@@ -1,0 +1,96 @@
+"""docs/benchmarks.md: the sizes users run open the page, and the figures its prose cites are the
+result files' (not typed by hand from an older run). Each check recomputes a sentence's figures from
+the files behind it and looks for that sentence on the page."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from bench_helpers import bench
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGE = os.path.join(ROOT, "docs", "benchmarks.md")
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+NAMES = {"gpt2_small": "GPT-2", "bert_base": "BERT-base", "vit_b16_infer": "ViT-B/16 inference",
+         "vit_b16_train": "ViT-B/16 training", "resnet50_train": "ResNet-50 training",
+         "resnet50_infer": "ResNet-50 inference", "llama_1b": "Llama 1B", "gpt2_small_ddp": "GPT-2 DDP"}
+
+
+def _page() -> str:
+    return re.sub(r"\s+", " ", open(PAGE).read())  # the prose wraps anywhere
+
+
+def _size_rows() -> list[dict]:
+    rows, _ = bench("size_report").load([os.path.join(RESULTS, "real-size")])
+    return bench("size_report").shown(rows)
+
+
+def _ratio(rows: list[dict], model: str, key: str, backend: str, against: str) -> float:
+    mine = next(r for r in rows if r["model"] == model and r["backend"] == backend)
+    theirs = next(r for r in rows if r["model"] == model and r["backend"] == against)
+    return mine[key] / theirs[key]
+
+
+def test_page_opens_with_real_sizes_then_serving_then_the_own_suite():
+    text = open(PAGE).read()
+    order = [text.index(s) for s in ("## Real sizes", "## Serving (LLM decoding)", "## Own suite", "## Real models")]
+    assert order == sorted(order), order
+    assert text.index("| model | mode | sizes |") < len("\n".join(text.splitlines()[:12]))  # a table, not prose, first
+
+
+def test_rebuilding_the_page_keeps_real_sizes_and_serving_first(tmp_path):
+    """run.py --markdown rewrites the own suite's part and keeps the marked sections where they were."""
+    page = tmp_path / "benchmarks.md"
+    page.write_text(open(PAGE).read())
+    own = [os.path.join(RESULTS, f) for f in sorted(os.listdir(RESULTS)) if re.match(r"1[1-8]-h100-.*\.json", f)]
+    bench("run").main(["--from-json", ",".join(own), "--markdown", str(page)])
+    before, after = open(PAGE).read(), page.read_text()
+    for name in ("real-size", "real-size-reading", "serving-section", "real-models"):
+        block = re.search(rf"<!-- {name}:begin -->.*?<!-- {name}:end -->", before, re.S).group(0)
+        assert after.count(block) == 1, name
+    assert after.index("<!-- serving-section:end -->") < after.index("## Own suite") < after.index("## Real models")
+
+
+def test_real_size_reading_cites_the_files_ratios():
+    rows, page = _size_rows(), _page()
+    models = sorted({r["model"] for r in rows})
+    # Against Inductor, per model, as the reading's first paragraph names them.
+    for model in models:
+        assert f"{NAMES[model]} {_ratio(rows, model, 'step_ms', 'cgtrees', 'inductor'):.2f}x" in page, model
+    # Against reduce-overhead: the range, and the rows at its top.
+    against_ro = {m: _ratio(rows, m, "step_ms", "cgtrees", "reduce-overhead") for m in models}
+    lo, hi = min(against_ro.values()), max(against_ro.values())
+    assert f"cgtrees is {lo:.2f}x-{hi:.2f}x" in page, (lo, hi)
+    over = sorted((m for m, v in against_ro.items() if round(v, 2) > 1.1), key=against_ro.get)
+    assert f"({', '.join(f'{NAMES[m]} {against_ro[m]:.2f}x' for m in over)})" in page, over
+    # Cold compile against Inductor's: the rows over it, each with its ratio.
+    compile_ratio = {m: _ratio(rows, m, "compile_s", "cgtrees", "inductor") for m in models}
+    slower = [m for m in models if round(compile_ratio[m], 2) > 1.0]
+    listed = " and ".join(f"{NAMES[m]} ({compile_ratio[m]:.2f}x)" for m in slower)
+    assert f"Cold compile is at most Inductor's except {listed}." in page, slower
+
+
+def _serve(name: str, backend: str) -> dict:
+    rows = json.load(open(os.path.join(RESULTS, "serving", name)))["rows"]
+    return next(r for r in rows if r["backend"] == backend)
+
+
+def test_serving_reading_cites_the_files_ratios():
+    page = _page()
+    for file, said in (("serve-loop-b8-c160-df50452.json", "batch 8 at {:.2f}x reduce-overhead's tokens/s"),
+                       ("serve-loop-b32-c160-df50452.json", "batch 32 at {:.2f}x"),
+                       ("serve-loop-b32-c4096-df50452.json", "4096-token cache at {:.1f}x"),
+                       ("serve-loop-b1-c160-df50452.json", "{:.2f}x reduce-overhead; the HF path")):
+        ratio = _serve(file, "cgtrees")["tokens_s"] / _serve(file, "reduce-overhead")["tokens_s"]
+        assert said.format(ratio) in page, (file, ratio)
+    # The HF path's two calls at df50452: the table's row and the log of the other lane.
+    hf = _serve("serve-hf-b1-c160-df50452.json", "cgtrees"), _serve("serve-hf-b1-c160-df50452.json", "reduce-overhead")
+    log = open(os.path.join(RESULTS, "serving", "h200x4-lane3-df50452.log")).read()
+    ms = {b: float(re.search(rf"'path': 'hf', 'backend': '{b}'.*? ok in \d+s: ([\d.]+) ms/token", log).group(1))
+          for b in ("cgtrees", "reduce-overhead")}
+    assert (f"{ms['reduce-overhead'] / ms['cgtrees']:.2f}x ({ms['cgtrees']:.2f} against {ms['reduce-overhead']:.2f} ms)"
+            in page)
+    assert f"{hf[1]['ms_token'] / hf[0]['ms_token']:.2f}x ({hf[0]['ms_token']:.2f} against {hf[1]['ms_token']:.2f}" \
+        in page
