@@ -89,8 +89,35 @@ def test_the_op_computes_each_product(dtype, rows, widths):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(rows, 83, generator=g, dtype=dtype)
     weights = [torch.randn(n, 83, generator=g, dtype=dtype) for n in widths]
-    for block_n, block_k, warps in ((4, 32, 2), (16, 64, 4)):
-        outs = torch.ops.cgtrees.grouped_mm(x, weights, block_n, block_k, warps)
+    for form in ((4, 32, 2, 1), (16, 64, 4, 1)):
+        outs = torch.ops.cgtrees.grouped_mm(x, weights, *form)
         assert [o.shape for o in outs] == [(rows, n) for n in widths]
         for out, w in zip(outs, weights):
             _close(out, x @ w.t())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [83, 96])
+def test_one_row_split_over_k(dtype, k):
+    """One row, K split over 2 to 4 programs a block of rows (83: the last block partly past K; 96:
+    whole blocks, masked by one value a block; a split of 4 where K has 3 blocks of 32 takes 3):
+    each product against eager's in float64, every element written (outputs start as NaN)."""
+    from cgtrees.codegen import grouped_gemv, interp
+
+    interp.enable()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, k, generator=g, dtype=dtype)
+    weights = [torch.randn(n, k, generator=g, dtype=dtype) for n in (37, 5, 130)]
+    for form in ((4, 16, 2, 2), (2, 16, 1, 3), (8, 32, 2, 4)):
+        outs = [torch.full((1, w.shape[0]), float("nan"), dtype=dtype) for w in weights]
+        grouped_gemv.launch(x, weights, outs, *form)
+        for out, w in zip(outs, weights):
+            _close(out, (x.double() @ w.double().t()).to(dtype))
+
+
+def test_split_over_k_needs_one_row():
+    from cgtrees.codegen import grouped_gemv
+
+    x, w = torch.randn(2, 32), torch.randn(8, 32)
+    with pytest.raises(ValueError, match="split_k=2 needs one row, not 2"):
+        grouped_gemv.launch(x, [w], [torch.empty(2, 8)], 4, 16, 2, 2)

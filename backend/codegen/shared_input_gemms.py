@@ -30,10 +30,13 @@ if TYPE_CHECKING:
 aten = torch.ops.aten
 
 MAX_ROWS = 64  # past this many rows a GEMM is no longer bound by reading its weight once
+_L2_BYTES = 50 << 20  # where the device does not say
 MAX_WEIGHTS = 3  # grouped_gemv.MAX_WEIGHTS (not imported here: that module decorates Triton kernels)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_ROW_CONFIGS = ((4, 512, 2), (8, 512, 2), (16, 512, 2))  # (BLOCK_N, BLOCK_K, warps) without tl.dot
-_DOT_CONFIGS = ((16, 256, 2), (32, 256, 4), (64, 128, 4))  # with tl.dot (several rows, 16-bit floats)
+# (BLOCK_N, BLOCK_K, warps, SPLIT_K): one row (``gemv_row_kernel``), a few rows without tl.dot, with it
+_ONE_ROW_CONFIGS = ((4, 512, 2, 1), (8, 512, 4, 1), (2, 1024, 2, 1), (4, 512, 2, 2), (4, 512, 2, 4))
+_ROW_CONFIGS = ((4, 512, 2, 1), (8, 512, 2, 1), (16, 512, 2, 1))
+_DOT_CONFIGS = ((16, 256, 2, 1), (32, 256, 4, 1), (64, 128, 4, 1))
 
 
 def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan") -> torch.fx.GraphModule:
@@ -93,11 +96,13 @@ def _text(group: list[torch.fx.Node]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ choosing
-def _configs(rows: int, dtype: torch.dtype) -> tuple[tuple[int, int, int], ...]:
-    return _DOT_CONFIGS if rows > 1 and dtype != torch.float32 else _ROW_CONFIGS
+def _configs(rows: int, dtype: torch.dtype) -> tuple[tuple[int, int, int, int], ...]:
+    if rows == 1:
+        return _ONE_ROW_CONFIGS
+    return _DOT_CONFIGS if dtype != torch.float32 else _ROW_CONFIGS
 
 
-def _choose(group: list[torch.fx.Node], plan: "GemmPlan") -> tuple[int, int, int] | None:
+def _choose(group: list[torch.fx.Node], plan: "GemmPlan") -> tuple[int, int, int, int] | None:
     """The block sizes of the grouped form where it is taken, else None."""
     names = "/".join(mm.name for mm in group)
     x = group[0].args[0].meta["val"]
@@ -121,35 +126,39 @@ def _choose(group: list[torch.fx.Node], plan: "GemmPlan") -> tuple[int, int, int
     return None
 
 
-def _config_text(config: tuple[int, int, int]) -> str:
-    return "{}x{}/{}".format(*config)
+def _config_text(config: tuple[int, int, int, int]) -> str:
+    """``BLOCK_N x BLOCK_K / warps``, and ``/split SPLIT_K`` where K is split."""
+    block_n, block_k, warps, split_k = config
+    return f"{block_n}x{block_k}/{warps}" + (f"/split{split_k}" if split_k > 1 else "")
 
 
 def _cublas_form(group: list[torch.fx.Node], device: torch.device) -> tuple[str, Callable, int]:
     x, ws = _metas(group)
 
     def build() -> Callable[[], None]:
-        tx, tws, outs = _operands(x, ws, device)
+        tx, sets, outs = _operands(x, ws, device)
+        turn = iter(range(1 << 62))
 
         def run() -> None:
-            for w, out in zip(tws, outs):
+            for w, out in zip(sets[next(turn) % len(sets)], outs):
                 torch.mm(tx, w.t(), out=out)
         return run
 
-    return f"mms {_shapes(x, ws)} {device}", build, _bytes(x, ws)
+    return f"mms {_shapes(x, ws)} {device} rotating", build, _bytes(x, ws, device)
 
 
-def _grouped_form(group: list[torch.fx.Node], config: tuple[int, int, int], device: torch.device
+def _grouped_form(group: list[torch.fx.Node], config: tuple[int, int, int, int], device: torch.device
                   ) -> tuple[str, Callable, int]:
     x, ws = _metas(group)
 
     def build() -> Callable[[], None]:
         from cgtrees.codegen import grouped_gemv
 
-        tx, tws, outs = _operands(x, ws, device)
-        return lambda: grouped_gemv.launch(tx, tws, outs, *config)
+        tx, sets, outs = _operands(x, ws, device)
+        turn = iter(range(1 << 62))
+        return lambda: grouped_gemv.launch(tx, sets[next(turn) % len(sets)], outs, *config)
 
-    return f"grouped_mm {_shapes(x, ws)} {config} {device}", build, _bytes(x, ws)
+    return f"grouped_mm {_shapes(x, ws)} {config} {device} rotating", build, _bytes(x, ws, device)
 
 
 def _metas(group: list[torch.fx.Node]) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -157,21 +166,32 @@ def _metas(group: list[torch.fx.Node]) -> tuple[torch.Tensor, list[torch.Tensor]
 
 
 def _operands(x: torch.Tensor, ws: list[torch.Tensor], device: torch.device):
-    """Random x and weights of the traced layouts, and the products' buffers."""
+    """Random x, copies of the weights (of the traced layouts) that the timed calls take in turn,
+    and the products' buffers. A decode step reads each weight once, from device memory: a weight
+    read again while it sits in the L2 cache (an 8 MB q projection does; H100 and H200 keep 50 MB)
+    would time the cache, so the copies together are larger than it, twice over."""
     outs = [torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=device) for w in ws]
-    return random_like(x, device), [random_like(w, device) for w in ws], outs
+    sets = [[random_like(w, device) for w in ws] for _ in range(_copies(ws, device))]
+    return random_like(x, device), sets, outs
+
+
+def _copies(ws: list[torch.Tensor], device: torch.device) -> int:
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) if device.type == "cuda" else 0
+    return max(1, -(-2 * (l2 or _L2_BYTES) // span_bytes(*ws)))
 
 
 def _shapes(x: torch.Tensor, ws: list[torch.Tensor]) -> str:
     return f"{list(x.shape)} x {[list(w.shape) for w in ws]} {x.dtype}"
 
 
-def _bytes(x: torch.Tensor, ws: list[torch.Tensor]) -> int:
-    return span_bytes(x, *ws) + sum(x.shape[0] * w.shape[0] * x.element_size() for w in ws)
+def _bytes(x: torch.Tensor, ws: list[torch.Tensor], device: torch.device) -> int:
+    """What a form allocates: the weights' copies, x and the products."""
+    return span_bytes(x) + _copies(ws, device) * span_bytes(*ws) + sum(x.shape[0] * w.shape[0] * x.element_size()
+                                                                        for w in ws)
 
 
 # ------------------------------------------------------------------------------------------ rewriting
-def _rewrite(graph: torch.fx.Graph, group: list[torch.fx.Node], config: tuple[int, int, int]) -> None:
+def _rewrite(graph: torch.fx.Graph, group: list[torch.fx.Node], config: tuple[int, int, int, int]) -> None:
     """One ``cgtrees.grouped_mm`` call before the group's first GEMM; each GEMM's readers read its
     item of the result, and the GEMMs and their weights' transposes go."""
     from cgtrees.codegen import grouped_gemv  # noqa: F401 - registers the op (its kernel is decorated lazily)
