@@ -59,7 +59,7 @@ def _require(name: str) -> list[ModuleType]:
         except Exception as exc:  # a CUDA-only torchvision fails with OSError or RuntimeError, not only ImportError
             needs = "/".join(NEEDS[name])
             raise MissingPackage(f"{name} needs {needs}: {package} does not import here "
-                                 f"({type(exc).__name__}: {str(exc)[:200]}); run it on the GPU machine") from exc
+                                 f"({type(exc).__name__}: {str(exc)[:200]}); pip install {package} to run it") from exc
     return found
 
 

@@ -134,7 +134,7 @@ def require(name: str) -> list[ModuleType]:
             found.append(importlib.import_module(package))
         except Exception as exc:  # a CUDA-only torchvision fails with OSError or RuntimeError, not only ImportError
             raise MissingPackage(f"{name} needs {'/'.join(SUITE[name].needs)}: {package} does not import here "
-                                 f"({type(exc).__name__}: {str(exc)[:200]}); run it on the GPU machine") from exc
+                                 f"({type(exc).__name__}: {str(exc)[:200]}); pip install {package} to run it") from exc
     return found
 
 

@@ -129,3 +129,12 @@ def test_benchmark_pages_open_with_their_table_and_point_only_inside_the_reposit
         missing = sorted({p for p in named if not os.path.exists(os.path.join(ROOT, p))} |
                          {t for t in links if not os.path.exists(os.path.join(ROOT, "docs", t.split("#")[0]))})
         assert not missing, f"{page} names files that are not in the repository: {missing}"
+
+
+def test_sources_state_their_rules_instead_of_citing_a_document_outside_the_repository():
+    """The runtime's rules R1-R8 are written in backend/runtime/__init__.py; no source cites DESIGN.md."""
+    cited = [os.path.join(d, f) for d, _, files in os.walk(os.path.join(ROOT, "backend")) for f in files
+             if f.endswith(".py") and "DESIGN.md" in open(os.path.join(d, f)).read()]
+    assert not cited, cited
+    rules = open(os.path.join(ROOT, "backend", "runtime", "__init__.py")).read()
+    assert all(f"- R{n} " in rules for n in range(1, 9))

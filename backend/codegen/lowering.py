@@ -316,8 +316,9 @@ def load_buffer(name: str, layout: ir.Layout, dtype: torch.dtype) -> TensorValue
     return TensorValue(layout.size, dtype, Load(name, layout.index(syms), dtype), view=(name, layout))
 
 
-# Ops handed to a vendor library or to torch on purpose (DESIGN.md: matmul, convolution, attention,
-# random). Every other aten call in a kernel module is a gap in our lowerings, counted apart.
+# Ops handed to a vendor library or to torch on purpose (matmul, convolution and attention go to cuBLAS
+# and cuDNN; random ops to torch's generators, so replays draw fresh values). Every other aten call in a
+# kernel module is a gap in our lowerings, counted apart.
 _LIBRARY_PREFIXES = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm",
                      "aten::convolution", "aten::cudnn_convolution", "aten::_convolution",
                      "aten::_scaled_dot_product", "aten::scaled_dot_product", "aten::_flash_attention",

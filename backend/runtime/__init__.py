@@ -1,4 +1,22 @@
-"""runtime: wraps each kernel module in tree-managed CUDA graphs (R1-R8 of DESIGN.md).
+"""runtime: wraps each kernel module in tree-managed CUDA graphs. Its rules, in order of precedence
+(the code and tests name them R1-R8):
+
+- R1 never garbage: no tensor a user holds shows values it did not compute; if it cannot stay
+  right, touching it raises a RuntimeError naming the function, the op and the remedy.
+- R2 within a generation a live output is never overwritten: a replay that would reuse its memory
+  records a new child instead; past a per-function limit, copies out of the pool or no graphs.
+- R3 generations end at ``torch.compiler.cudagraph_mark_step_begin()``, at the next forward after
+  a backward ran (training), or at a call with no output of the generation alive (inference); live
+  outputs of an ended generation are invalidated (R1), except gradients:
+- R4 what a backward produced (a ``.grad``) stays right across generations.
+- R5 before recording a child after replays, the pool's book-keeping is restored to the parent's
+  checkpoint: dead storages freed, live ones kept.
+- R6 static inputs (parameters, buffers, marked addresses) are never copied, a new address
+  re-records up to a limit; inputs already in the pool at the recorded address are checked; others
+  are copied into the graph's slots; a mutated input gets eager's result.
+- R7 a graph that cannot be captured safely runs without one; the reason is counted
+  (``cudagraph_skips``) and logged once per function.
+- R8 random ops draw fresh values on every replay.
 
     wrap(module, examples, ctx, shared):
         reason_to_skip        # CPU / several devices / sparse / uncapturable op -> no graphs (R7);
