@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 from typing import Any, Callable, Mapping
@@ -9,7 +10,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from cgtrees import counters
-from cgtrees.config import Config
+from cgtrees.config import Config, OptionError
 from cgtrees.logs import forget, log
 
 
@@ -19,6 +20,26 @@ def restart_exceptions() -> tuple[type[BaseException], ...]:
     from torch._dynamo import exc
 
     return tuple(e for e in (vars(exc).get("RestartAnalysis"),) if e is not None)
+
+
+def _not_ours_to_report(exc: OptionError, frame: Any) -> Exception:
+    """``exc`` as an error Dynamo passes through unwrapped (a ``ShortenTraceback``: not the 31 lines of
+    ``BackendCompilerFailed``), its traceback cut to the backend's frame, and without Dynamo's advice to
+    report a bug to PyTorch (Dynamo adds it to exceptions that carry a ``real_stack``: this one never
+    holds one). Torch has no hook that hands a string backend its options at ``torch.compile(...)``:
+    the first call is where they are checked."""
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+
+        passed = type("OptionError", (ShortenTraceback, OptionError),
+                      {"real_stack": property(_no_stack, lambda self, value: None), "__module__": "cgtrees.config"})
+        return passed(str(exc), first_useful_frame=frame)
+    except Exception:  # noqa: BLE001 - another torch: the plain error, wrapped by Dynamo
+        return exc
+
+
+def _no_stack(self: Any) -> Any:
+    raise AttributeError("real_stack")
 
 
 class CgtreesBackend:
@@ -40,7 +61,10 @@ class CgtreesBackend:
                  options: Mapping[str, Any] | None = None, **unknown: Any) -> Callable[..., Any]:
         if unknown:
             raise TypeError(f"cgtrees: unexpected arguments {sorted(unknown)}; it takes mode= and options=")
-        config = Config.resolve(mode, options)
+        try:
+            config = Config.resolve(mode, options)
+        except OptionError as exc:
+            raise _not_ours_to_report(exc, inspect.currentframe()) from None
         graph_id = next(self._graph_ids)
         try:
             from cgtrees import precompile

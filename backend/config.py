@@ -22,6 +22,11 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
+class OptionError(ValueError):
+    """A bad option or ``CGTREES_*`` value: the user's to fix. Its message's first line names the option,
+    the value, what is accepted and the fix."""
+
+
 def _field(default: Any, *, affects_codegen: bool, doc: str) -> Any:
     return field(default=default, metadata={"affects_codegen": affects_codegen, "doc": doc})
 
@@ -73,14 +78,10 @@ class Config:
                                        "it with the env var CGTREES_REMOTE_CACHE_KEY rather than in code")
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # every value, also of a Config(...) built directly
+            _check(f.name, f.type, getattr(self, f.name), source="Config")
         object.__setattr__(self, "batch_buckets", _buckets(self.batch_buckets, "batch_buckets"))
-        if self.gemm_decisions not in _GEMM_MODES:
-            raise ValueError(f"cgtrees: gemm_decisions={self.gemm_decisions!r}; valid values: "
-                             f"{', '.join(_GEMM_MODES)}")
-        mode = _LAYOUT_MODES.get(str(self.layout_opt).lower())
-        if mode is None:
-            raise ValueError(f"cgtrees: layout_opt={self.layout_opt!r}; valid values: auto, off, force")
-        object.__setattr__(self, "layout_opt", mode)
+        object.__setattr__(self, "layout_opt", _LAYOUT_MODES[str(self.layout_opt).lower()])
 
     @classmethod
     def resolve(cls, mode: str | None = None, options: Mapping[str, Any] | None = None,
@@ -93,17 +94,22 @@ class Config:
         for name, f in names.items():
             raw = environ.get(f"CGTREES_{name.upper()}")
             if raw is not None and raw != "":
-                values[name] = _parse(name, f.type, raw, source=f"env CGTREES_{name.upper()}")
+                source = f"env CGTREES_{name.upper()}"
+                values[name] = _parse(name, f.type, raw, source=source)
+                _check(name, f.type, values[name], source=source)
         if mode not in (None, "default"):
             if mode not in MODES:
-                raise ValueError(f"cgtrees: torch.compile(..., mode={mode!r}) is not a mode of ours; "
-                                 f"{_nearest(str(mode), MODES)}valid modes: {', '.join(MODES)}")
+                raise OptionError(f"cgtrees: torch.compile(..., mode={mode!r}) is not a mode of ours; "
+                                  f"{_nearest(str(mode), MODES)}valid modes: {', '.join(MODES)}")
             values.update(MODES[mode])
         for name, raw in (options or {}).items():
             if name not in names:
-                raise ValueError(f"cgtrees: torch.compile(..., options={{{name!r}: ...}}) is not an option of ours; "
-                                 f"{_nearest(str(name), names)}valid options: {', '.join(names)}")
-            values[name] = _parse(name, names[name].type, raw, source="options")
+                raise OptionError(f"cgtrees: torch.compile(..., options={{{name!r}: ...}}) is not an option of "
+                                  f"ours; {_nearest(str(name), names)}valid options: {', '.join(names)}")
+            if name.endswith("_dir") and isinstance(raw, os.PathLike):
+                raw = os.fspath(raw)  # a pathlib.Path is a directory as well as its text
+            _check(name, names[name].type, raw, source="options")
+            values[name] = raw
         return cls(**values)
 
     def items(self) -> list[tuple[str, Any]]:
@@ -138,7 +144,8 @@ def _warn_unknown_env(environ: Mapping[str, str], names: Mapping[str, Any]) -> N
                 var, hint, ", ".join(known))
 
 
-_BUCKETS_EXPECTED = ("positive batch sizes, e.g. options={'batch_buckets': (1, 2, 4, 8)} or "
+_BUCKETS_EXPECTED = ("positive batch sizes: a tuple of ints in options=, comma-separated in "
+                     "CGTREES_BATCH_BUCKETS; fix: options={'batch_buckets': (1, 2, 4, 8)} or "
                      "CGTREES_BATCH_BUCKETS=1,2,4,8")
 
 
@@ -150,33 +157,90 @@ def _buckets(raw: Any, source: str) -> tuple[int, ...]:
     except TypeError:
         values = None
     if values is None or not all(type(v) is int and v > 0 for v in values):
-        raise ValueError(f"cgtrees: {source}: batch_buckets={raw!r} is not valid; expected {_BUCKETS_EXPECTED}")
+        raise OptionError(f"cgtrees: {source}: batch_buckets={raw!r} is not valid; expected {_BUCKETS_EXPECTED}")
     return tuple(sorted(set(values)))
 
 
 _LAYOUT_MODES = {"auto": "auto", "1": "auto", "true": "auto", "on": "auto", "off": "off", "0": "off",
                  "false": "off", "force": "force"}
 _GEMM_MODES = ("measure", "keep", "rewrite", "align", "unfuse")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_MINIMUM = {"max_shapes_per_function": 1}  # other ints: 0 or more (0: none, or no limit, as documented)
+_REMOTE_SCHEMES = ("redis://", "rediss://")
+_CHOICES = {"gemm_decisions": _GEMM_MODES, "layout_opt": ("auto", "off", "force")}  # layout_opt: also 1/0, ...
+
+
+def _kind(type_name: Any) -> str:
+    return type_name if isinstance(type_name, str) else type_name.__name__
+
+
+def _bad(name: str, raw: Any, source: str, accepted: str, example: Any) -> OptionError:
+    """The error for ``raw``: where it came from, what is accepted, and a value that would do."""
+    if source.startswith("env"):
+        var = f"CGTREES_{name.upper()}"
+        shown = example if isinstance(example, str) else ",".join(map(str, example)) \
+            if isinstance(example, tuple) else str(int(example) if isinstance(example, bool) else example)
+        return OptionError(f"cgtrees: {source}: {name}={raw!r} is not valid; expected {accepted}; "
+                           f"fix: export {var}={shown} or unset it")
+    return OptionError(f"cgtrees: {source}: {name}={raw!r} is not valid; expected {accepted}; "
+                       f"fix: torch.compile(..., options={{{name!r}: {example!r}}})")
 
 
 def _parse(name: str, type_name: Any, raw: Any, *, source: str) -> Any:
-    kind = type_name if isinstance(type_name, str) else type_name.__name__
+    """``raw`` as the field's type. An env var is text; options are Python values and get no conversion
+    (``"yes"`` is not a bool there, ``"8"`` not an int, ``"1,2"`` not a tuple)."""
+    kind, env = _kind(type_name), source.startswith("env")
+    if not env:
+        return raw  # checked, with the rest, by Config's __post_init__
+    text = str(raw).strip()
     if kind == "bool":
-        if isinstance(raw, bool):
-            return raw
-        if str(raw).lower() in _TRUE | _FALSE:
-            return str(raw).lower() in _TRUE
-    elif kind == "int":
-        if isinstance(raw, bool):
-            pass
-        elif isinstance(raw, int):
-            return raw
-        elif isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
-            return int(raw)
-    elif kind == "str":
-        return str(raw)
-    elif kind == "tuple[int, ...]":
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise _bad(name, raw, source, f"{', '.join(_TRUE)} (on) or {', '.join(_FALSE)} (off)", _example(name))
+    if kind == "int":
+        if text.isdigit():
+            return int(text)
+        raise _bad(name, raw, source, _int_accepted(name), _example(name))
+    if kind == "tuple[int, ...]":
         return _buckets(raw, source)
-    raise ValueError(f"cgtrees: {source}: {name}={raw!r} is not a valid {kind}")
+    return text
+
+
+def _example(name: str) -> Any:
+    """A valid value to show in a fix: the default, or a URL where the default is off."""
+    if name == "remote_cache":
+        return "redis://localhost:6379/0"
+    if name == "batch_buckets":
+        return (1, 2, 4, 8)
+    return next(f.default for f in dataclasses.fields(Config) if f.name == name)
+
+
+def _int_accepted(name: str) -> str:
+    low = _MINIMUM.get(name, 0)
+    return f"a whole number >= {low}" + (" (0: none or no limit)" if low == 0 else "")
+
+
+def _check(name: str, type_name: Any, value: Any, *, source: str) -> None:
+    """Strict types and ranges: OptionError naming the option, the value, what is accepted and the fix."""
+    kind = _kind(type_name)
+    if kind == "bool" and type(value) is not bool:
+        raise _bad(name, value, source, "True or False (as an env var: 1/0, true/false, yes/no, on/off)",
+                   _example(name))
+    if kind == "int" and (type(value) is not int or value < _MINIMUM.get(name, 0)):
+        as_int = "" if source.startswith("env") else ", as an int (not a string or a bool)"
+        raise _bad(name, value, source, _int_accepted(name) + as_int, _example(name))
+    if kind == "tuple[int, ...]" and isinstance(value, str) and not source.startswith("env"):
+        raise OptionError(f"cgtrees: {source}: batch_buckets={value!r} is not valid; expected {_BUCKETS_EXPECTED}")
+    if kind != "str" or (name == "layout_opt" and type(value) is bool):  # layout_opt=False: off, True: auto
+        return
+    if not isinstance(value, str):
+        raise _bad(name, value, source, "a string", _example(name))
+    known = _LAYOUT_MODES if name == "layout_opt" else _CHOICES.get(name, ())
+    if name in _CHOICES and str(value).lower() not in known:
+        raise OptionError(f"cgtrees: {name}={value!r}; valid values: {', '.join(_CHOICES[name])}; "
+                          f"{_nearest(str(value), _CHOICES[name])}fix: options={{{name!r}: {_CHOICES[name][0]!r}}} "
+                          f"or CGTREES_{name.upper()}={_CHOICES[name][0]}")
+    if name == "remote_cache" and value and not value.startswith(_REMOTE_SCHEMES):
+        raise _bad(name, value, source, "a Redis URL, redis://host:port/db (rediss:// with TLS), or '' (local only)",
+                   _example(name))

@@ -259,7 +259,7 @@ def test_option_and_variable():
 
 @pytest.mark.parametrize("bad", ["1,x", "0,4", (2.5,), 8, [True], "-1"])
 def test_bad_buckets_say_what_is_expected(bad):
-    expected = (r"batch_buckets=.* is not valid; expected positive batch sizes, e\.g\. "
+    expected = (r"batch_buckets=.* is not valid; expected positive batch sizes: .*; fix: "
                 r"options=\{'batch_buckets': \(1, 2, 4, 8\)\} or CGTREES_BATCH_BUCKETS=1,2,4,8")
     with pytest.raises(ValueError, match=expected):
         Config.resolve(options={"batch_buckets": bad}, environ={})
