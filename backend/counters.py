@@ -11,6 +11,9 @@ KEYS = (
     *(f"cache_{event}_{level}" for level in ("aot", "module") for event in ("hit", "miss", "bypass", "corrupt")),
     "cudagraph_warmup", "cudagraph_recorded", "cudagraph_replayed", "cudagraph_skips",
     "bucketed_graphs", "bucket_shapes",  # batch_buckets: graphs padded to buckets, sizes they first ran at
+    # the cluster's tier (``cache.remote``): entries read from it, not there, failing their signature
+    # check, and received after waiting for the process that compiled them
+    "cache_remote_hit", "cache_remote_miss", "cache_remote_bad", "cache_remote_waited",
 )
 
 

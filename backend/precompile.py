@@ -227,7 +227,8 @@ def load(record: dict[str, Any]) -> PrecompiledFunction:
     name = f"p{next(_loaded)}"
     entry = record["entry"]
     if "cuda" in entry["key"]["device"]:  # a kernel that goes through the JIT after all reads Triton's hash back
-        codegen.prepare([torch.empty(0, device="cuda")], config, cache.triton_key_file(config), compiles=False)
+        key_file = cache.triton_key_file(cache.open_store(config))
+        codegen.prepare([torch.empty(0, device="cuda")], config, key_file, compiles=False)
     shared = runtime.SharedTree()  # the loaded forward's tree, for its backward
 
     def wrap(module: Any, examples: Any, ctx: Any) -> Callable[[list[Any]], Any]:

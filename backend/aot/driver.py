@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from pathlib import Path
+from types import EllipsisType
 from typing import Any, Callable
 
 import torch
@@ -44,9 +46,11 @@ class Compilers:
     the functions that may replace AOTAutograd's (``lean``, ``forward_call``)."""
 
     def __init__(self, name: str, config: Config, num_inputs: int,
-                 shared: runtime.SharedTree | None = None) -> None:
+                 shared: runtime.SharedTree | None = None, store: cache.Store | None = None) -> None:
         self.name = name
         self.config = config
+        self.store = store  # the cache, opened once for the graph (None: off or unusable)
+        self.key_file = cache.triton_key_file(store)  # where codegen keeps Triton's hash of itself
         self.num_inputs = num_inputs  # the Dynamo graph's
         self.shared = shared or runtime.SharedTree()  # given: a loaded function's forward's
         self.split: Split | None = None
@@ -122,7 +126,8 @@ class Compilers:
     def compile_aten_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any],
                            ctx: GraphContext) -> Callable[[list[Any]], Any]:
         """One aten graph: its kernel module, recorded for level 1, wrapped in the runtime."""
-        module, level_2 = kernel_module(gm, example_inputs, ctx)  # key, look up, codegen, store
+        # key, look up, codegen, store
+        module, level_2 = kernel_module(gm, example_inputs, ctx, self.store, self.key_file)
         if self.recorder is not None:  # for level 1's entry
             self.recorder.add(gm, example_inputs, ctx, module, wrapped=True, level_2=level_2)
         return self.wrap(module, Examples.of(example_inputs, ctx.mutated_input_indices, ctx.static_input_indices), ctx)
@@ -135,16 +140,26 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
     (``aot.compiled_autograd``): AOTAutograd makes it one inference graph, which the runtime runs
     as a backward. ``hints``: what the caller knows of the graph for level 1 (precompile's
     ``Kept``, compiled autograd's names or its reason to bypass)."""
-    compilers = Compilers(f"g{graph_id}", config, len(example_inputs))
+    store = cache.open_store(config)  # once for the graph (None: cache off or unusable)
+    compilers = Compilers(f"g{graph_id}", config, len(example_inputs), store=store)
     ddp_piece = distributed.is_piece(compilers.name)  # counted: DDPOptimizer splits graphs under DDP
-    key_file = cache.triton_key_file(config)
-    codegen.prepare(example_inputs, config, key_file, compiles=False)  # a hit's kernels are compiled
+    codegen.prepare(example_inputs, config, compilers.key_file, compiles=False)  # a hit's kernels are compiled
     found = cache.load_aot(gm, example_inputs, config, compilers.name, hints, compilers.wrap,
-                           compilers.backward, backward)  # level 1: a hit skips AOT
+                           compilers.backward, backward, store)  # level 1: a hit skips AOT
     if found.function is not None:  # a piece's: DDPOptimizer runs the graph itself on its fake inputs
         return found.function
     compilers.recorder = found.recorder  # on a miss: collects the entry
-    codegen.prepare(example_inputs, config, key_file)  # start what compiled kernels wait for
+    try:
+        return _compile_missed(gm, example_inputs, config, compilers, backward, ddp_piece)
+    finally:
+        if compilers.recorder is not None:
+            compilers.recorder.release()  # a cluster's processes waiting for this entry stop waiting
+
+
+def _compile_missed(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config, compilers: Compilers,
+                    backward: bool, ddp_piece: bool) -> Callable[..., Any]:
+    """A level-1 miss: AOTAutograd with our compilers, and the entry recorded."""
+    codegen.prepare(example_inputs, config, compilers.key_file)  # start what compiled kernels wait for
     from cgtrees.aot.decompositions import decomposition_table  # a warm start never needs it
 
     if backward:  # traced with grad mode off: AOTAutograd makes no training graph of it
@@ -176,7 +191,8 @@ def compile_backward(name: str, config: Config, shared: runtime.SharedTree, gm: 
                      example_inputs: list[Any], static_saved: tuple[str, ...]) -> Callable[[list[Any]], Any]:
     """The backward a loaded precompiled function keeps uncompiled, compiled at its first call as
     AOTAutograd would (its kernel module from level 2 when one is there), in the forward's tree."""
-    return Compilers(name, config, len(example_inputs), shared).backward(gm, example_inputs, static_saved)
+    compilers = Compilers(name, config, len(example_inputs), shared, cache.open_store(config))
+    return compilers.backward(gm, example_inputs, static_saved)
 
 
 def _lean_inference(call: Callable[[list[Any]], Any], num_inputs: int,
@@ -197,22 +213,28 @@ def _lean_inference(call: Callable[[list[Any]], Any], num_inputs: int,
     return wrappers.inference_function(call, plan)
 
 
-def kernel_module(gm: torch.fx.GraphModule, example_inputs: list[Any],
-                  ctx: GraphContext) -> tuple[CompiledModule, str | None]:
-    """The graph's kernel module, and the digest of the level-2 entry that holds it (None: none does)."""
-    key = cache.module_key(gm, example_inputs, ctx)  # None: cache off, or not keyable (a counted bypass)
+def kernel_module(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: GraphContext,
+                  store: cache.Store | None | EllipsisType = ...,
+                  key_file: Path | None = None) -> tuple[CompiledModule, str | None]:
+    """The graph's kernel module, and the digest of the level-2 entry that holds it (None: none does).
+    ``store``: the cache the Dynamo graph's compile opened; a call on its own (``...``) opens it."""
+    if store is ...:
+        store = cache.open_store(ctx.config)
+        key_file = cache.triton_key_file(store)
+    key = cache.module_key(gm, example_inputs, ctx, store)  # None: cache off, or not keyable (a counted bypass)
     ctx = dataclasses.replace(ctx, cache_key=key.digest if key else None)  # shown in the module's header
     module = cache.lookup_module(key, gm, example_inputs, ctx)  # level 2: a hit skips codegen
     if module is not None:
         return module, key.digest
     ctx = dataclasses.replace(ctx, graph_hash=cache.graph_hash(gm, key))  # shown in the header too
-    module = _generate(gm, example_inputs, ctx)  # codegen; the aten graph itself if that fails
+    module = _generate(gm, example_inputs, ctx, key_file)  # codegen; the aten graph itself if that fails
     stored = cache.store_module(key, module, ctx)  # a generated module, for later processes
     return module, key.digest if key and stored else None
 
 
-def _generate(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: GraphContext) -> CompiledModule:
-    codegen.prepare(example_inputs, ctx.config, cache.triton_key_file(ctx.config))  # a warm load's lazy backward too
+def _generate(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: GraphContext,
+              key_file: Path | None) -> CompiledModule:
+    codegen.prepare(example_inputs, ctx.config, key_file)  # a warm load's lazy backward too
     try:
         return codegen.compile_graph(gm, example_inputs, ctx)
     except Exception as exc:  # noqa: BLE001 - caught and counted here only

@@ -12,7 +12,11 @@ atomically under a lock per entry (store.py); what a level-1 entry records of it
 and constants is in records.py. Every hit re-wraps the modules in the runtime.
 Every torch private API the cache uses is in compat.py.
 
+With the option ``remote_cache``, a cluster's Redis server is a second tier behind the local
+directory (remote.py): both levels, signed with the cluster's key, one compile per graph.
+
 The cache sits beside the pipeline: the driver (``aot.driver``) lists the steps and asks it
+    open_store        the cache, opened once per Dynamo graph and handed to each step below
     load_aot          level 1, before AOTAutograd: the whole compiled function (a hit), or the
                       ``Recorder`` the driver hands each compiled aten graph (a miss)
     module_key        level 2's key for an aten graph (None: cache off, or a counted bypass)
@@ -31,12 +35,14 @@ import torch.fx
 from cgtrees.cache.aot import load as load_aot
 from cgtrees.cache.compat import Uncacheable
 from cgtrees.cache.key import graph_digest, text_digest
-from cgtrees.cache.modules import ModuleKey, triton_key_file
+from cgtrees.cache.modules import ModuleKey, open_store, triton_key_file
 from cgtrees.cache.modules import key_for as module_key
 from cgtrees.cache.modules import lookup as lookup_module
 from cgtrees.cache.modules import store as store_module
+from cgtrees.cache.store import Store
 
-__all__ = ["load_aot", "module_key", "lookup_module", "store_module", "graph_hash", "triton_key_file"]
+__all__ = ["open_store", "load_aot", "module_key", "lookup_module", "store_module", "graph_hash", "triton_key_file",
+           "Store"]
 
 
 def graph_hash(gm: torch.fx.GraphModule, key: ModuleKey | None) -> str | None:

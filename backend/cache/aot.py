@@ -104,9 +104,11 @@ class Found:
 
 
 def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config, name: str,
-         hints: Level1Hints, wrap: Wrap, compile_backward: CompileBackward, backward: bool = False) -> Found:
+         hints: Level1Hints, wrap: Wrap, compile_backward: CompileBackward, backward: bool = False,
+         store: Store | None = None) -> Found:
     """The compiled function on a hit; else the recorder of a new entry (None where there is none
-    to write: the cache is off, or the graph bypasses this level)."""
+    to write: the cache is off, or the graph bypasses this level). ``store``: the cache the caller
+    opened (``modules.open_store``; None: off or unusable)."""
     kept = hints.kept
     if not config.cache and kept is None:
         return Found()
@@ -117,7 +119,6 @@ def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config
     except Uncacheable as exc:
         _bypass(kept, config, name, str(exc))
         return Found()
-    store = modules.open_store(config) if config.cache else None
     if store is None and config.cache:
         events.bypass(LEVEL, name, "no usable cache directory")
         if kept is None:
@@ -131,6 +132,8 @@ def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config
         for n in range(MAX_VARIANTS):
             slot = variant_digest(digest, n)
             payload = store.read(LEVEL, slot)
+            if payload is None:  # another process of the cluster may be compiling it: wait for it
+                payload = store.claim(LEVEL, slot)
             if payload is None:
                 break
             if "bypass" in payload:
@@ -392,6 +395,12 @@ class Recorder:
         self.partial = False  # an entry without the compiled backward is written
         self.done = False
         self.bypassed = False  # the graph gave up on level 1 (``_give_up``)
+
+    def release(self) -> None:
+        """The compile is over: no process of the cluster waits any longer for an entry this one
+        did not write (a written one has dropped its claim already)."""
+        if self.store is not None:
+            self.store.release(LEVEL, self.digest)
 
     def keep_backward_graph(self, bw: torch.fx.GraphModule, static_saved: tuple[str, ...]) -> None:
         """AOTAutograd's backward graph as our partition made it, and its static inputs by name."""

@@ -128,7 +128,9 @@ def graph_text(gm: torch.fx.GraphModule, target_texts: Mapping[str, str] = Mappi
         target = target_texts[node.name] if node.name in target_texts else _target_text(gm, node)
         args = _arg_text(node.args, index)
         kwargs = _arg_text(node.kwargs, index)
-        value = node.meta.get("val", node.meta.get("example_value"))
+        # An output's value follows from its arguments' (and a graph traced back from its code,
+        # ``backward_graph``, has none there): left out, so both give one text.
+        value = None if node.op == "output" else node.meta.get("val", node.meta.get("example_value"))
         lines.append(f"%{i} = {node.op} {target} {args} {kwargs} : {value_text(value) if value is not None else '-'}")
     return "\n".join(lines)
 

@@ -3,7 +3,7 @@ lower to the same aten graph share it and a hit skips codegen.
 
 A lookup and store service beside the pipeline; the driver lists the steps (``aot.driver``):
 
-    key_for(gm, example_inputs, ctx) -> ModuleKey | None    None: cache off, or the graph has no key
+    key_for(gm, example_inputs, ctx, store) -> ModuleKey | None    None: cache off, or the graph has no key
     lookup(key, gm, example_inputs, ctx) -> module | None    a hit loads the entry's CompiledGraph
     store(key, module, ctx) -> bool                          whether the entry now holds the module
 
@@ -25,6 +25,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import EllipsisType
 from typing import Any, Sequence
 
 import torch
@@ -53,11 +54,14 @@ class ModuleKey:
     store: Store
 
 
-def key_for(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext) -> ModuleKey | None:
-    """The graph's entry; None when the cache is off, or (a counted bypass) cannot hold it."""
+def key_for(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: GraphContext,
+            store: Store | None | EllipsisType = ...) -> ModuleKey | None:
+    """The graph's entry in ``store`` (``open_store``'s; a call on its own, ``...``, opens it); None
+    when the cache is off, or (a counted bypass) cannot hold it."""
     if not ctx.config.cache:
         return None
-    store = open_store(ctx.config)
+    if store is ...:
+        store = open_store(ctx.config)
     if store is None:
         events.bypass(LEVEL, ctx.name, "no usable cache directory")
         return None
@@ -76,6 +80,8 @@ def lookup(key: ModuleKey | None, gm: torch.fx.GraphModule, example_inputs: Sequ
         return None
     try:
         payload = key.store.read(LEVEL, key.digest)
+        if payload is None:  # another process of the cluster may be compiling it: wait for it
+            payload = key.store.claim(LEVEL, key.digest)
         module = None if payload is None else _load_entry(payload, gm, example_inputs, ctx)
     except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
         events.corrupt(LEVEL, ctx.name, f"{type(exc).__name__}: {exc}")
@@ -97,11 +103,16 @@ def _load_entry(payload: dict[str, Any], gm: torch.fx.GraphModule, example_input
 def store(key: ModuleKey | None, module: CompiledModule, ctx: GraphContext) -> bool:
     """Keep a generated module (its source, binaries and compiled code); False when it is not kept
     (no key, a graph that runs through aten, a write that failed)."""
-    if key is None or not isinstance(module, codegen.KernelModule):
-        return False  # no key, or a graph that runs through aten
-    graph = kept_graph(module, ctx.config)
-    return key.store.write(LEVEL, key.digest, {"key": key.key.as_dict(), "graph": graph.as_record()},
-                           ctx.config.cache_size_mb)
+    if key is None:
+        return False
+    try:
+        if not isinstance(module, codegen.KernelModule):
+            return False  # a graph that runs through aten
+        graph = kept_graph(module, ctx.config)
+        return key.store.write(LEVEL, key.digest, {"key": key.key.as_dict(), "graph": graph.as_record()},
+                               ctx.config.cache_size_mb)
+    finally:
+        key.store.release(LEVEL, key.digest)  # written or not: no process of the cluster waits for it
 
 
 def kept_graph(module: codegen.KernelModule, config: Config) -> CompiledGraph:
@@ -136,16 +147,19 @@ def module_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], ctx: Gra
 
 
 def open_store(config: Config) -> Store | None:
+    """The cache of ``config`` (None: off, or unusable, said once), opened once per Dynamo graph
+    by the driver and handed to each step."""
+    if not config.cache:
+        return None
     store = Store.open(config)
     if store is not None:
         point_triton_at(store)
     return store
 
 
-def triton_key_file(config: Config) -> Path | None:
+def triton_key_file(store: Store | None) -> Path | None:
     """Where Triton's hash of its own installation is kept between processes (0.3-0.5 s to compute
     at each start); None when the cache is off or unusable."""
-    store = open_store(config) if config.cache else None
     return None if store is None else store.triton_dir() / "cgtrees-triton-key.json"
 
 

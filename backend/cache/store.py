@@ -11,6 +11,9 @@ Invariants:
   readers see the old entry, the new one, or none; never a partial one. Concurrent writers of one
   entry serialise on its lock, and the second finds the first's entry and keeps it.
 - Any OSError (disk full, read-only directory) makes the write a warning, never a failure.
+- With ``config.remote_cache``, a cluster's Redis server is the second tier (``remote.py``): a
+  local miss reads it (a hit is written here), a write goes to both, and ``claim`` makes one
+  process of the cluster compile an entry while the others wait for it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Any, Mapping
 
 from filelock import FileLock, Timeout
 
+from cgtrees import counters
+from cgtrees.cache import remote as remote_tier
 from cgtrees.config import Config
 from cgtrees.logs import log_once
 
@@ -70,8 +75,9 @@ class Usage:
 
 
 class Store:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, remote: remote_tier.Remote | None = None) -> None:
         self.root = root  # .../cgtrees/v<SCHEMA>
+        self.remote = remote  # the cluster's tier behind this directory, if any
 
     @classmethod
     def open(cls, config: Config) -> "Store | None":
@@ -89,7 +95,7 @@ class Store:
             log_once(log, f"unusable:{base}", "cgtrees: cache directory %s unusable (%s); compiling uncached. "
                      "Set CGTREES_CACHE_DIR to a writable directory, or CGTREES_CACHE=0 to say so", base, exc)
             return None
-        return cls(root)
+        return cls(root, remote_tier.connect(config, SCHEMA))
 
     def path(self, level: str, digest: str) -> Path:
         return self.root / level / f"{digest}.entry"
@@ -100,17 +106,51 @@ class Store:
     # ---- reading -------------------------------------------------------------------------
 
     def read(self, level: str, digest: str) -> dict[str, Any] | None:
-        """The payload, or None when there is no entry; CorruptEntry when it is bad."""
+        """The payload, or None when there is no entry (here or, then, on the remote tier, whose
+        hit is written here); CorruptEntry when the local entry is bad."""
         path = self.path(level, digest)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            return None
+            return self._from_remote(level, digest, self.remote.get(level, digest) if self.remote else None)
         payload = decode(data, level, digest)
         try:
             os.utime(path)  # least recently used = oldest mtime
         except OSError:
             pass
+        return payload
+
+    def claim(self, level: str, digest: str) -> dict[str, Any] | None:
+        """After a miss: None when this process is to compile the entry (then ``write`` or
+        ``release``); else the payload another process of the cluster wrote while this one waited."""
+        if self.remote is None:
+            return None
+        return self._from_remote(level, digest, self.remote.claim(level, digest))
+
+    def release(self, level: str, digest: str) -> None:
+        """This process will not write the entry it claimed: the others stop waiting for it."""
+        if self.remote is not None:
+            self.remote.release(level, digest)
+
+    def _from_remote(self, level: str, digest: str, data: bytes | None) -> dict[str, Any] | None:
+        """A remote entry (its signature checked) decoded, and kept in the local directory."""
+        if data is None:
+            return None
+        try:
+            payload = decode(data, level, digest)
+        except CorruptEntry as exc:  # signed with the cluster's key, yet not an entry
+            counters.bump("cache_remote_bad")
+            log_once(log, "remote-corrupt", "cgtrees: a remote cache entry is bad (%s): ignored and "
+                     "compiled here", exc)
+            return None
+        path = self.path(level, digest)
+        try:
+            with self.lock(digest):
+                if not _is_good(path, level, digest):
+                    _atomic_write(path, data)
+        except (OSError, Timeout) as exc:
+            log_once(log, f"write:{type(exc).__name__}:{getattr(exc, 'errno', '')}",
+                     "cgtrees: could not write cache entry %s (%s); continuing uncached", path, exc)
         return payload
 
     def remove(self, level: str, digest: str, only_bad: bool = True) -> None:
@@ -127,9 +167,12 @@ class Store:
     # ---- writing -------------------------------------------------------------------------
 
     def write(self, level: str, digest: str, payload: dict[str, Any], size_cap_mb: int = 0) -> bool:
-        """Write an entry unless a good one is there; False (with a warning) when it fails."""
+        """Write an entry unless a good one is there, and give it to the remote tier; False (with a
+        warning) when the local write fails."""
         path = self.path(level, digest)
         data = encode({**payload, "level": level, "digest": digest})
+        if self.remote is not None:
+            self.remote.put(level, digest, data)  # and drops this process's claim on it
         try:
             with self.lock(digest):
                 if _is_good(path, level, digest):
