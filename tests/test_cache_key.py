@@ -376,3 +376,20 @@ def test_a_bypass_reason_warns_once_and_later_graphs_say_so_at_debug(caplog, cgt
     assert said == [("WARNING", "g0"), ("DEBUG", "g1"), ("WARNING", "g2"), ("WARNING", "g3")], said
     assert all("input 0 is a FakeTensor" in r.getMessage() for r in caplog.records[:2])
     assert cgtrees_counters["cache_bypass"] == 4 and cgtrees_counters["cache_bypass_aot"] == 3
+
+
+def test_triton_cache_dir_is_ours_for_our_compiles_only(tmp_path, monkeypatch):
+    """Triton's on-disk cache goes beside our entries through Triton's own configuration, inside
+    our compile only; the process's setting is back afterwards, and a directory the user chose wins."""
+    knobs = pytest.importorskip("triton").knobs
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    store = Store.open(Config(cache_dir=str(tmp_path)))
+    before = knobs.cache.dir
+    with modules.triton_cache_dir(store):
+        assert knobs.cache.dir == str(store.triton_dir())
+    assert knobs.cache.dir == before and "TRITON_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    with modules.triton_cache_dir(store):
+        assert knobs.cache.dir == str(tmp_path / "mine")
+    with modules.triton_cache_dir(None):
+        assert knobs.cache.dir == str(tmp_path / "mine")

@@ -227,16 +227,17 @@ def kernel_module(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: Grap
     if module is not None:
         return module, key.digest
     ctx = dataclasses.replace(ctx, graph_hash=cache.graph_hash(gm, key))  # shown in the header too
-    module = _generate(gm, example_inputs, ctx, key_file)  # codegen; the aten graph itself if that fails
+    module = _generate(gm, example_inputs, ctx, store, key_file)  # codegen; the aten graph itself if that fails
     stored = cache.store_module(key, module, ctx)  # a generated module, for later processes
     return module, key.digest if key and stored else None
 
 
 def _generate(gm: torch.fx.GraphModule, example_inputs: list[Any], ctx: GraphContext,
-              key_file: Path | None) -> CompiledModule:
+              store: cache.Store | None, key_file: Path | None) -> CompiledModule:
     codegen.prepare(example_inputs, ctx.config, key_file)  # a warm load's lazy backward too
     try:
-        return codegen.compile_graph(gm, example_inputs, ctx)
+        with cache.triton_cache_dir(store):  # Triton's own cache beside ours, for this compile only
+            return codegen.compile_graph(gm, example_inputs, ctx)
     except Exception as exc:  # noqa: BLE001 - caught and counted here only
         counters.bump("graph_fallbacks")
         log_once(log, f"fallback:{ctx.name}:codegen", "cgtrees: %s: codegen failed (%s: %s); this graph runs "

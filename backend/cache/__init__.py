@@ -23,7 +23,8 @@ The cache sits beside the pipeline: the driver (``aot.driver``) lists the steps 
     lookup_module     the stored kernel module, or None
     store_module      keep a generated module
     graph_hash        the digest of an aten graph's canonical text, for its module's header
-``triton_key_file`` names the file where codegen keeps Triton's hash of itself between processes.
+``triton_key_file`` names the file where codegen keeps Triton's hash of itself between processes;
+``triton_cache_dir`` points Triton's own cache at the store's directory for one compile.
 The cache imports nothing of the driver: what it calls back (the runtime's wrap, the backward
 compiler) is handed to it.
 """
@@ -35,14 +36,14 @@ import torch.fx
 from cgtrees.cache.aot import load as load_aot
 from cgtrees.cache.compat import Uncacheable
 from cgtrees.cache.key import graph_digest, text_digest
-from cgtrees.cache.modules import ModuleKey, open_store, triton_key_file
+from cgtrees.cache.modules import ModuleKey, open_store, triton_cache_dir, triton_key_file
 from cgtrees.cache.modules import key_for as module_key
 from cgtrees.cache.modules import lookup as lookup_module
 from cgtrees.cache.modules import store as store_module
 from cgtrees.cache.store import Store
 
 __all__ = ["open_store", "load_aot", "module_key", "lookup_module", "store_module", "graph_hash", "triton_key_file",
-           "Store"]
+           "triton_cache_dir", "Store"]
 
 
 def graph_hash(gm: torch.fx.GraphModule, key: ModuleKey | None) -> str | None:

@@ -20,13 +20,14 @@ of globals.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from types import EllipsisType
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx
@@ -151,10 +152,7 @@ def open_store(config: Config) -> Store | None:
     by the driver and handed to each step."""
     if not config.cache:
         return None
-    store = Store.open(config)
-    if store is not None:
-        point_triton_at(store)
-    return store
+    return Store.open(config)
 
 
 def triton_key_file(store: Store | None) -> Path | None:
@@ -163,11 +161,26 @@ def triton_key_file(store: Store | None) -> Path | None:
     return None if store is None else store.triton_dir() / "cgtrees-triton-key.json"
 
 
-def point_triton_at(store: Store) -> None:
-    """Keep Triton's compiled binaries with our entries, so a warm start compiles no kernel.
-    Triton reads the variable when it compiles, so this must run before the first kernel loads;
-    a directory the user chose wins."""
-    os.environ.setdefault("TRITON_CACHE_DIR", str(store.triton_dir()))
+@contextlib.contextmanager
+def triton_cache_dir(store: Store | None) -> Iterator[None]:
+    """Triton's own on-disk cache in our store's directory for the compiles inside, through
+    Triton's configuration (``triton.knobs.cache``, put back on the way out): the rest of the
+    process keeps its own. A directory the user chose (``TRITON_CACHE_DIR``, or the knob) wins."""
+    knobs = _triton_knobs()
+    if store is None or knobs is None or os.environ.get("TRITON_CACHE_DIR") or "dir" in vars(knobs.cache):
+        yield
+        return
+    with knobs.cache.scope():
+        knobs.cache.dir = str(store.triton_dir())
+        yield
+
+
+def _triton_knobs() -> Any:
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton, or one without knobs (before 3.4): Triton's default directory
+        return None
+    return knobs if hasattr(knobs, "cache") and hasattr(knobs.cache, "scope") else None
 
 
 # ---- module records for level 1 ---------------------------------------------------------------
