@@ -26,6 +26,7 @@ class Case:
     build: Callable[[], torch.nn.Module]
     inputs: Callable[[], dict[str, torch.Tensor]]
     seq2seq: bool = False
+    graph_breaks: bool = False  # the model breaks the graph on purpose (a Python loop over nonzero())
 
     def inference_inputs(self) -> dict[str, torch.Tensor]:
         """No labels (an encoder-decoder gets its decoder's ids instead), so nothing turns off the KV
@@ -122,6 +123,19 @@ def _bart() -> torch.nn.Module:
         forced_eos_token_id=None, **_special(pad=1, bos=0, eos=2)))
 
 
+def _mixtral() -> torch.nn.Module:
+    """Mixture of experts with transformers' eager experts: a Python loop over the experts that
+    ``nonzero()`` found, each step an index_add_ into a buffer made by ``zeros_like`` (graph breaks)."""
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, num_local_experts=4, num_experts_per_tok=2,
+        **_special())
+    config._experts_implementation = "eager"
+    return transformers.MixtralForCausalLM(config)
+
+
 CASES = {
     "gpt2": Case(_gpt2, _causal_lm_inputs),
     "llama": Case(_llama, _causal_lm_inputs),
@@ -129,6 +143,7 @@ CASES = {
     "bert": Case(_bert, _masked_lm_inputs),
     "t5": Case(_t5, _seq2seq_inputs, seq2seq=True),
     "bart": Case(_bart, _seq2seq_inputs, seq2seq=True),
+    "mixtral": Case(_mixtral, _causal_lm_inputs, graph_breaks=True),
 }
 
 
@@ -195,9 +210,13 @@ def compile_model(model: torch.nn.Module, options: dict[str, Any], fullgraph: bo
     return torch.compile(model, backend="cgtrees", fullgraph=fullgraph, options=options)
 
 
-def first_call(model: torch.nn.Module, options: dict[str, Any], inputs: dict[str, torch.Tensor]):
+def first_call(model: torch.nn.Module, options: dict[str, Any], inputs: dict[str, torch.Tensor],
+               graph_breaks: bool = False):
     """(compiled model, its first output, whether it was broken up): whole-graph, or (before torch
     2.13, where Dynamo refuses to trace the model whole) with Dynamo's graph breaks and a warning."""
+    if graph_breaks:  # Dynamo breaks it up by design: every graph still goes through our backend
+        compiled = compile_model(model, options, fullgraph=False)
+        return compiled, compiled(**inputs), True
     compiled = compile_model(model, options)
     try:
         return compiled, compiled(**inputs), False
@@ -220,7 +239,7 @@ def check_inference(name: str, options: dict[str, Any]) -> bool:
         for call in range(2):  # the second call on new values, after the first compiled
             inputs = case.inference_inputs()
             if call == 0:
-                compiled, out, broken = first_call(model, options, inputs)
+                compiled, out, broken = first_call(model, options, inputs, case.graph_breaks)
             else:
                 out = compiled(**inputs)
             assert_outputs_close(out, ref(**inputs), f"{name} inference call {call}")
@@ -242,7 +261,7 @@ def check_training(name: str, options: dict[str, Any], steps: int = 2, lr: float
     for step in range(steps):
         inputs = case.inputs()
         if compiled is None:
-            compiled, out, broken = first_call(model, options, inputs)
+            compiled, out, broken = first_call(model, options, inputs, case.graph_breaks)
         else:
             out = compiled(**inputs)
         ref_out = ref(**inputs)

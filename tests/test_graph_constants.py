@@ -107,7 +107,7 @@ def test_level_1_hit_before_the_first_backward_lifts_the_backward_constants(cgtr
                                                                             monkeypatch):
     """Three identical graphs between graph breaks: the second and third hit the first's level-1
     entry before any backward ran, so their backward compiles lazily from the entry's graph
-    (``cache.aot.LazyBackward``), whose tensor constant must become an input as on a miss (it went
+    (``aot.rebuild.LazyBackward``), whose tensor constant must become an input as on a miss (it went
     through aten: "get_attr nodes are not written into kernel modules")."""
     monkeypatch.setenv("CGTREES_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)
@@ -135,3 +135,46 @@ def test_level_1_hit_before_the_first_backward_lifts_the_backward_constants(cgtr
             torch.testing.assert_close(a.weight.grad, b.weight.grad)
     assert cgtrees_counters["cache_hit_aot"] >= 2, dict(cgtrees_counters)
     assert cgtrees_counters["graph_fallbacks"] == 0, dict(cgtrees_counters)
+
+
+def test_lift_gives_one_input_to_an_attribute_read_twice():
+    """A backward graph AOTAutograd traced reads a forward constant once per use: two ``get_attr``
+    nodes of one attribute. Lifting the first deleted the attribute, and the second read None
+    ("cannot create weak reference to 'NoneType' object": Mixtral's training on CPU)."""
+    root = torch.nn.Module()
+    root.c = torch.tensor([1.0, 2.0])
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    first, second = graph.get_attr("c"), graph.get_attr("c")
+    graph.output(graph.call_function(torch.mul, (graph.call_function(torch.add, (x, first)), second)))
+    gm = torch.fx.GraphModule(root, graph)
+    lifted = constants.lift(gm)
+    assert lifted.names == ("c",) and [n.op for n in gm.graph.nodes].count("placeholder") == 2
+    call = lifted.append(lambda args: gm(*args))
+    torch.testing.assert_close(call([torch.ones(2)]), torch.tensor([2.0, 6.0]))
+
+
+def test_a_view_of_an_input_that_requires_grad_stays_in_autograd(cgtrees_counters):
+    """A graph after a graph break that only reshapes an input which requires grad (Mixtral's
+    ``final_hidden_states.reshape`` after its experts' loop) is an inference graph to AOTAutograd:
+    its output is a view of the input, which AOTAutograd's wrapper makes again where autograd sees
+    it. Our lean wrapper handed back the graph's own view, cut off from autograd: no gradient reached
+    anything before it."""
+    def f(h, w):
+        out = torch.zeros_like(h)
+        torch._dynamo.graph_break()
+        out.index_add_(0, torch.tensor([0, 2]), (h[[0, 2]] @ w).sin())
+        torch._dynamo.graph_break()
+        return out.reshape(2, 3, 4)
+
+    h, w = torch.randn(6, 4), torch.randn(4, 4)
+    ins = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+    ref_ins = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+    out = torch.compile(f, backend="cgtrees")(*ins)
+    ref = f(*ref_ins)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for a, b in zip(ins, ref_ins):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert cgtrees_counters["graph_fallbacks"] == 0

@@ -1,5 +1,6 @@
 """Tiny Hugging Face models (GPT-2, Llama with grouped-query attention, Qwen2, BERT, T5, BART) built
-from configs with random weights, compiled whole (``fullgraph``) with ``backend="cgtrees"``.
+from configs with random weights, compiled whole (``fullgraph``) with ``backend="cgtrees"``; and
+Mixtral with transformers' eager experts (a Python loop over ``nonzero()``), with its graph breaks.
 
 Inference (eval, no_grad) and training (two steps: forward, loss, backward, SGD step) are compared
 with eager on a deep copy: every output tensor (loss, logits, the KV cache), and every parameter's

@@ -32,24 +32,30 @@ def lift(gm: torch.fx.GraphModule) -> Constants:
     """Replace each tensor ``get_attr`` of ``gm`` by a trailing placeholder (in place)."""
     from cgtrees.aot import compat  # AOTAutograd: not imported where a loaded entry only appends constants
 
-    attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and isinstance(_attr(gm, n), torch.Tensor)]
-    if not attrs:
+    # One placeholder per attribute: a graph may read one attribute through several get_attr nodes
+    # (a backward AOTAutograd traced reads a forward constant once per use)
+    readers: dict[str, list[torch.fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and isinstance(_attr(gm, n), torch.Tensor):
+            readers.setdefault(str(n.target), []).append(n)
+    if not readers:
         return Constants()
     placeholders = gm.graph.find_nodes(op="placeholder")
     fake_mode = compat.fake_mode_of(placeholders)
     names, tensors = [], []
     last = placeholders[-1] if placeholders else None
-    for node in attrs:
-        value = _attr(gm, node)
+    for target, nodes in readers.items():
+        value = _attr(gm, nodes[0])
         insert = gm.graph.inserting_after(last) if last is not None else gm.graph.inserting_before(
             next(iter(gm.graph.nodes)))
         with insert:
-            placeholder = gm.graph.placeholder(f"const_{_safe(str(node.target))}")
+            placeholder = gm.graph.placeholder(f"const_{_safe(target)}")
         placeholder.meta["val"] = compat.fake_of(value, fake_mode)
-        node.replace_all_uses_with(placeholder)
-        gm.graph.erase_node(node)
-        _delete_attr(gm, str(node.target))
-        names.append(str(node.target))
+        for node in nodes:
+            node.replace_all_uses_with(placeholder)
+            gm.graph.erase_node(node)
+        _delete_attr(gm, target)
+        names.append(target)
         tensors.append(value)
         last = placeholder
     gm.graph.lint()
