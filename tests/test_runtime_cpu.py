@@ -358,3 +358,65 @@ def test_copies_outweigh_launches_by_the_option():
     assert why(0, 1, 64) is None
     assert why(8, None, 64) is None
     assert Config.resolve(environ={"CGTREES_MAX_COPY_MB_PER_LAUNCH": "2"}).max_copy_mb_per_launch == 2
+
+
+def _manager_without_cuda(monkeypatch):
+    """A tree manager whose pool is not made (no CUDA here): its generation logic only; and the
+    counter ``cudagraph_mark_step_begin()`` moves."""
+    from cgtrees.runtime import manager as manager_module
+
+    def pool_init(self, device):
+        self.device, self.live, self.generation = device, [], 0
+
+    counter = [0]
+    monkeypatch.setattr(manager_module.Pool, "__init__", pool_init)
+    monkeypatch.setattr(compat, "mark_step_counter", lambda: counter[0])
+    return manager_module.TreeManager(0), counter
+
+
+def test_a_mark_between_a_forward_and_its_backward_ends_the_step_at_the_next_forward(monkeypatch, caplog):
+    """``cudagraph_mark_step_begin()`` between a forward and its backward: ending the step there
+    would invalidate the activations the backward reads. The step ends at the next forward, as
+    after any backward, and the misplaced mark is named once."""
+    from cgtrees import logs
+
+    logs.forget()  # named once a process: from here
+    manager, counter = _manager_without_cuda(monkeypatch)
+    ended = []
+    monkeypatch.setattr(manager, "end_generation", lambda why: ended.append(why))
+    with caplog.at_level(logging.INFO, logger="cgtrees"):
+        manager.begin_call("forward")
+        counter[0] += 1  # the misplaced mark
+        manager.begin_call("backward")
+        manager.begin_call("backward")  # a second graph's backward of the same step
+        assert ended == []
+        manager.begin_call("forward")  # the next step
+        assert ended == ["the next forward began after a backward"]
+        counter[0] += 1  # a mark where it belongs: before a forward
+        manager.begin_call("forward")
+        assert ended[-1] == "torch.compiler.cudagraph_mark_step_begin()"
+        counter[0] += 1  # a mark before a backward that follows no forward of this step ends the step
+        manager.begin_call("backward")
+        assert len(ended) == 3
+    named = [r.getMessage() for r in caplog.records if "between a forward and its backward" in r.getMessage()]
+    assert len(named) == 1, named
+
+
+def test_a_shape_whose_nodes_all_went_records_again_instead_of_failing(monkeypatch):
+    """Every path where a function's node list for a shape is empty (its nodes all dropped as
+    orphans, or a recording that raised before its node was added) records again: nothing reads
+    ``nodes[-1]`` of an empty list (an IndexError after a misplaced mark, issue 54)."""
+    from cgtrees.runtime.function import GraphFunction
+
+    fn = GraphFunction.__new__(GraphFunction)
+    fn.config, fn.static, fn.name = Config(), frozenset(), "g0_backward"
+    fn.forget()
+    manager = object()
+    fn.warmed.add((manager, None))
+    recorded = []
+    monkeypatch.setattr(fn, "_record", lambda args, m, key, nodes: recorded.append((key, nodes)) or "outs")
+    by_key = {None: []}
+    assert fn._written_input_moved([], []) is None
+    assert fn._no_node_fits([], manager, by_key, None, by_key[None]) == "outs"
+    assert recorded == [(None, [])] and recorded[0][1] is by_key[None]
+    assert fn.record_reasons["a new shape"] == 1

@@ -138,12 +138,12 @@ class GraphFunction:
         if (manager, key) not in self.warmed:  # per manager: each thread creates its own handles
             return self._warmup(args, manager, key)
         why: Why | None = None
-        if nodes is None:
+        if not nodes:  # a new shape, or one whose nodes all went (orphans; a recording that raised)
             if key not in self.shape_keys:
                 if len(self.shape_keys) >= self.config.max_shapes_per_function:
                     return self._give_up(args, self._shape_warning(key))
                 self.shape_keys.append(key)
-            nodes = by_key[key] = []
+            nodes = by_key[key] = nodes if nodes is not None else []
         else:
             why = self._written_input_moved(args, nodes)  # before the orphans go: its old storage may be dead
             if why is not None:
@@ -190,6 +190,8 @@ class GraphFunction:
         mark) is elsewhere now. If that recording never replayed, the input moves at every call:
         it is copied into a slot from now on; else it is a new buffer that stays (a new KV cache),
         written in place by the next recording too."""
+        if not nodes:
+            return None  # no recording to compare with
         latest = nodes[-1]
         moved = {i for i in latest.moved_inputs(args) if not marked_static(i, args[i], self.static)} - self.copied
         if not moved:

@@ -13,9 +13,10 @@ Invariants:
 - ``stale`` is True after a replay: the allocator does not know what the replay wrote, and the
   next recording must restore a checkpoint first. Right after a recording it is accurate.
 - Generations (R3) end at ``torch.compiler.cudagraph_mark_step_begin()`` and at the first forward
-  after a backward ran; then what a backward produced stays live and protected (R4: gradients
-  survive, and the next nodes are recorded around them) and every other live output is
-  invalidated (R1). In inference nothing needs ending: outputs that die
+  after a backward ran (a mark between a forward and its backward waits for that forward: the
+  backward still needs the activations of its step); then what a backward produced stays live
+  and protected (R4: gradients survive, and the next nodes are recorded around them) and every
+  other live output is invalidated (R1). In inference nothing needs ending: outputs that die
   free their memory, outputs that live are protected.
 - A backward runs under the manager of its forward (their ``SharedTree``), not its own thread's.
 """
@@ -23,16 +24,20 @@ Invariants:
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import weakref
 
 import torch
 
 from cgtrees.context import GraphKind
+from cgtrees.logs import log_once
 from cgtrees.runtime import compat, liveness
 from cgtrees.runtime.liveness import LiveOutput
 from cgtrees.runtime.node import GraphNode
 from cgtrees.runtime.pool import Pool
+
+log = logging.getLogger("cgtrees.runtime")
 
 
 class TreeManager(Pool):
@@ -58,7 +63,15 @@ class TreeManager(Pool):
         generation, which sweeps. Any other call gets them swept (a generation's end sweeps)."""
         counter = compat.mark_step_counter()
         last, self.last_kind = self.last_kind, kind
-        if counter != self.mark_seen:
+        if counter != self.mark_seen and kind == "backward" and last == "forward" and not self.backward_ran:
+            # The mark came between a forward and its backward: ending the step here would take the
+            # activations the backward reads. The step ends at the next forward, as after any backward.
+            self.mark_seen = counter
+            log_once(log, "mark-before-backward", "cgtrees: torch.compiler.cudagraph_mark_step_begin() was "
+                     "called between a forward and its backward; the step ends at the next forward instead "
+                     "(call it before the forward)")
+            swept = False
+        elif counter != self.mark_seen:
             self.mark_seen = counter
             self.end_generation("torch.compiler.cudagraph_mark_step_begin()")
             swept = True
