@@ -198,7 +198,7 @@ def check(data: bytes) -> dict[str, Any]:
 
 def _start_first_calls(record: dict[str, Any]) -> None:
     """The saved modules' library calls, begun in a thread (``runtime.first_calls``); best effort."""
-    from cgtrees.cache.aot import start_first_calls
+    from cgtrees.aot.rebuild import start_first_calls
 
     try:
         start_first_calls(record["entry"], loaded_config(record["config"]))
@@ -221,7 +221,7 @@ def _mismatch(key: dict[str, Any]) -> str | None:
 def load(record: dict[str, Any]) -> PrecompiledFunction:
     """Rebuild a checked record as a level-1 hit would (no AOTAutograd, no codegen)."""
     from cgtrees import cache, codegen
-    from cgtrees.cache.aot import rebuild
+    from cgtrees.aot.rebuild import rebuild
 
     config = loaded_config(record["config"])
     name = f"p{next(_loaded)}"

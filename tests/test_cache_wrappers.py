@@ -1,4 +1,4 @@
-"""A level-1 hit runs the compiled graphs through our own autograd wrapper (``cache/wrappers.py``):
+"""A level-1 hit runs the compiled graphs through our own autograd wrapper (``aot/wrappers.py``):
 its backward must treat what the forward saved as AOTAutograd's does, on a hit as on a miss."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from cgtrees.cache import wrappers
+from cgtrees.aot import wrappers
 
 
 @pytest.fixture

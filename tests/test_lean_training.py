@@ -1,5 +1,5 @@
 """Training graphs run in our own wrapper on a cache miss too, the one a level-1 hit builds
-(``cache.aot.lean_training``): a cold process's calls then cost what a warm one's do. Its backward
+(``aot.rebuild.lean_training``): a cold process's calls then cost what a warm one's do. Its backward
 is compiled at the first ``backward()``, as AOTAutograd's would be. Where level 1 does not take the
 graph (cache off, outputs that alias an input), AOTAutograd's function stays; eager's results and
 gradients either way."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from cgtrees.cache import wrappers
+from cgtrees.aot import wrappers
 
 
 @pytest.fixture

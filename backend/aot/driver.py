@@ -1,6 +1,6 @@
 """aot: drive torch's AOTAutograd over a Dynamo graph and compile each aten graph it hands us.
 
-    Dynamo graph --cache level 1 (a hit skips the rest)
+    Dynamo graph --cache level 1 (a hit skips the rest: ``aot.rebuild`` makes the entry the function)
                  --AOTAutograd (functionalize, decompose, joint trace, OUR partition)--> aten graphs
     aten graph   --key --look up (level 2) --codegen --store --record (level 1)--> kernel module
                  --runtime.wrap_module--> callable
@@ -30,8 +30,9 @@ from cgtrees import cache, codegen, counters, runtime
 from cgtrees.aot import buckets, compat, constants, cse, distributed, layout
 from cgtrees.aot import partition as partitioner
 from cgtrees.aot.partition import Split
+from cgtrees.aot.rebuild import lean_training, rebuild
 from cgtrees.cache import compat as cache_compat
-from cgtrees.cache.aot import NO_HINTS, Level1Hints, Recorder, lean_training
+from cgtrees.cache.aot import NO_HINTS, Level1Hints, Recorder
 from cgtrees.compiled import CompiledModule, has_symbolic_shapes
 from cgtrees.config import Config
 from cgtrees.context import GraphContext, GraphKind
@@ -59,7 +60,7 @@ class Compilers:
         # nothing (``_lean_inference``): it replaces AOTAutograd's function, ~20 us a call less.
         self.lean: Callable[..., Any] | None = None
         # A training graph's compiled forward, for the wrapper a level-1 hit would build
-        # (``cache.aot.lean_training``), which then replaces AOTAutograd's function as well.
+        # (``aot.rebuild.lean_training``), which then replaces AOTAutograd's function as well.
         self.forward_call: Callable[[list[Any]], Any] | None = None
         self._versions = {kind: itertools.count() for kind in ("forward", "backward", "inference")}
         # Whether autocast is on for the graph: read now, AOTAutograd turns it off before it calls a compiler.
@@ -144,11 +145,15 @@ def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], co
     compilers = Compilers(f"g{graph_id}", config, len(example_inputs), store=store)
     ddp_piece = distributed.is_piece(compilers.name)  # counted: DDPOptimizer splits graphs under DDP
     codegen.prepare(example_inputs, config, compilers.key_file, compiles=False)  # a hit's kernels are compiled
-    found = cache.load_aot(gm, example_inputs, config, compilers.name, hints, compilers.wrap,
-                           compilers.backward, backward, store)  # level 1: a hit skips AOT
-    if found.function is not None:  # a piece's: DDPOptimizer runs the graph itself on its fake inputs
-        return found.function
+    found = cache.load_aot(gm, example_inputs, config, compilers.name, hints, backward, store)  # level 1
     compilers.recorder = found.recorder  # on a miss: collects the entry
+    if found.hit is not None:  # a hit skips AOT (a piece's too: DDPOptimizer runs it on its fake inputs)
+        try:
+            function = rebuild(found.hit.payload, config, compilers.name, compilers.wrap, compilers.backward)
+            found.hit.accept()  # counted; Dynamo guards the frame on the entry's size guards
+            return function
+        except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
+            compilers.recorder = found.hit.reject(exc)
     try:
         return _compile_missed(gm, example_inputs, config, compilers, backward, ddp_piece)
     finally:
@@ -200,8 +205,8 @@ def _lean_inference(call: Callable[[list[Any]], Any], num_inputs: int,
     """Our wrapper for an inference graph, where it does what AOTAutograd's would (the level-1
     cache's rule: no aliased or metadata-mutated outputs, no subclasses, inputs not merged);
     None where AOTAutograd's wrappers are needed."""
+    from cgtrees.aot import wrappers
     from cgtrees.cache import compat as plans
-    from cgtrees.cache import wrappers
 
     if num_inputs != compilers.num_inputs:
         return None  # AOTAutograd deduplicated or merged inputs

@@ -4,11 +4,12 @@ codegen.
 An entry holds, for each aten graph AOTAutograd produced (inference, or forward and backward): its
 module record (``modules.module_record``: a generated module by the digest of its level-2 entry),
 the GraphContext fields the driver gave it, and the metadata of its example inputs and constants
-(``records``); plus the runtime plan (``compat.runtime_plan``) our wrapper needs. A hit reads the
-kernel modules from level 2 (one that is gone or bad makes the hit a counted miss, and the entry
-is written again), wraps each in the runtime again (recording is per process, through the
-driver's ``wrap``, which shares one tree between a forward and its backward) with the same context
-fields, and puts our wrapper around them.
+(``records``); plus the runtime plan (``compat.runtime_plan``) our wrapper needs. This module only
+stores and loads: a hit (``Hit``) is the entry with its kernel modules read in from level 2 (one
+that is gone or bad makes the hit a counted miss, and the entry is written again); the driver turns
+it into the compiled function (``aot.rebuild``: each module wrapped in the runtime again, since
+recording is per process, and our wrapper around them), then accepts it, or rejects it (a counted
+corrupt entry, removed and recompiled). Nothing here calls back into the driver.
 
 A compiled-autograd graph (``backward=True``) is traced with grad mode off: its one graph is an
 inference graph to AOTAutograd and to our wrapper, and a backward to the runtime (the part's
@@ -27,15 +28,14 @@ backward graph is kept for compiled autograd or a lazy compile as static shapes 
 wrapper hands the forward's saved sizes to the backward and marks symbolic output dimensions as
 AOTAutograd does. DDPOptimizer's pieces, whose example activations are fake tensors, are keyed like
 any graph (``aot.distributed`` says why a hit needs nothing of DDPOptimizer). Autocast's state is in
-the key, and a graph compiled under it runs with autocast off (``wrappers``).
+the key, and a graph compiled under it runs with autocast off (``aot.wrappers``).
 
 On a miss, ``load`` returns a ``Recorder``: the driver hands it every aten graph it compiles, and
 it writes the entry once the inference graph is in, or, for a training graph, once AOTAutograd has
 returned: then with AOTAutograd's backward graph and metadata (``backward_graph``), which compiled
 autograd reads off the forward's Function instead of a compiled backward. A backward compiled later
 (lazily, at a plain ``backward()``) replaces that entry by one that holds it; a hit on an entry
-without one compiles it from the kept graph at the first ``backward()`` (``LazyBackward``, through
-the backward compiler the driver hands in: this module imports nothing of the driver). A graph
+without one compiles it from the kept graph at the first ``backward()`` (``aot.rebuild.LazyBackward``). A graph
 found uncacheable leaves a bypass marker, so later processes count a bypass with the reason instead
 of a miss and go straight to AOTAutograd.
 
@@ -50,29 +50,23 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx
 
-from cgtrees.cache import backward_graph, compat, events, modules, records, wrappers
+from cgtrees.cache import backward_graph, compat, events, modules, records
 from cgtrees.cache.compat import Uncacheable
 from cgtrees.cache.key import CacheKey, make_key
 from cgtrees.cache.store import CorruptEntry, Store
-from cgtrees.codegen import compat as codegen_compat
-from cgtrees.compiled import AtenGraph, CompiledModule
+from cgtrees.compiled import CompiledModule
 from cgtrees.config import Config
 from cgtrees.context import GraphContext
 from cgtrees.logs import log_once
-from cgtrees.runtime import first_calls
-from cgtrees.runtime.examples import Examples
 
 log = logging.getLogger("cgtrees.cache")
 
 LEVEL = "aot"
-Wrap = Callable[[CompiledModule, Examples, GraphContext], Callable[[list[Any]], Any]]
-# The driver's backward compiler: (graph, example inputs, its static inputs by name) -> call
-CompileBackward = Callable[[torch.fx.GraphModule, list[Any], tuple[str, ...]], Callable[[list[Any]], Any]]
 
 
 class Kept:
@@ -95,18 +89,44 @@ class Level1Hints:
 NO_HINTS = Level1Hints()
 
 
+class Hit:
+    """An entry that matches the graph, its kernel modules read in (``resolve``): the driver turns it
+    into the compiled function (``aot.rebuild``), then ``accept``s it, or ``reject``s it when that
+    fails (a bad entry: counted, removed, and the graph compiled into ``recorder``)."""
+
+    def __init__(self, payload: dict[str, Any], guards: str | None, symbols: compat.Symbols,
+                 recorder: "Recorder") -> None:
+        self.payload, self.guards, self.symbols, self.recorder = payload, guards, symbols, recorder
+
+    def accept(self) -> None:
+        """The rebuilt function is the graph's: Dynamo now guards the frame on the entry's guards too."""
+        if self.guards and not self.symbols.install(self.guards):
+            raise CorruptEntry("its guards held on the sizes' hints but not on the sizes")
+        events.hit(LEVEL, self.recorder.name)
+        if self.recorder.kept is not None:
+            self.recorder.kept.payload = self.payload
+
+    def reject(self, exc: Exception) -> "Recorder":
+        """The entry could not be rebuilt or accepted: the recorder of the one that replaces it."""
+        name = self.recorder.name
+        events.corrupt(LEVEL, name, f"{type(exc).__name__}: {exc}")
+        if self.recorder.store is not None:
+            self.recorder.store.remove(LEVEL, self.recorder.digest)
+        events.miss(LEVEL, name)
+        return self.recorder
+
+
 @dataclass(frozen=True)
 class Found:
-    """What ``load`` found: the compiled function (a hit), or the recorder of the entry to write."""
+    """What ``load`` found: an entry to rebuild (a hit), or the recorder of the entry to write."""
 
-    function: Callable[..., Any] | None = None
+    hit: Hit | None = None
     recorder: "Recorder | None" = None
 
 
 def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config, name: str,
-         hints: Level1Hints, wrap: Wrap, compile_backward: CompileBackward, backward: bool = False,
-         store: Store | None = None) -> Found:
-    """The compiled function on a hit; else the recorder of a new entry (None where there is none
+         hints: Level1Hints, backward: bool = False, store: Store | None = None) -> Found:
+    """The matching entry (a hit); else the recorder of a new entry (None where there is none
     to write: the cache is off, or the graph bypasses this level). ``store``: the cache the caller
     opened (``modules.open_store``; None: off or unusable)."""
     kept = hints.kept
@@ -124,8 +144,13 @@ def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config
         if kept is None:
             return Found()
     digest = key.digest()
+
+    def recorder(slot: str | None) -> Recorder:
+        return Recorder(store if slot else None, key, slot or digest, config, name, len(example_inputs),
+                        kept, backward, symbols)
+
     if store is None:
-        return Found(recorder=Recorder(None, key, digest, config, name, len(example_inputs), kept, backward, symbols))
+        return Found(recorder=recorder(None))
     failed: list[str] = []  # the guards of this key's entries that this call's sizes fail
     slot: str | None = digest
     try:
@@ -143,14 +168,7 @@ def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config
             if guards and not (symbols and symbols.hold(guards)):
                 failed.append(guards)
                 continue
-            payload = resolve(payload, store)  # the kernel modules, from level 2
-            compiled = rebuild(payload, config, name, wrap, compile_backward)
-            if guards and not symbols.install(guards):  # Dynamo now guards the frame on them too
-                raise CorruptEntry("its guards held on the sizes' hints but not on the sizes")
-            events.hit(LEVEL, name)
-            if kept is not None:
-                kept.payload = payload
-            return Found(function=compiled)
+            return Found(hit=Hit(resolve(payload, store), guards, symbols, recorder(slot)))  # modules from level 2
         else:
             slot = None  # every entry of the key is taken, each by other sizes: this one is not written
         events.miss(LEVEL, name, explain=lambda: _explain_guards(failed) if failed else explain_miss(store, key))
@@ -162,8 +180,7 @@ def load(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Config
         events.corrupt(LEVEL, name, f"{type(exc).__name__}: {exc}")
         store.remove(LEVEL, slot)
         events.miss(LEVEL, name)
-    return Found(recorder=Recorder(store if slot else None, key, slot or digest, config, name, len(example_inputs),
-                                   kept, backward, symbols))
+    return Found(recorder=recorder(slot))
 
 
 MAX_VARIANTS = 8  # entries of one key (a symbolic graph's), each compiled under other guards on its sizes
@@ -273,95 +290,6 @@ def resolve(payload: dict[str, Any], store: Store | None) -> dict[str, Any]:
     parts = {kind: {**part, "module": modules.resolve(part["module"], store)}
              for kind, part in payload["parts"].items()}
     return {**payload, "parts": parts}
-
-
-def rebuild(payload: dict[str, Any], config: Config, name: str, wrap: Wrap,
-            compile_backward: CompileBackward) -> Callable[..., Any]:
-    """The compiled function from a self-contained entry (``resolve``): each module wrapped by
-    ``wrap``; a backward the entry keeps uncompiled compiled by ``compile_backward`` at its first call."""
-    plan, parts = payload["plan"], payload["parts"]
-    start_first_calls(payload, config)
-    calls = {kind: _load_part(part, kind, config, wrap, name) for kind, part in parts.items()}
-    if set(calls) == {"inference"}:
-        return wrappers.inference_function(calls["inference"], plan)
-    graph = payload.get("backward_graph")
-    if set(calls) == {"forward"} and graph is not None:  # the backward was never compiled: compile it lazily
-        calls["backward"] = LazyBackward(graph, compile_backward)
-    if set(calls) == {"forward", "backward"}:
-        return wrappers.training_function(calls["forward"], calls["backward"], plan, payload["detach"],
-                                          _aot_attributes(payload, plan))
-    raise CorruptEntry(f"entry holds graphs {sorted(calls)}")
-
-
-def start_first_calls(payload: dict[str, Any], config: Config) -> None:
-    """The entry's library calls and Triton's driver, made in a thread beside the load
-    (``runtime.first_calls``; each once per process: precompile starts them as it reads its file)."""
-    if not config.warm_first_calls:
-        return
-    calls: dict[bool, list[str]] = {False: [], True: []}  # by whether the module runs as a backward
-    binaries = False
-    for kind, part in payload["parts"].items():
-        graph = modules.record_graph(part["module"])
-        if isinstance(graph, AtenGraph):
-            continue
-        calls[part.get("runtime_kind", kind) == "backward"] += graph.library_calls
-        binaries = binaries or bool(graph.binaries)
-    driver = codegen_compat.triton_driver if binaries and not config.interpret else None
-    first_calls.start(calls[False], calls[True], driver)
-
-
-def _aot_attributes(payload: dict[str, Any], plan: dict[str, Any]) -> dict[str, Any] | None:
-    """What compiled autograd needs to inline the entry's backward graph (``backward_graph``)."""
-    graph, meta = payload.get("backward_graph"), payload.get("aot_metadata")
-    if graph is None or meta is None or plan["num_saved_no_vc_check"]:
-        return None  # compiled autograd traces our Function's backward instead
-    return compat.aot_backward_attributes(meta, lambda: backward_graph.graph_module(graph)[0])
-
-
-class LazyBackward:
-    """The backward of an entry that keeps only its graph (the process that wrote it ran the
-    backward under compiled autograd): compiled at its first call, as AOTAutograd compiles a
-    backward, by the driver's backward compiler (its kernel module from level 2 when one is there).
-    ``graph``: the entry's record of it, or, on a miss, AOTAutograd's GraphModule itself with its
-    static inputs by name (``static_saved``)."""
-
-    def __init__(self, graph: dict[str, Any] | torch.fx.GraphModule, compile_backward: CompileBackward,
-                 static_saved: tuple[str, ...] = ()) -> None:
-        self.graph, self.compile_backward, self.static_saved = graph, compile_backward, static_saved
-        self.call: Callable[[list[Any]], Any] | None = None
-
-    def __call__(self, args: list[Any]) -> Any:
-        if self.call is None:
-            self.call = self._compile()
-        return self.call(args)
-
-    def _compile(self) -> Callable[[list[Any]], Any]:
-        # As AOTAutograd compiles a backward: grad mode and autocast off (the graph holds its casts)
-        with torch.no_grad(), compat.no_autocast(True):
-            if isinstance(self.graph, torch.fx.GraphModule):  # a copy, as AOTAutograd compiles one
-                gm, inputs = backward_graph.copy_with_inputs(self.graph)
-                static_saved = self.static_saved
-            else:
-                gm, static_saved = backward_graph.graph_module(self.graph)
-                inputs = backward_graph.example_inputs(gm, self.graph)
-            call = self.compile_backward(gm, inputs, static_saved)  # the compiler AOTAutograd would call
-        self.graph = None  # compiled: not needed again (kept until then, so a failed compile can retry)
-        return call
-
-
-def _load_part(part: dict[str, Any], kind: str, config: Config, wrap: Wrap, name: str) -> Callable[[list[Any]], Any]:
-    consts = records.load_constants(part.get("constants", []))
-    # The entry's names are those of the process that wrote it ("g3_forward"): this process
-    # names its graphs itself, so two functions never share a name in the runtime.
-    _, sep, suffix = part["name"].partition("_")
-    ctx = GraphContext(config=config, kind=part.get("runtime_kind", kind), name=f"{name}_{suffix}" if sep else name,
-                       static_input_indices=tuple(part["static_inputs"]),
-                       mutated_input_indices=tuple(part["mutated_inputs"]), constants=consts,
-                       saved_from=part.get("saved_from"))
-    module = modules.load_record(part["module"], ctx)
-    if not part["wrapped"]:
-        return consts.append(module.call) if consts else module.call
-    return wrap(module, records.examples(part["inputs"]), ctx)  # no fake tensors: they cost ms
 
 
 class Recorder:
@@ -520,25 +448,6 @@ class Recorder:
         if self.store is not None:
             self.store.write(LEVEL, self.digest, {"key": self.key.as_dict(), "bypass": reason},
                              self.config.cache_size_mb)
-
-
-def lean_training(recorder: Recorder, forward_call: Callable[[list[Any]], Any],
-                  compile_backward: CompileBackward) -> Callable[..., Any] | None:
-    """On a miss, the function a hit on the entry just written would give: our wrapper around this
-    process's compiled forward and its backward (compiled at the first ``backward()`` by the
-    driver's backward compiler, as AOTAutograd would). It replaces AOTAutograd's, so that a cold
-    process's calls cost what a warm one's do (AOTAutograd's runtime wrappers: about 750 Python
-    calls a mobilenet_v3_small training step). None where AOTAutograd's function stays: a graph
-    level 1 does not take, or what compiled autograd needs of the entry is missing."""
-    if recorder.bypassed or recorder.plan is None:
-        return None
-    if "forward" not in recorder.parts or "backward" in recorder.parts or recorder.bw_graph is None:
-        return None  # not a training graph, or its backward compiled already (not AOTAutograd's lazy way)
-    attributes = _aot_attributes(recorder.extras, recorder.plan)
-    if attributes is None:
-        return None  # compiled autograd would trace our backward instead of AOTAutograd's graph
-    backward = LazyBackward(recorder.bw_graph, compile_backward, recorder.static_saved)
-    return wrappers.training_function(forward_call, backward, recorder.plan, recorder.detach, attributes)
 
 
 def _inputs_to_detach(bw: torch.fx.GraphModule, plan: dict[str, Any]) -> list[int]:

@@ -96,7 +96,7 @@ def _tangent_format(meta: Any) -> dict[str, Any]:
 
 
 def runtime_plan(meta: Any, kind: str, disable_amp: bool = False) -> dict[str, Any]:
-    """The plain facts our runtime wrapper needs (see ``cgtrees.cache.wrappers``). ``disable_amp``:
+    """The plain facts our runtime wrapper needs (see ``cgtrees.aot.wrappers``). ``disable_amp``:
     autocast was on when the Dynamo graph came (AOTAutograd turns it off before it calls a compiler,
     so ``autocast_enabled()`` must be read before AOTAutograd runs)."""
     if meta is None:
