@@ -66,6 +66,7 @@ class CgtreesBackend:
         except OptionError as exc:
             raise _not_ours_to_report(exc, inspect.currentframe()) from None
         graph_id = next(self._graph_ids)
+        hits_before = counters.get("cache_hit_aot")
         try:
             from cgtrees import precompile
             from cgtrees.aot import compiled_autograd
@@ -84,7 +85,8 @@ class CgtreesBackend:
             log.warning("cgtrees: graph g%d could not be compiled (%s: %s); it runs eagerly",
                         graph_id, type(exc).__name__, exc, exc_info=log.isEnabledFor(10))
             return gm.forward
-        counters.bump("graphs_compiled")
+        # compiled means compiled: a graph whose AOT result came from the cache (level 1) was loaded
+        counters.bump("graphs_loaded" if counters.get("cache_hit_aot") > hits_before else "graphs_compiled")
         return compiled if kept is None else precompile.serializable(compiled, kept, config, gm, f"g{graph_id}")
 
     def reset(self) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from torch._dynamo.utils import counters
 
 KEYS = (
-    "graphs_compiled", "graph_fallbacks", "kernels_generated", "aten_fallbacks", "aten_gaps",
+    # graphs_compiled: Dynamo graphs compiled; graphs_loaded: those whose AOT result came from the cache
+    "graphs_compiled", "graphs_loaded", "graph_fallbacks", "kernels_generated", "aten_fallbacks", "aten_gaps",
     "cache_hit", "cache_miss", "cache_bypass", "cache_corrupt",
     # the same per cache level (``cache.events``): "aot", a Dynamo graph's whole AOT result; "module", a kernel module
     *(f"cache_{event}_{level}" for level in ("aot", "module") for event in ("hit", "miss", "bypass", "corrupt")),
@@ -19,6 +20,10 @@ KEYS = (
 
 def bump(key: str, n: int = 1) -> None:
     counters["cgtrees"][key] += n
+
+
+def get(key: str) -> int:
+    return counters["cgtrees"][key]
 
 
 GAP_OPS = "cgtrees_aten_gap_ops"  # counters[GAP_OPS][op name]: the aten calls counted in aten_gaps, by op

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from cgtrees import counters
 from cgtrees.cache.store import Store, base_dir
 from cgtrees.config import Config
@@ -31,13 +33,42 @@ def main(action: str, config: Config | None = None) -> int:
     return 2
 
 
+class _Kept(logging.Handler):
+    """What ``Store.open`` would warn, kept for ``info`` to say in its own words: it compiles nothing."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _open_quietly(config: Config) -> tuple[Store | None, list[str]]:
+    kept, cache_log = _Kept(), logging.getLogger("cgtrees.cache")
+    cache_log.addHandler(kept)
+    propagate, cache_log.propagate = cache_log.propagate, False
+    try:
+        return Store.open(config), kept.messages
+    finally:
+        cache_log.propagate = propagate
+        cache_log.removeHandler(kept)
+
+
 def info(config: Config) -> str:
-    """Location, entries, bytes, and this process's hit/miss counts."""
+    """Location, entries, bytes, and this process's hit/miss counts. A directory that cannot be used
+    is said in the first line, with why and the fix (``info`` itself compiles nothing)."""
     c = counters.snapshot()
-    lines = [f"cgtrees cache: {'on' if config.cache else 'off (cache=False / CGTREES_CACHE=0)'}"]
-    store = Store.open(config)
+    store, why = _open_quietly(config) if config.cache else (None, [])
+    if not config.cache:
+        lines = ["cgtrees cache: off (cache=False / CGTREES_CACHE=0)"]
+    elif store is None:
+        reason = "; ".join(m.removeprefix("cgtrees: ") for m in why) or "it cannot be created"
+        lines = [f"cgtrees cache: on, but {base_dir(config)} is not usable, so compiles run uncached: {reason}"]
+    else:
+        lines = ["cgtrees cache: on"]
     if store is None:
-        lines.append(f"location: {base_dir(config)} (not usable: see the warning above)")
+        lines.append(f"location: {base_dir(config)}")
     else:
         usage = store.usage()
         levels = {level: len(list((store.root / level).glob("*.entry"))) for level in ("aot", "module")}

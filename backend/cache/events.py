@@ -34,11 +34,18 @@ BYPASS_SAYS = {
 }
 
 
+UNCACHED = "no usable cache directory"  # said once, with the fix, where the directory failed (``Store.open``)
+
+
 def bypass(level: str, name: str, reason: str) -> None:
     """A warning the first time a reason makes a graph bypass a level in this process; every later
     graph with the same reason says so at DEBUG (DDP splits a model into pieces that all bypass
-    level 1 for one reason: one line per rank, not one per piece)."""
+    level 1 for one reason: one line per rank, not one per piece). Without a usable directory
+    nothing is cached at any level: ``Store.open`` said so, and each graph says so at DEBUG."""
     _count("bypass", level)
+    if reason == UNCACHED:
+        log.debug("cgtrees: %s is not cached (%s): a new process compiles it again", name, reason)
+        return
     message = "cgtrees: %s " + BYPASS_SAYS[level] + ": %s"
     if not log_once(log, f"bypass:{level}:{reason}", message, name, reason):
         log.debug(message, name, reason)

@@ -150,7 +150,9 @@ class Store:
                     _atomic_write(path, data)
         except (OSError, Timeout) as exc:
             log_once(log, f"write:{type(exc).__name__}:{getattr(exc, 'errno', '')}",
-                     "cgtrees: could not write cache entry %s (%s); continuing uncached", path, exc)
+                     "cgtrees: could not write cache entry %s (%s): not stored, a new process compiles it again. "
+                     "Fix: make %s writable (chmod -R u+w %s), or set CGTREES_CACHE_DIR to a writable directory "
+                     "(CGTREES_CACHE=0: no cache)", path, exc, self.root, self.root)
         return payload
 
     def remove(self, level: str, digest: str, only_bad: bool = True) -> None:
@@ -180,7 +182,9 @@ class Store:
                 _atomic_write(path, data)
         except (OSError, Timeout) as exc:
             log_once(log, f"write:{type(exc).__name__}:{getattr(exc, 'errno', '')}",
-                     "cgtrees: could not write cache entry %s (%s); continuing uncached", path, exc)
+                     "cgtrees: could not write cache entry %s (%s): not stored, a new process compiles it again. "
+                     "Fix: make %s writable (chmod -R u+w %s), or set CGTREES_CACHE_DIR to a writable directory "
+                     "(CGTREES_CACHE=0: no cache)", path, exc, self.root, self.root)
             return False
         if size_cap_mb > 0:
             self.evict(size_cap_mb << 20)
