@@ -367,7 +367,7 @@ def test_dynamo_cache_loading_mends_torch_errors(monkeypatch):
     other error installing a saved entry becomes the RuntimeError torch recovers from."""
     from torch._dynamo import guards, package
 
-    from cgtrees.cache import compat
+    from cgtrees.precompile import compat
 
     def broken_install(self, backends):
         raise TypeError("a torch bug")
@@ -394,7 +394,7 @@ def test_the_collector_is_paused_while_a_saved_entry_installs(monkeypatch):
 
     from torch._dynamo import guards, package
 
-    from cgtrees.cache import compat
+    from cgtrees.precompile import compat
 
     seen = []
 
@@ -430,7 +430,7 @@ def test_guard_sources_pickle_their_constructor_fields_only(monkeypatch):
     from torch import _guards
     from torch._dynamo.source import DefaultsSource, LocalSource
 
-    from cgtrees.cache import compat
+    from cgtrees.precompile import compat
 
     def every_field(self):  # torch 2.11's reduce
         return (self.__class__, tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
@@ -453,7 +453,7 @@ def test_guard_state_tensors_share_one_fake_mode(monkeypatch):
     device, type, grad), all in one fake mode instead of a new mode each."""
     from torch._dynamo import guards
 
-    from cgtrees.cache import compat
+    from cgtrees.precompile import compat
 
     pickler = guards.GuardsStatePickler
     original = pickler.__dict__["_unpickle_tensor"]

@@ -37,10 +37,10 @@ from typing import Any, Callable, Iterator
 import torch
 
 from cgtrees import counters, runtime
-from cgtrees.cache import compat
 from cgtrees.cache.aot import Kept
 from cgtrees.cache.key import device_mismatch
 from cgtrees.config import Config
+from cgtrees.precompile import compat
 
 log = logging.getLogger("cgtrees.precompile")
 
