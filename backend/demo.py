@@ -114,3 +114,35 @@ def main() -> int:
     ok = err < 1e-3 and grad_err < 1e-3 and math.isfinite(err)
     print("demo " + ("OK: matches eager" if ok else "FAILED: does not match eager"))
     return 0 if ok else 1
+
+
+def draw_tree(out: str, steps: int = 6) -> int:
+    """``python -m cgtrees tree``: ``steps`` training steps of the demo's block (a second function,
+    its inference under ``no_grad``, every other step), then the picture of the trees at ``out``."""
+    from pathlib import Path
+
+    from cgtrees.runtime import picture
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    d, heads, shape = (768, 12, (8, 256, 768)) if device.type == "cuda" else (128, 4, (4, 64, 128))
+    model = DemoBlock(d, heads).to(device)
+    compiled = torch.compile(model, backend="cgtrees")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(steps):
+        x = torch.randn(*shape, device=device)
+        compiled(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 2:
+            with torch.no_grad():
+                compiled(x)
+    _sync(device)
+    written = picture.write(out)
+    if device.type != "cuda":
+        print("cgtrees tree: on CPU nothing runs in CUDA graphs: the picture shows each function's reason")
+    how = "" if written.suffix != ".dot" or Path(out).suffix == ".dot" else \
+        " (Graphviz's dot is not installed: DOT text; render it with dot -Tsvg)"
+    print(f"cgtrees tree: wrote {written}{how}")
+    return 0
+

@@ -414,7 +414,7 @@ def test_a_shape_whose_nodes_all_went_records_again_instead_of_failing(monkeypat
     manager = object()
     fn.warmed.add((manager, None))
     recorded = []
-    monkeypatch.setattr(fn, "_record", lambda args, m, key, nodes: recorded.append((key, nodes)) or "outs")
+    monkeypatch.setattr(fn, "_record", lambda args, m, key, nodes, reason: recorded.append((key, nodes)) or "outs")
     by_key = {None: []}
     assert fn._written_input_moved([], []) is None
     assert fn._no_node_fits([], manager, by_key, None, by_key[None]) == "outs"

@@ -167,8 +167,9 @@ class GraphFunction:
                              "out of the CUDA graph pool", self.name, self.live_branches, level=logging.INFO)
             if len(nodes) >= self._max_nodes_per_shape():
                 return self.call(args)  # kept outputs stay right; no more recordings for this shape
-        self.record_reasons[why.value if why is not None else "a new shape"] += 1
-        return self._record(args, manager, key, nodes)
+        reason = why.value if why is not None else "a new shape"
+        self.record_reasons[reason] += 1
+        return self._record(args, manager, key, nodes, reason)
 
     def _drop_orphans(self, manager: TreeManager, nodes: list[GraphNode]) -> Why | None:
         """Free the nodes whose parameters no longer exist (their model was deleted and a new one
@@ -249,7 +250,8 @@ class GraphFunction:
                 compat.clear_cublas_workspaces()
         return outs
 
-    def _record(self, args: list[Any], manager: TreeManager, key: Any, nodes: list[GraphNode]) -> Any:
+    def _record(self, args: list[Any], manager: TreeManager, key: Any, nodes: list[GraphNode],
+                reason: str = "a new shape") -> Any:
         # One recording at a time in the process: a capture's device synchronize, empty_cache and
         # cuBLAS workspace reset must not happen while another thread captures.
         with _record_lock:
@@ -260,7 +262,7 @@ class GraphFunction:
                 return self._give_up(args, too_costly)
             node = GraphNode(self.ctx, self.facts, manager, manager.last_node, frozenset(e.key for e in live),
                              self.copy_out)
-            node.key = key
+            node.key, node.reason = key, reason  # what the picture of the tree shows (runtime.picture)
             try:
                 outs = node.record(self.call, args, self.static, self.mutated, {e.key[0] for e in live},
                                    stable, self.copied, self.device_scalars)

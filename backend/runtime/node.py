@@ -159,6 +159,7 @@ class GraphNode:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.replays = 0
         self.key: Any = None
+        self.reason = "a new shape"  # why it was recorded (``GraphFunction``; the picture shows it)
         self.keeps_tensors = ctx.kind == "backward"  # what a backward returned is kept by weak reference (R4)
         self.reuse_plan: list[tuple[int, int]] = []  # set by _plan_reuse once the outputs are known
         self.reused: list[LiveOutput | None] = []
