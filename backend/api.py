@@ -12,6 +12,7 @@ import torch
 from cgtrees import counters
 from cgtrees.config import Config, OptionError
 from cgtrees.logs import forget, log
+from cgtrees.progress import PROGRESS
 
 
 def restart_exceptions() -> tuple[type[BaseException], ...]:
@@ -73,7 +74,8 @@ class CgtreesBackend:
             from cgtrees.aot.driver import compile_dynamo_graph
             from cgtrees.cache.aot import Level1Hints
 
-            with precompile.compiling(gm, config) as kept:  # kept: torch will save the result (aot_compile)
+            # kept: torch will save the result (aot_compile); a line on the terminal if it takes long
+            with PROGRESS.compiling(f"g{graph_id}", config.progress), precompile.compiling(gm, config) as kept:
                 if compiled_autograd.is_backward_graph(example_inputs):  # its first input is a list
                     compiled = compiled_autograd.compile_backward_graph(gm, example_inputs, config, graph_id)
                 else:

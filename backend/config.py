@@ -70,6 +70,9 @@ class Config:
                                             doc="batch sizes an inference graph with a dynamic batch dimension is "
                                                 "padded up to (the next one >= B; rows of row 0, outputs cut back), "
                                                 "one CUDA graph per bucket; empty: off (cgtrees.aot.buckets)")
+    progress: bool = _field(True, affects_codegen=False,
+                            doc="one progress line on stderr for compiles longer than 3 s, where stderr is a "
+                                "terminal (cgtrees.progress)")
     remote_cache: str = _field("", affects_codegen=False,
                                doc="a Redis server as the cache's second tier behind the local directory, "
                                    "shared by a cluster: redis://host:port/db; empty: local only (cgtrees.cache)")

@@ -98,7 +98,7 @@ BAD_OPTIONS = {
     "debug_dir": [3, None], "cache_dir": [7], "remote_cache_key": [b"key", 3],
     "layout_opt": ["sideways", 1], "gemm_decisions": ["fastest", None],
     "batch_buckets": ["1,2,4", (0,), [2.5], 8],
-    "remote_cache": ["localhost:6379", "http://host:6379/0", 5],
+    "remote_cache": ["localhost:6379", "http://host:6379/0", 5], "progress": ["no", 0],
 }
 BAD_ENV = {
     "cudagraphs": ["maybe", "2"], "cache": ["maybe"], "interpret": ["y"], "precompile_cache": ["enabled"],
@@ -106,7 +106,7 @@ BAD_ENV = {
     "max_shapes_per_function": ["-1", "0", "many", "8.0"], "max_rerecords_per_function": ["-1"],
     "max_live_branches_per_function": ["x"], "max_copy_mb_per_launch": ["1e3"], "cache_size_mb": ["-5"],
     "layout_opt": ["sideways"], "gemm_decisions": ["fastest"], "batch_buckets": ["4,a", "0"],
-    "remote_cache": ["localhost:6379"],
+    "remote_cache": ["localhost:6379"], "progress": ["quiet"],
     "debug_dir": [], "cache_dir": [], "remote_cache_key": [],  # any text is a path or a key
 }
 GOOD = {  # option value, env text, the value either gives
@@ -119,6 +119,7 @@ GOOD = {  # option value, env text, the value either gives
     "remote_cache_key": ("k", "k", "k"), "layout_opt": ("off", "off", "off"),
     "gemm_decisions": ("keep", "keep", "keep"), "batch_buckets": ([4, 1], "4,1", (1, 4)),
     "remote_cache": ("redis://h:6379/0", "redis://h:6379/0", "redis://h:6379/0"),
+    "progress": (False, "0", False),
 }
 
 
