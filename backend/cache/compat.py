@@ -112,9 +112,12 @@ def runtime_plan(meta: Any, kind: str, disable_amp: bool = False) -> dict[str, A
                           and not info.mutations_hidden_from_autograd],
     }
     if kind == "inference":
-        for i, out in enumerate(meta.output_info):  # a view autograd must see, which AOTAutograd's wrapper makes
-            if _name(out.output_type) == "alias_of_input" and meta.input_info[out.base_idx].requires_grad:
-                raise Uncacheable(f"output {i} is a view of input {out.base_idx}, which requires grad")
+        # An output that is a view of an input and requires grad (a reshape after a graph break): autograd
+        # must see the view, which AOTAutograd's wrapper makes of the caller's input (``x.detach()``
+        # requires none; nor does anything traced with grad off, compiled autograd's backward graphs)
+        for i, out in enumerate(meta.output_info):
+            if _name(out.output_type) == "alias_of_input" and out.requires_grad and torch.is_grad_enabled():
+                raise Uncacheable(f"output {i} is a view of input {out.base_idx} that requires grad")
         # An output that is an input (compiled autograd accumulating into a ``.grad`` in place):
         # the caller gets the input itself, as from AOTAutograd.
         plan["input_outputs"] = [[i, out.base_idx] for i, out in enumerate(meta.output_info)
