@@ -200,6 +200,15 @@ def test_the_wait_is_bounded_by_the_locks_time_to_live(tmp_path, server, monkeyp
     assert time.monotonic() - start < 0.45
 
 
+def test_a_process_that_ends_holding_a_lock_drops_it(tmp_path, server):
+    code = (f"from cgtrees.cache import remote\n"
+            f"r = remote.Remote({server.url!r}, b'k', 'ns')\n"
+            f"assert r.claim('module', 'd1') is None\n"
+            f"import redis; assert redis.Redis.from_url({server.url!r}).exists('ns/module/d1/lock')\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert not server.client.exists("ns/module/d1/lock")
+
+
 def _mlp(seed: int, hidden: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     nn = torch.nn

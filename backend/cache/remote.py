@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import hmac
 import logging
@@ -58,6 +59,7 @@ class Remote:
         self._errors: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
         self._claims: dict[str, str] = {}  # lock name -> our token
         self.off = False
+        atexit.register(self._release_at_exit)  # a process that ends mid-compile keeps no one waiting
 
     def name(self, level: str, digest: str) -> str:
         return f"{self.namespace}/{level}/{digest}"
@@ -157,10 +159,14 @@ class Remote:
         except self._errors as exc:
             self._turn_off(exc)
 
-    def release_all(self) -> None:
-        for lock in list(self._claims):
-            level, _, digest = lock.removesuffix("/lock").removeprefix(self.namespace + "/").partition("/")
-            self.release(level, digest)
+    def _release_at_exit(self) -> None:
+        """Best effort and silent: a server gone by now lets the lock expire."""
+        for lock, token in list(self._claims.items()):
+            try:
+                self._client.eval(_RELEASE, 1, lock, token)
+            except self._errors:
+                return
+        self._claims.clear()
 
     def _turn_off(self, exc: BaseException) -> None:
         self.off = True
