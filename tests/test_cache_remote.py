@@ -285,7 +285,8 @@ print(json.dumps({"calls": calls, "error": error,
 def test_fresh_processes_compile_each_graph_once_among_them(tmp_path, server):
     """Four processes start together, each with an empty local directory, sharing one server:
     every graph (one training and one inference Dynamo graph; forward, backward and inference
-    kernel modules) is compiled once in all, and every process gets eager's results."""
+    kernel modules) is compiled once in all, and every process gets eager's results; a fifth,
+    later, with an empty local directory, compiles nothing."""
     root = backend_snapshot(tmp_path / "snapshot", WORKER)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
     env.update(PYTHONPATH=str(root), CGTREES_REMOTE_CACHE=server.url, CGTREES_REMOTE_CACHE_KEY=KEY)
@@ -305,3 +306,11 @@ def test_fresh_processes_compile_each_graph_once_among_them(tmp_path, server):
     assert all(r["counters"]["cache_corrupt"] == 0 for r in results)
     for i in range(4):  # every process keeps the entries locally
         assert len(list((tmp_path / f"local{i}" / f"v{SCHEMA}" / "aot").glob("*.entry"))) == 2
+    # a later process with an empty local directory compiles nothing: every entry comes from the server
+    proc = subprocess.run([sys.executable, str(root / "worker.py")],
+                          env={**env, "CGTREES_CACHE_DIR": str(tmp_path / "later")},
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    later = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert later["calls"] == {"aot": 0, "codegen": 0} and later["error"] < 1e-5, later
+    assert later["counters"]["cache_hit_aot"] == 2 and later["counters"]["cache_remote_miss"] == 0, later
