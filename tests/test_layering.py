@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent / "backend"
 # Lower first: a module may import its own package and anything of a lower rank.
 RANKS = {
     "config": 0, "counters": 0, "logs": 0, "compiled": 0,
-    "context": 1,
+    "context": 1, "progress": 1,  # progress: the compile's progress line, above counters, below api
     "runtime": 2,
     "codegen": 3,
     "cache": 4,
