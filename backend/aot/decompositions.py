@@ -27,12 +27,18 @@ entry for ``_scaled_dot_product_flash_attention_for_cpu`` returns the attention 
 op returns the logsumexp, and the backward op then read them as a logsumexp (gradients off by 4x
 and more on every transformer trained on CPU). Every entry we keep is checked against eager,
 forward and backward, by ``tests/test_grad_sweep.py``.
+
+Where no kernel is generated (every tensor on the CPU, without Triton's interpreter: the aten graph
+is what runs) the table is empty (``for_inputs``): the graph keeps the ops eager runs (``gelu``, not
+its ``tanh``, ``mul`` and ``add``; ``native_layer_norm``, not its ``var_mean``), so a compiled call
+costs what eager's does instead of 1.6-1.8x (the demo's block on one CPU thread). AOTAutograd still
+traces, functionalizes and partitions it; only the decompositions that serve codegen are left out.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch._decomp import core_aten_decompositions, get_decompositions
@@ -109,6 +115,17 @@ def nll_loss_picks(self, target, weight, reduction, ignore_index):
         total = valid.sum().to(self.dtype)
     result = result.sum()
     return (result / total if reduction == 1 else result), total
+
+
+def generates_kernels(example_inputs: Sequence[Any], interpret: bool) -> bool:
+    """Whether codegen will write kernels for this graph (``codegen._uses_triton``: CUDA tensors, or
+    Triton's interpreter)."""
+    return interpret or any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+
+
+def for_inputs(example_inputs: Sequence[Any], interpret: bool) -> dict[torch._ops.OpOverload, Callable]:
+    """The table for a graph: ours where kernels are generated, else none (what eager would run)."""
+    return decomposition_table() if generates_kernels(example_inputs, interpret) else {}
 
 
 @functools.lru_cache(maxsize=1)

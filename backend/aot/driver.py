@@ -165,7 +165,7 @@ def _compile_missed(gm: torch.fx.GraphModule, example_inputs: list[Any], config:
                     backward: bool, ddp_piece: bool) -> Callable[..., Any]:
     """A level-1 miss: AOTAutograd with our compilers, and the entry recorded."""
     codegen.prepare(example_inputs, config, compilers.key_file)  # start what compiled kernels wait for
-    from cgtrees.aot.decompositions import decomposition_table  # a warm start never needs it
+    from cgtrees.aot import decompositions  # a warm start never needs it
 
     if backward:  # traced with grad mode off: AOTAutograd makes no training graph of it
         fw_compiler = bw_compiler = _not_training
@@ -179,7 +179,7 @@ def _compile_missed(gm: torch.fx.GraphModule, example_inputs: list[Any], config:
         bw_compiler=bw_compiler,
         inference_compiler=inference_compiler,
         partition_fn=compilers.partition,  # channels-last (layout.py), then our cut
-        decompositions=decomposition_table(),
+        decompositions=decompositions.for_inputs(example_inputs, config.interpret),  # none: aten graph on CPU
         keep_inference_input_mutations=True,
     )
     if compilers.recorder is not None:
