@@ -1,5 +1,7 @@
 """GPU tier: every test here needs CUDA and is skipped cleanly without it."""
 
+import re
+
 import pytest
 import torch
 
@@ -58,3 +60,25 @@ def kernel_modules(request, monkeypatch):
     from cgtrees import codegen
 
     monkeypatch.setattr(codegen, "compile_graph", lambda gm, example_inputs, ctx: codegen.AtenModule(gm))
+
+
+_RATIO = re.compile(r"\d\.\d+x\b")
+_MEASURED: list[tuple[str, str]] = []
+
+
+def pytest_runtest_logreport(report):
+    """Keep what a passing timing test printed where it holds a ratio ("1.03x"): pytest shows a
+    passing test's output nowhere, and the GPU timing logs must record the ratios they measured."""
+    if report.when == "call" and report.passed:
+        lines = [line for line in report.capstdout.splitlines() if _RATIO.search(line)]
+        if lines:
+            _MEASURED.append((report.nodeid, "\n".join(lines)))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _MEASURED:
+        terminalreporter.section(f"ratios measured by {len(_MEASURED)} passing tests", sep="-")
+        for nodeid, lines in _MEASURED:
+            terminalreporter.write_line(f"{nodeid}:")
+            for line in lines.splitlines():
+                terminalreporter.write_line(f"  {line.strip()}")

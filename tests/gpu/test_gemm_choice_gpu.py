@@ -85,6 +85,7 @@ def test_the_taken_form_is_within_5_percent_of_the_other_timed_afresh(case):
     assert timed, choices
     gemm_timing.forget()
     again = _compile(fn, inputs).graph.gemm_choices
+    compared = 0
     for line in again:
         taken, timed_text = line.split(": ", 2)[2].rsplit(" (", 1)
         parts = [p.rsplit(" ", 2) for p in timed_text.rstrip(")").split(", ")]
@@ -94,7 +95,10 @@ def test_the_taken_form_is_within_5_percent_of_the_other_timed_afresh(case):
         form = next(f for f in figures if taken.startswith(f))  # "mm, bias in its consumers": "mm"
         mine = figures.pop(form)
         other = min(figures.values())
+        print(f"{case}: took {form} at {mine} us, the other {other} us: {mine / other:.3f}x (limit {LIMIT}x)")
         assert mine <= LIMIT * other, f"{case}: took {taken} at {mine} us against {other} us\n{line}"
+        compared += 1
+    assert compared, f"{case}: no choice timed two forms afresh: {again}"  # else nothing was compared
     _scaled_close(module.call(list(inputs))[0], fn(*inputs), fn(*[x.double() for x in inputs]), inputs[0].dtype)
 
 

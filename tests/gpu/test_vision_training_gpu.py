@@ -55,7 +55,7 @@ def _grads(model, x, labels):
 # against 1.6e-2, layer3.1.bn1.bias 2.4e-2 against 6.7e-3, layer3.1.bn2.bias 1.7e-2 against 4.1e-3,
 # layer4.0.downsample.1.weight 9.9e-3 against 1.9e-3): the batch-norm backward sums of
 # test_layout_gpu's xfail, compounded through the blocks. Open (issue 18), not a tolerance to widen.
-_BN_SUMS = pytest.mark.xfail(strict=False, reason=(
+_BN_SUMS = pytest.mark.xfail(strict=True, reason=(  # strict: a pass says issue 18 is fixed
     "issue 18, open: resnet18's gradients downstream of layer4's batch norms are 3.4-5.2x as far from "
     "float64 as eager's (batch-norm backward sums in compiled kernels)"))
 
