@@ -26,7 +26,8 @@ def test_a_training_loop_draws_its_recordings_and_their_replays():
             for _ in range(3):
                 f(torch.randn(batch, 32, device="cuda"))
     text = picture.dot()
-    boxes = re.findall(r'n(\d+) \[label="([^"]*)"\]', text)
+    boxes = re.findall(r'^\s*n(\d+) \[label="((?:[^"\\]|\\.)*)"\];$', text, re.M)  # boxes, not edges
+    assert boxes, text
     kinds = {label.split(" (")[1].split(")")[0] for _, label in boxes}
     assert {"forward", "backward", "inference"} <= kinds, text
     forward = next(i for i, label in boxes if "(forward)" in label)
