@@ -143,16 +143,7 @@ class Store:
             log_once(log, "remote-corrupt", "cgtrees: a remote cache entry is bad (%s): ignored and "
                      "compiled here", exc)
             return None
-        path = self.path(level, digest)
-        try:
-            with self.lock(digest):
-                if not _is_good(path, level, digest):
-                    _atomic_write(path, data)
-        except (OSError, Timeout) as exc:
-            log_once(log, f"write:{type(exc).__name__}:{getattr(exc, 'errno', '')}",
-                     "cgtrees: could not write cache entry %s (%s): not stored, a new process compiles it again. "
-                     "Fix: make %s writable (chmod -R u+w %s), or set CGTREES_CACHE_DIR to a writable directory "
-                     "(CGTREES_CACHE=0: no cache)", path, exc, self.root, self.root)
+        self._write_local(level, digest, data)
         return payload
 
     def remove(self, level: str, digest: str, only_bad: bool = True) -> None:
@@ -171,24 +162,29 @@ class Store:
     def write(self, level: str, digest: str, payload: dict[str, Any], size_cap_mb: int = 0) -> bool:
         """Write an entry unless a good one is there, and give it to the remote tier; False (with a
         warning) when the local write fails."""
-        path = self.path(level, digest)
         data = encode({**payload, "level": level, "digest": digest})
         if self.remote is not None:
             self.remote.put(level, digest, data)  # and drops this process's claim on it
+        if not self._write_local(level, digest, data):
+            return False
+        if size_cap_mb > 0:
+            self.evict(size_cap_mb << 20)
+        return True
+
+    def _write_local(self, level: str, digest: str, data: bytes) -> bool:
+        """Write encoded bytes unless a good entry is there; False, warned once, when the write fails."""
+        path = self.path(level, digest)
         try:
             with self.lock(digest):
-                if _is_good(path, level, digest):
-                    return True
-                _atomic_write(path, data)
+                if not _is_good(path, level, digest):
+                    _atomic_write(path, data)
+            return True
         except (OSError, Timeout) as exc:
             log_once(log, f"write:{type(exc).__name__}:{getattr(exc, 'errno', '')}",
                      "cgtrees: could not write cache entry %s (%s): not stored, a new process compiles it again. "
                      "Fix: make %s writable (chmod -R u+w %s), or set CGTREES_CACHE_DIR to a writable directory "
                      "(CGTREES_CACHE=0: no cache)", path, exc, self.root, self.root)
             return False
-        if size_cap_mb > 0:
-            self.evict(size_cap_mb << 20)
-        return True
 
     def evict(self, cap_bytes: int) -> int:
         """Remove least recently used entries until the store is under ``cap_bytes``."""
