@@ -42,7 +42,7 @@ def test_rewrite_runs_q_k_v_in_one_launch_with_eager_values(rows, dtype):
     args = _weights(rows, dtype)
     module = compile_fn(projections, *args, cfg=config(gemm_decisions="rewrite"))
     name = str(dtype).removeprefix("torch.")
-    config_text = "16x256/2" if rows > 1 and dtype != torch.float32 else "4x512/2"
+    config_text = {1: "2x2048/2"}.get(rows, "16x256/2" if dtype != torch.float32 else "4x512/2")
     taken = f"grouped_mm {config_text} (gemm_decisions=rewrite)"
     assert list(module.graph.gemm_choices) == [
         f"mm/mm_1/mm_2: mm [{rows}, 48] x 3 weights [40|8|8, 48] {name}: {taken}",

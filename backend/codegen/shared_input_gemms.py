@@ -34,7 +34,9 @@ _L2_BYTES = 50 << 20  # where the device does not say
 MAX_WEIGHTS = 3  # grouped_gemv.MAX_WEIGHTS (not imported here: that module decorates Triton kernels)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (BLOCK_N, BLOCK_K, warps, SPLIT_K): one row (``gemv_row_kernel``), a few rows without tl.dot, with it
-_ONE_ROW_CONFIGS = ((4, 512, 2, 1), (8, 512, 4, 1), (2, 1024, 2, 1), (4, 512, 2, 2), (4, 512, 2, 4))
+# one row: the best five of 196 on an H200 at TinyLlama's shapes, each within 5-15% of the best on all
+# five of them (``benchmarks/probes/probe_gemv.py``); K split only where the rows are few and K long
+_ONE_ROW_CONFIGS = ((2, 2048, 2, 1), (2, 1024, 4, 1), (1, 2048, 4, 1), (4, 2048, 8, 1), (2, 1024, 4, 4))
 _ROW_CONFIGS = ((4, 512, 2, 1), (8, 512, 2, 1), (16, 512, 2, 1))
 _DOT_CONFIGS = ((16, 256, 2, 1), (32, 256, 4, 1), (64, 128, 4, 1))
 
