@@ -82,7 +82,14 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
         source = "\n".join([*header, "import math", "import operator", "", "import torch", "",
                             "aten = torch.ops.aten", "", "", *wrapper.aten_call(gm, "call"), ""])
         return CompiledGraph(source, facts, ctx.graph_hash, launches=aten_launches(gm), device="cpu", dynamic=dynamic)
-    from cgtrees.codegen import gemm_choice, grouped_attention, input_writes, merged_sums, shared_input_gemms
+    from cgtrees.codegen import (
+        gate_up_gemms,
+        gemm_choice,
+        grouped_attention,
+        input_writes,
+        merged_sums,
+        shared_input_gemms,
+    )
     from cgtrees.codegen.graph import GraphLowerer
     from cgtrees.codegen.scheduler import schedule
 
@@ -91,6 +98,7 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
     gemms = gemm_choice.GemmPlan.of(gm, ctx.config.gemm_decisions)  # GEMM forms, timed on the device
     gm = _padded(gm, gemms)  # GEMMs of unaligned sizes padded where that was faster
     gm = grouped_attention.rewritten(gm, gemms)  # SDPA on unexpanded grouped K/V where that was faster
+    gm = gate_up_gemms.rewritten(gm, gemms, ctx.kind)  # silu(x @ gate) * (x @ up) in one launch where faster
     gm = shared_input_gemms.rewritten(gm, gemms)  # few-row GEMMs of one input in one launch where faster
     lowerer = GraphLowerer(gm, ctx.config, gemms)
     program = lowerer.run()  # aten nodes -> IR steps (fallbacks as aten calls)

@@ -38,6 +38,7 @@ import torch
 TRUSTED = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",  # a fresh contiguous product
     "cgtrees::grouped_mm",  # fresh contiguous products (codegen/grouped_gemv.py)
+    "cgtrees::mm_silu_mul",  # a fresh contiguous product (codegen/gemv_silu_mul.py)
     "aten::rand", "aten::randn", "aten::randint", "aten::randperm",  # fresh contiguous factories
 })
 

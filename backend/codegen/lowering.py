@@ -325,7 +325,7 @@ _LIBRARY_PREFIXES = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "a
                      "aten::_efficient_attention", "aten::_cudnn_attention",
                      "aten::rand", "aten::randn", "aten::randint", "aten::bernoulli", "aten::native_dropout",
                      "aten::normal", "aten::uniform", "aten::exponential", "aten::multinomial",
-                     "cgtrees::")  # our own library ops (codegen/grouped_gemv.py)
+                     "cgtrees::")  # our own library ops (codegen/grouped_gemv.py, gemv_silu_mul.py)
 
 
 def is_library_op(target: Any) -> bool:

@@ -58,7 +58,7 @@ def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan") -> torch.fx.GraphModul
 
 
 # ------------------------------------------------------------------------------------------ finding
-def _weight(mm: torch.fx.Node) -> torch.fx.Node | None:
+def weight(mm: torch.fx.Node) -> torch.fx.Node | None:
     """The graph input w of ``mm(x, w.t())``, where it qualifies, else None."""
     t = mm.args[1]
     if not isinstance(t, torch.fx.Node) or not (
@@ -71,10 +71,10 @@ def _weight(mm: torch.fx.Node) -> torch.fx.Node | None:
     return w
 
 
-def _qualifies(mm: torch.fx.Node) -> bool:
+def qualifies(mm: torch.fx.Node) -> bool:
     x = mm.args[0]
     xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-    w = _weight(mm)
+    w = weight(mm)
     if xv is None or w is None or xv.dtype not in _DTYPES or w.meta["val"].dtype != xv.dtype:
         return False
     sizes = (*xv.shape, *xv.stride(), *w.meta["val"].shape)
@@ -86,19 +86,19 @@ def _groups(graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
     """The qualifying GEMMs, grouped by their input in graph order, at most ``MAX_WEIGHTS`` a group."""
     by_input: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for mm in graph.find_nodes(op="call_function", target=aten.mm.default):
-        if _qualifies(mm):
+        if qualifies(mm):
             by_input.setdefault(mm.args[0], []).append(mm)
     return [gemms[i:i + MAX_WEIGHTS] for gemms in by_input.values() for i in range(0, len(gemms), MAX_WEIGHTS)]
 
 
 def _text(group: list[torch.fx.Node]) -> str:
     x = group[0].args[0].meta["val"]
-    ns = "|".join(str(_weight(mm).meta["val"].shape[0]) for mm in group)
+    ns = "|".join(str(weight(mm).meta["val"].shape[0]) for mm in group)
     return f"mm {list(x.shape)} x {len(group)} weights [{ns}, {x.shape[1]}] {str(x.dtype).removeprefix('torch.')}"
 
 
 # ------------------------------------------------------------------------------------------ choosing
-def _configs(rows: int, dtype: torch.dtype) -> tuple[tuple[int, int, int, int], ...]:
+def configs(rows: int, dtype: torch.dtype) -> tuple[tuple[int, int, int, int], ...]:
     if rows == 1:
         return _ONE_ROW_CONFIGS
     return _DOT_CONFIGS if dtype != torch.float32 else _ROW_CONFIGS
@@ -108,14 +108,14 @@ def _choose(group: list[torch.fx.Node], plan: "GemmPlan") -> tuple[int, int, int
     """The block sizes of the grouped form where it is taken, else None."""
     names = "/".join(mm.name for mm in group)
     x = group[0].args[0].meta["val"]
-    configs = _configs(x.shape[0], x.dtype)
+    candidates = configs(x.shape[0], x.dtype)
     how, why = plan.other_choice()
     if how != "time":
-        taken = f"grouped_mm {_config_text(configs[0])}" if how == "rewrite" else "as traced"
+        taken = f"grouped_mm {config_text(candidates[0])}" if how == "rewrite" else "as traced"
         plan.note(names, _text(group), taken, (), why)
-        return configs[0] if how == "rewrite" else None
+        return candidates[0] if how == "rewrite" else None
     forms = {"as traced": _cublas_form(group, plan.device)}
-    forms.update({f"grouped_mm {_config_text(c)}": _grouped_form(group, c, plan.device) for c in configs})
+    forms.update({f"grouped_mm {config_text(c)}": _grouped_form(group, c, plan.device) for c in candidates})
     timings = plan.time_forms(forms)
     if timings is None:
         plan.note(names, _text(group), "as traced", (), "too large to time")
@@ -123,12 +123,12 @@ def _choose(group: list[torch.fx.Node], plan: "GemmPlan") -> tuple[int, int, int
     best = min((t, name) for name, t in timings.items() if name != "as traced")
     if best[0] < timings["as traced"] * (1 - MARGIN):
         plan.note(names, _text(group), best[1], tuple(timings.items()))
-        return configs[[f"grouped_mm {_config_text(c)}" for c in configs].index(best[1])]
+        return candidates[[f"grouped_mm {config_text(c)}" for c in candidates].index(best[1])]
     plan.note(names, _text(group), "as traced", tuple(timings.items()))
     return None
 
 
-def _config_text(config: tuple[int, int, int, int]) -> str:
+def config_text(config: tuple[int, int, int, int]) -> str:
     """``BLOCK_N x BLOCK_K / warps``, and ``/split SPLIT_K`` where K is split."""
     block_n, block_k, warps, split_k = config
     return f"{block_n}x{block_k}/{warps}" + (f"/split{split_k}" if split_k > 1 else "")
@@ -138,7 +138,7 @@ def _cublas_form(group: list[torch.fx.Node], device: torch.device) -> tuple[str,
     x, ws = _metas(group)
 
     def build() -> Callable[[], None]:
-        tx, sets, outs = _operands(x, ws, device)
+        tx, sets, outs = operands(x, ws, device)
         turn = iter(range(1 << 62))
 
         def run() -> None:
@@ -146,7 +146,7 @@ def _cublas_form(group: list[torch.fx.Node], device: torch.device) -> tuple[str,
                 torch.mm(tx, w.t(), out=out)
         return run
 
-    return f"mms {_shapes(x, ws)} {device} rotating", build, _bytes(x, ws, device)
+    return f"mms {_shapes(x, ws)} {device} rotating", build, operand_bytes(x, ws, device)
 
 
 def _grouped_form(group: list[torch.fx.Node], config: tuple[int, int, int, int], device: torch.device
@@ -156,18 +156,18 @@ def _grouped_form(group: list[torch.fx.Node], config: tuple[int, int, int, int],
     def build() -> Callable[[], None]:
         from cgtrees.codegen import grouped_gemv
 
-        tx, sets, outs = _operands(x, ws, device)
+        tx, sets, outs = operands(x, ws, device)
         turn = iter(range(1 << 62))
         return lambda: grouped_gemv.launch(tx, sets[next(turn) % len(sets)], outs, *config)
 
-    return f"grouped_mm {_shapes(x, ws)} {config} {device} rotating", build, _bytes(x, ws, device)
+    return f"grouped_mm {_shapes(x, ws)} {config} {device} rotating", build, operand_bytes(x, ws, device)
 
 
 def _metas(group: list[torch.fx.Node]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    return group[0].args[0].meta["val"], [_weight(mm).meta["val"] for mm in group]
+    return group[0].args[0].meta["val"], [weight(mm).meta["val"] for mm in group]
 
 
-def _operands(x: torch.Tensor, ws: list[torch.Tensor], device: torch.device):
+def operands(x: torch.Tensor, ws: list[torch.Tensor], device: torch.device):
     """Random x, copies of the weights (of the traced layouts) that the timed calls take in turn,
     and the products' buffers. A decode step reads each weight once, from device memory: a weight
     read again while it sits in the L2 cache (an 8 MB q projection does; H100 and H200 keep 50 MB)
@@ -186,7 +186,7 @@ def _shapes(x: torch.Tensor, ws: list[torch.Tensor]) -> str:
     return f"{list(x.shape)} x {[list(w.shape) for w in ws]} {x.dtype}"
 
 
-def _bytes(x: torch.Tensor, ws: list[torch.Tensor], device: torch.device) -> int:
+def operand_bytes(x: torch.Tensor, ws: list[torch.Tensor], device: torch.device) -> int:
     """What a form allocates: the weights' copies, x and the products."""
     return span_bytes(x) + _copies(ws, device) * span_bytes(*ws) + sum(x.shape[0] * w.shape[0] * x.element_size()
                                                                         for w in ws)
@@ -199,7 +199,7 @@ def _rewrite(graph: torch.fx.Graph, group: list[torch.fx.Node], config: tuple[in
     from cgtrees.codegen import grouped_gemv  # noqa: F401 - registers the op (its kernel is decorated lazily)
 
     x = group[0].args[0]
-    weights = [_weight(mm) for mm in group]
+    weights = [weight(mm) for mm in group]
     with graph.inserting_before(group[0]):
         call = graph.call_function(torch.ops.cgtrees.grouped_mm.default, (x, weights, *config))
         call.meta["val"] = [mm.meta["val"] for mm in group]

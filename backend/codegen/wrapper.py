@@ -21,6 +21,10 @@ from cgtrees.codegen.naming import kernel_name, origin_comment
 from cgtrees.codegen.scheduler import Item, Kernel, reads
 from cgtrees.compiled import KernelLaunch
 
+# our own library ops, and the module a generated module imports to register each
+OUR_OPS = {"torch.ops.cgtrees.grouped_mm": "cgtrees.codegen.grouped_gemv",
+           "torch.ops.cgtrees.mm_silu_mul": "cgtrees.codegen.gemv_silu_mul"}
+
 
 # ------------------------------------------------------------------------------------------ module
 @dataclass(frozen=True)
@@ -48,8 +52,9 @@ def module_source(header: list[str], program: ir.Program, items: list[Item], int
            "import triton", "import triton.language as tl"]
     if libdevice:
         out.append("from triton.language.extra import libdevice")
-    if any(isinstance(s, ir.Extern) and s.target.startswith("torch.ops.cgtrees.") for s in program.steps):
-        out += ["", "import cgtrees.codegen.grouped_gemv  # noqa: F401 - registers torch.ops.cgtrees.grouped_mm"]
+    externs = [s.target for s in program.steps if isinstance(s, ir.Extern)]
+    ours = [op for op in OUR_OPS if any(t.startswith(op + ".") for t in externs)]
+    out += ["", *(f"import {OUR_OPS[op]}  # noqa: F401 - registers {op}" for op in ours)] if ours else []
     out += ["", "aten = torch.ops.aten", f"DEVICE = torch.device({program.device!r})", ""]
     if checks:
         out += ["", extern_strides.HELPER]
