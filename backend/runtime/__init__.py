@@ -44,7 +44,7 @@ from cgtrees.context import GraphContext
 from cgtrees.logs import log_once
 from cgtrees.runtime import skips
 from cgtrees.runtime.examples import Examples
-from cgtrees.runtime.function import GraphFunction, log, skip
+from cgtrees.runtime.function import GraphFunction, log, recording_lock, skip  # noqa: F401 - recording_lock: public
 from cgtrees.runtime.manager import Managers, SharedTree
 
 _managers = Managers()

@@ -26,6 +26,15 @@ Invariants:
   host's launches; a graph of few kernels over large inputs (a bandwidth-bound layer's forward fed
   a fresh batch, its backward fed that batch and the output's gradient) is slower replayed.
 - A function that runs without graphs says why once (log) and counts one ``cudagraph_skips``.
+- One recording at a time in the process (``recording_lock``, public as
+  ``cgtrees.runtime.recording_lock``). A capture's device synchronize and cuBLAS workspace reset
+  must not run while another thread captures; and with torch 2.11 a capture flags the device's
+  default CUDA generator as capturing for every thread, whether or not the graph draws random
+  numbers, so another thread's ``torch.randn`` raises "Offset increment outside graph capture
+  encountered unexpectedly" (reduce-overhead's recordings do the same) and two captures at once
+  would share one generator state. Our recordings take turns; a program whose other threads draw
+  from the default generator holds the same lock around those draws, or gives each thread a
+  generator of its own (README, "Threads").
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ class Why(enum.Enum):
     INPUT_MOVED = "an input written in place moved"  # a new KV cache, or one copied from now on
 
 _WORTH_RECORDING = 8  # replays that pay for a recording (a capture costs about what 10 calls do)
-_record_lock = threading.RLock()
+recording_lock = threading.RLock()
 
 
 class GraphFunction:
@@ -246,15 +255,13 @@ class GraphFunction:
         # with its own, so the eager one would stay allocated for nothing (measured: 64 MiB of a
         # training step's peak, one workspace for the forward's thread and one for autograd's).
         if compat.clear_cublas_workspaces is not None:
-            with _record_lock:  # not while another thread captures
+            with recording_lock:  # not while another thread captures
                 compat.clear_cublas_workspaces()
         return outs
 
     def _record(self, args: list[Any], manager: TreeManager, key: Any, nodes: list[GraphNode],
                 reason: str = "a new shape") -> Any:
-        # One recording at a time in the process: a capture's device synchronize, empty_cache and
-        # cuBLAS workspace reset must not happen while another thread captures.
-        with _record_lock:
+        with recording_lock:  # one recording at a time in the process (the invariants above)
             live = manager.prepare_recording()
             stable = self._written_in_place(args, key)
             too_costly = self._copies_outweigh_launches(args, {e.key[0] for e in live}, stable)
