@@ -39,6 +39,7 @@ TRUSTED = frozenset({
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",  # a fresh contiguous product
     "cgtrees::grouped_mm",  # fresh contiguous products (codegen/grouped_gemv.py)
     "cgtrees::mm_silu_mul",  # a fresh contiguous product (codegen/gemv_silu_mul.py)
+    "cgtrees::add_rmsnorm_grouped_mm",  # fresh contiguous products and row (codegen/gemv_add_rmsnorm.py)
     "aten::rand", "aten::randn", "aten::randint", "aten::randperm",  # fresh contiguous factories
 })
 

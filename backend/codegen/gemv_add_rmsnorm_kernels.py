@@ -1,0 +1,65 @@
+"""The Triton kernels of ``gemv_add_rmsnorm`` (which see), in a module of their own: Triton decides
+interpreted or compiled when a function is decorated, and a CPU process turns its interpreter on
+(``interp.enable``) after codegen imported ``gemv_add_rmsnorm``, so this module is imported at the
+first launch. Each kernel reads pid -> offsets -> mask -> load -> compute -> store; ``add_rmsnorm`` is
+the prologue both share, pointwise code on one row held in float32 registers.
+"""
+
+import triton
+import triton.language as tl
+
+from cgtrees.codegen.gemv_silu_mul_kernels import rounded
+
+
+@triton.jit
+def add_rmsnorm(x_ptr, r_ptr, nw_ptr, rk, in_k, eps, K: tl.constexpr, ADD: tl.constexpr, DTYPE: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """(h, n) of one row: ``h = x + r`` (``x`` where not ``ADD``) and ``n = rmsnorm(h) * nw``, float32
+    values rounded where eager's ``DTYPE`` chain rounds: the sum, ``h * rsqrt(mean(h^2) + eps)``, the
+    product with the norm's weight."""
+    h = tl.load(x_ptr + rk, mask=in_k, other=0.0).to(tl.float32)
+    if ADD:
+        h = rounded(h + tl.load(r_ptr + rk, mask=in_k, other=0.0).to(tl.float32), DTYPE, INTERPRET)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
+    nw = tl.load(nw_ptr + rk, mask=in_k, other=0.0).to(tl.float32)
+    n = rounded(rounded(h * rstd, DTYPE, INTERPRET) * nw, DTYPE, INTERPRET)
+    return h, n
+
+
+@triton.jit
+def add_rmsnorm_gemv_row_kernel(x_ptr, r_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, h_ptr,
+                                N0, N1, N2, eps, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                ADD: tl.constexpr, INTERPRET: tl.constexpr):
+    pid = tl.program_id(0)
+    blocks0 = tl.cdiv(N0, BLOCK_N)
+    blocks1 = tl.cdiv(N1, BLOCK_N)
+    w_ptr, y_ptr, n_rows, block = w0_ptr, y0_ptr, N0, pid  # which weight this program's rows are of
+    if pid >= blocks0 + blocks1:
+        w_ptr, y_ptr, n_rows, block = w2_ptr, y2_ptr, N2, pid - blocks0 - blocks1
+    elif pid >= blocks0:
+        w_ptr, y_ptr, n_rows, block = w1_ptr, y1_ptr, N1, pid - blocks0
+    rk = tl.arange(0, BLOCK_K)  # the whole row: BLOCK_K >= K
+    in_k = rk < K
+    dtype = y0_ptr.dtype.element_ty
+    h, n = add_rmsnorm(x_ptr, r_ptr, nw_ptr, rk, in_k, eps, K, ADD, dtype, INTERPRET)
+    if ADD:  # the residual stream: program 0 writes it
+        tl.store(h_ptr + rk, h.to(dtype), mask=in_k & (pid == 0))
+    rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = rn < n_rows
+    w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
+    y = tl.sum(w.to(tl.float32) * n[None, :], axis=1)
+    tl.store(y_ptr + rn, y.to(dtype), mask=in_n)
+
+
+@triton.jit
+def add_rmsnorm_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, n_ptr, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ADD: tl.constexpr, INTERPRET: tl.constexpr):
+    """The prologue alone, one program (the unfused form's first launch, as our codegen's reduction
+    kernel computes it)."""
+    rk = tl.arange(0, BLOCK_K)
+    in_k = rk < K
+    dtype = n_ptr.dtype.element_ty
+    h, n = add_rmsnorm(x_ptr, r_ptr, nw_ptr, rk, in_k, eps, K, ADD, dtype, INTERPRET)
+    if ADD:
+        tl.store(h_ptr + rk, h.to(dtype), mask=in_k)
+    tl.store(n_ptr + rk, n.to(dtype), mask=in_k)
