@@ -40,15 +40,14 @@ def add_rmsnorm_gemv_row_kernel(x_ptr, r_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, y0
         w_ptr, y_ptr, n_rows, block = w1_ptr, y1_ptr, N1, pid - blocks0
     rk = tl.arange(0, BLOCK_K)  # the whole row: BLOCK_K >= K
     in_k = rk < K
-    dtype = y0_ptr.dtype.element_ty
-    h, n = add_rmsnorm(x_ptr, r_ptr, nw_ptr, rk, in_k, eps, K, ADD, dtype, INTERPRET)
+    h, n = add_rmsnorm(x_ptr, r_ptr, nw_ptr, rk, in_k, eps, K, ADD, y0_ptr.dtype.element_ty, INTERPRET)
     if ADD:  # the residual stream: program 0 writes it
-        tl.store(h_ptr + rk, h.to(dtype), mask=in_k & (pid == 0))
+        tl.store(h_ptr + rk, h.to(h_ptr.dtype.element_ty), mask=in_k & (pid == 0))
     rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = rn < n_rows
     w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=in_n[:, None] & in_k[None, :], other=0.0)
     y = tl.sum(w.to(tl.float32) * n[None, :], axis=1)
-    tl.store(y_ptr + rn, y.to(dtype), mask=in_n)
+    tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=in_n)
 
 
 @triton.jit
@@ -58,8 +57,7 @@ def add_rmsnorm_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, n_ptr, eps, K: tl.constexpr,
     kernel computes it)."""
     rk = tl.arange(0, BLOCK_K)
     in_k = rk < K
-    dtype = n_ptr.dtype.element_ty
-    h, n = add_rmsnorm(x_ptr, r_ptr, nw_ptr, rk, in_k, eps, K, ADD, dtype, INTERPRET)
+    h, n = add_rmsnorm(x_ptr, r_ptr, nw_ptr, rk, in_k, eps, K, ADD, n_ptr.dtype.element_ty, INTERPRET)
     if ADD:
-        tl.store(h_ptr + rk, h.to(dtype), mask=in_k)
-    tl.store(n_ptr + rk, n.to(dtype), mask=in_k)
+        tl.store(h_ptr + rk, h.to(h_ptr.dtype.element_ty), mask=in_k)
+    tl.store(n_ptr + rk, n.to(n_ptr.dtype.element_ty), mask=in_k)
