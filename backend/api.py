@@ -71,15 +71,15 @@ class CgtreesBackend:
         try:
             from cgtrees import precompile
             from cgtrees.aot import compiled_autograd
-            from cgtrees.aot.driver import compile_dynamo_graph
+            from cgtrees.aot.driver import Compiled, compile_dynamo_graph
             from cgtrees.cache.aot import Level1Hints
 
-            # kept: torch will save the result (aot_compile); a line on the terminal if it takes long
-            with PROGRESS.compiling(f"g{graph_id}", config.progress), precompile.compiling(gm, config) as kept:
+            # keep: torch will save the result (aot_compile); a line on the terminal if it takes long
+            with PROGRESS.compiling(f"g{graph_id}", config.progress), precompile.compiling(gm, config) as keep:
                 if compiled_autograd.is_backward_graph(example_inputs):  # its first input is a list
-                    compiled = compiled_autograd.compile_backward_graph(gm, example_inputs, config, graph_id)
+                    result = Compiled(compiled_autograd.compile_backward_graph(gm, example_inputs, config, graph_id))
                 else:
-                    compiled = compile_dynamo_graph(gm, example_inputs, config, graph_id, hints=Level1Hints(kept))
+                    result = compile_dynamo_graph(gm, example_inputs, config, graph_id, hints=Level1Hints(keep=keep))
         except restart_exceptions():
             raise  # Dynamo's own signal to trace the frame again (e.g. a float input made a tensor)
         except Exception as exc:  # noqa: BLE001 - the user's program must not die of our bug
@@ -89,7 +89,7 @@ class CgtreesBackend:
             return gm.forward
         # compiled means compiled: a graph whose AOT result came from the cache (level 1) was loaded
         counters.bump("graphs_loaded" if counters.get("cache_hit_aot") > hits_before else "graphs_compiled")
-        return compiled if kept is None else precompile.serializable(compiled, kept, config, gm, f"g{graph_id}")
+        return precompile.serializable(result, config, gm, f"g{graph_id}") if keep else result.call
 
     def reset(self) -> None:
         """Called by ``torch._dynamo.reset()`` (through torch.compile's wrapper) and ``cgtrees.reset()``."""

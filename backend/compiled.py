@@ -4,7 +4,8 @@
     codegen.load(graph, ctx) -> KernelModule              a CompiledModule: ``call`` and ``graph``
     cache                                                 keeps ``graph.as_record()`` (binaries in it)
                                                           and gives back ``CompiledGraph.from_record``
-    runtime.wrap(module, ...)                             reads ``module.graph.facts`` and ``launches``
+    runtime.wrap(module, ...)                             reads ``module.graph.facts``, ``launches`` and
+                                                          ``device_scalars`` (CompiledGraph and AtenGraph alike)
 
 Nothing here imports a stage: codegen, the cache and the runtime all import this module, and none
 of them reads another's objects with ``getattr`` or reads data back out of a generated module.
@@ -150,6 +151,7 @@ class AtenGraph:
     facts: GraphFacts
     launches: int  # the aten calls that launch work
     source: None = None
+    device_scalars: tuple[int, ...] = ()  # none: the runtime reads the same fields of both kinds of graph
 
 
 def has_symbolic_shapes(example_inputs: list) -> bool:

@@ -167,10 +167,13 @@ def test_a_warm_load_leaves_kernels_with_binaries_undecorated(monkeypatch, tmp_p
 
 def test_the_cache_keeps_what_a_module_captures_and_passes_it_back(monkeypatch, caplog):
     import dataclasses
+    import json
 
     from cgtrees import codegen
+    from cgtrees.aot.rebuild import load_module
     from cgtrees.cache import modules
     from cgtrees.compiled import CompiledGraph, GraphFacts
+    from cgtrees.compiled_function import CompiledPart
     from cgtrees.config import Config
 
     graph = CompiledGraph("", GraphFacts(), kernels=("pw_0",))
@@ -190,9 +193,9 @@ def test_the_cache_keeps_what_a_module_captures_and_passes_it_back(monkeypatch, 
     assert modules.kept_graph(Module(True), interpreted).binaries == {} and "no device" in caplog.text
     seen = {}
     monkeypatch.setattr(codegen, "load", lambda graph, ctx, **kw: seen.update(kw, graph=graph))
-    record = {"format": "graph", "graph": dataclasses.replace(graph, binaries={"pw_0": []},
-                                                              code={"python": "x"}).as_record()}
-    modules.load_record(record, None)
+    record = CompiledPart("inference", "m", dataclasses.replace(graph, binaries={"pw_0": []}, code={"python": "x"}),
+                          ()).as_record()
+    load_module(CompiledPart.from_record(json.loads(json.dumps(record))), None)
     assert seen["fresh"] is False and seen["graph"].binaries == {"pw_0": []} and seen["graph"].code == {"python": "x"}
     assert seen["graph"] == graph  # the rest of what it is, as it was kept
 
@@ -248,7 +251,7 @@ def test_a_self_contained_record_keeps_the_compiled_code_too(monkeypatch, tmp_pa
     import dataclasses
 
     from cgtrees import codegen
-    from cgtrees.cache import modules
+    from cgtrees.aot.recorder import part_module
     from cgtrees.compiled import CompiledGraph, GraphFacts
     from cgtrees.config import Config
 
@@ -260,13 +263,13 @@ def test_a_self_contained_record_keeps_the_compiled_code_too(monkeypatch, tmp_pa
             return dataclasses.replace(self.graph, binaries={"pw_0": []})
 
     gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    record = modules.module_record(gm, Module(), Config())
-    assert record["format"] == "graph" and record["graph"]["code"] == binaries.code_record(SOURCE, {"pw_0": []})
+    kept = part_module(gm, Module(), Config())
+    assert isinstance(kept, CompiledGraph) and kept.code == binaries.code_record(SOURCE, {"pw_0": []})
     monkeypatch.setattr(binaries, "compile", lambda *a, **k: pytest.fail("compiled"), raising=False)
-    module, _ = _deferred_load(tmp_path, record["graph"]["code"])
+    module, _ = _deferred_load(tmp_path, kept.code)
     assert callable(module.pw_0)
-    interpreted = modules.module_record(gm, Module(), Config(interpret=True))  # kernels load from their source
-    assert interpreted["graph"]["code"] is None
+    interpreted = part_module(gm, Module(), Config(interpret=True))  # kernels load from their source
+    assert interpreted.code is None
 
 
 @pytest.mark.parametrize("bad", ["another_python", "garbled", "not_a_record"])

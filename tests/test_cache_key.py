@@ -15,7 +15,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from cgtrees.cache import modules
 from cgtrees.cache.key import graph_text, make_key
-from cgtrees.cache.store import CorruptEntry, Store, base_dir, decode, encode
+from cgtrees.cache.store import SCHEMA, CorruptEntry, Store, base_dir, decode, encode
 from cgtrees.config import Config
 from cgtrees.context import GraphContext
 
@@ -82,7 +82,7 @@ def test_cache_directory_precedence(tmp_path):
 def test_store_is_private_and_refuses_unsafe_directories(tmp_path, caplog):
     config = Config(cache_dir=str(tmp_path / "c"))
     store = Store.open(config)
-    assert store is not None and store.root == tmp_path / "c" / "v1"
+    assert store is not None and store.root == tmp_path / "c" / f"v{SCHEMA}"
     assert os.stat(store.root).st_mode & 0o777 == 0o700
     os.chmod(store.root / "aot", 0o777)
     with caplog.at_level(logging.WARNING, logger="cgtrees.cache"):

@@ -16,6 +16,8 @@ import pytest
 import torch
 from snapshot_helpers import backend_snapshot
 
+from cgtrees.cache.store import SCHEMA
+
 SNAPSHOT: list[Path] = []
 
 WORKER = r'''
@@ -127,7 +129,7 @@ def _run(tmp_path: Path, cache_dir: Path, **kw) -> dict:
 
 
 def _entries(cache_dir: Path, level: str = "aot") -> list[Path]:
-    return sorted((cache_dir / "v1" / level).glob("*.entry"))
+    return sorted((cache_dir / f"v{SCHEMA}" / level).glob("*.entry"))
 
 
 def _same_results(a: Path, b: Path) -> None:
@@ -263,21 +265,22 @@ def test_bad_entry_is_corrupt_removed_and_recompiled(tmp_path, cold, damage):
     # Recompiled and rewritten as a good entry.
     from cgtrees.cache.store import decode
 
-    assert "parts" in decode(target.read_bytes(), "aot", target.stem)
+    assert "function" in decode(target.read_bytes(), "aot", target.stem)
 
 
 def test_level_one_entries_refer_to_level_two(cold):
     """A level-1 entry holds no module source: each generated module is named by the digest of
     the level-2 entry that holds it."""
     from cgtrees.cache.store import decode
+    from cgtrees.compiled_function import CompiledFunction, Level2Ref
 
     cache_dir, _ = cold
     modules = {p.stem for p in _entries(cache_dir, "module")}
     for entry in _entries(cache_dir):
-        payload = decode(entry.read_bytes(), "aot", entry.stem)
+        function = CompiledFunction.from_record(decode(entry.read_bytes(), "aot", entry.stem)["function"])
         assert b'"source"' not in entry.read_bytes()
-        records = [part["module"] for part in payload["parts"].values()]
-        assert records and all(r["format"] == "level-2" and r["digest"] in modules for r in records), records
+        refs = [part.module for part in function.parts]
+        assert refs and all(isinstance(r, Level2Ref) and r.digest in modules for r in refs), refs
 
 
 @pytest.mark.parametrize("damage", ["removed", "garbled"])
@@ -318,9 +321,9 @@ def test_other_torch_version_is_a_miss_never_loaded(tmp_path, cold):
 def test_unsafe_directory_is_never_loaded(tmp_path, cold, unsafe):
     cache_dir, cold_results = cold
     if unsafe == "group_writable":
-        os.chmod(cache_dir / "v1", 0o770)
+        os.chmod(cache_dir / f"v{SCHEMA}", 0o770)
     else:
-        os.chown(cache_dir / "v1", os.getuid() + 4242, -1)
+        os.chown(cache_dir / f"v{SCHEMA}", os.getuid() + 4242, -1)
     result = _run(tmp_path, cache_dir, save=str(tmp_path / "unsafe.pt"))
     assert result["counters"]["cache_hit"] == 0 and result["calls"]["aot"] == 2
     assert "cache disabled" in result["stderr"]
@@ -333,7 +336,7 @@ def test_unwritable_cache_compiles_uncached(tmp_path, fail):
     result = _run(tmp_path, cache_dir, fail=fail, save=str(tmp_path / "a.pt"))
     assert "could not write cache entry" in result["stderr"]
     assert _entries(cache_dir) == []
-    assert not list((cache_dir / "v1" / "aot").glob(".tmp-*"))  # no temp file left behind
+    assert not list((cache_dir / f"v{SCHEMA}" / "aot").glob(".tmp-*"))  # no temp file left behind
     assert result["error_vs_eager"] < 1e-5
 
 
@@ -349,8 +352,8 @@ def test_concurrent_cold_processes_leave_one_entry_per_graph(tmp_path, n):
     assert len(entries) == 2
     from cgtrees.cache.store import decode
 
-    assert all("parts" in decode(e.read_bytes()) for e in entries)
-    assert not list((cache_dir / "v1" / "aot").glob(".tmp-*"))
+    assert all("function" in decode(e.read_bytes()) for e in entries)
+    assert not list((cache_dir / f"v{SCHEMA}" / "aot").glob(".tmp-*"))
 
 
 def test_cache_off_by_option_and_env(tmp_path):
@@ -372,7 +375,7 @@ def test_cli_info_and_clear(tmp_path, cold):
         return proc.stdout
 
     info = cli("info")
-    assert f"location: {cache_dir / 'v1'}" in info
+    assert f"location: {cache_dir / f'v{SCHEMA}'}" in info
     n = len(_entries(cache_dir)) + len(_entries(cache_dir, "module"))
     assert f"entries: {n} (2 AOT results" in info and "cache_hit=0" in info
     assert f"removed {n} entries" in cli("clear")

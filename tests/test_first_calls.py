@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from codegen_helpers import INTERPRET, compile_fn, config, trace
 
-from cgtrees.cache.modules import load_record, module_record, record_graph
+from cgtrees.aot.rebuild import load_module
+from cgtrees.aot.recorder import part_module
 from cgtrees.codegen import library_calls
 from cgtrees.compiled import CompiledGraph
+from cgtrees.compiled_function import CompiledPart
 from cgtrees.context import GraphContext
 from cgtrees.runtime import first_calls
 
@@ -57,9 +59,10 @@ def test_level_1_records_keep_the_library_calls():
     gm = trace(_conv_mm, *inputs)
     ctx = GraphContext(config=config(), kind="inference", name="g0_inference")
     module = compile_fn(_conv_mm, *inputs)
-    record = json.loads(json.dumps(module_record(gm, module, ctx.config)))  # as an entry stores it
-    assert record_graph(record).library_calls == module.graph.library_calls
-    assert load_record(record, ctx).graph.library_calls == module.graph.library_calls
+    part = CompiledPart("inference", ctx.name, part_module(gm, module, ctx.config), ())
+    part = CompiledPart.from_record(json.loads(json.dumps(part.as_record())))  # as an entry stores it
+    assert part.module.library_calls == module.graph.library_calls
+    assert load_module(part, ctx).graph.library_calls == module.graph.library_calls
     assert len(module.graph.library_calls) == 2
 
 

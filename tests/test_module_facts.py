@@ -12,9 +12,12 @@ import torch
 from codegen_helpers import compile_fn, config, trace
 
 from cgtrees import codegen
-from cgtrees.cache.modules import FxModule, fx_code, load_record, module_record
+from cgtrees.aot.fx_code import AtenCodeModule, fx_code
+from cgtrees.aot.rebuild import load_module
+from cgtrees.aot.recorder import part_module
 from cgtrees.codegen.module import AtenModule
 from cgtrees.compiled import AtenGraph, BadRecord, GraphFacts
+from cgtrees.compiled_function import CompiledPart
 from cgtrees.context import GraphContext
 from cgtrees.runtime import skips
 from cgtrees.runtime.examples import Examples
@@ -47,15 +50,15 @@ def test_level1_records_keep_facts_for_both_formats():
     gm = trace(lambda t: (t.exp(), t.split(3)[1] * 2), x)
     ctx = GraphContext(config=config(), kind="inference", name="g0_inference")
     for module in (AtenModule(gm), codegen.compile_graph(gm, [x], ctx)):
-        record = module_record(gm, module, ctx.config)
-        loaded = load_record(record, ctx)
+        record = CompiledPart("inference", ctx.name, part_module(gm, module, ctx.config), ()).as_record()
+        loaded = load_module(CompiledPart.from_record(record), ctx)
         assert loaded.graph.facts == GraphFacts.of(gm)
         assert loaded.graph.facts.output_ops == ("aten.exp.default", "aten.mul.Tensor")
         torch.testing.assert_close(loaded.call([x]), gm(x))
-    record = module_record(gm, AtenModule(gm), ctx.config)
-    del record["facts"]  # a damaged record is a bad entry (the cache counts it corrupt), never a guess
+    record = CompiledPart("inference", ctx.name, part_module(gm, AtenModule(gm), ctx.config), ()).as_record()
+    del record["module"]["facts"]  # a damaged record is a bad entry (the cache counts it corrupt), never a guess
     with pytest.raises(BadRecord):
-        load_record(record, ctx)
+        CompiledPart.from_record(record)
 
 
 def test_aten_module_frees_inputs_at_last_use():
@@ -88,5 +91,5 @@ def test_cached_fx_module_is_boxed():
     assert "args_list.clear()" in code, code
     x, y = torch.randn(4), torch.randn(4)
     args = [x, y]
-    torch.testing.assert_close(FxModule(code, "g0", AtenGraph(GraphFacts.of(gm), 1)).call(args), x.sin() + y)
+    torch.testing.assert_close(AtenCodeModule(code, "g0", AtenGraph(GraphFacts.of(gm), 1)).call(args), x.sin() + y)
     assert args == []

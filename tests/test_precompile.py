@@ -248,7 +248,8 @@ def test_bad_files_fail_to_load_with_the_reason(snapshot, saved, tmp_path):
                    f"saved by Triton 9{triton_version[1:]}"),
         "cgtrees": (_edit(good, tmp_path / "cgtrees.bin", source, other_source),
                     f"saved by cgtrees (source hash) {other_source.decode()}, this process has {source.decode()}"),
-        "device": (_edit(good, tmp_path / "device.bin", b'"device": "cpu", "graph"', b'"device": "xpu", "graph"'),
+        "device": (_edit(good, tmp_path / "device.bin", b'"device": "cpu", "torch_version"',  # the function's origin
+                         b'"device": "xpu", "torch_version"'),
                    "saved for xpu; this process has no xpu device"),
         "damaged": (_edit(good, tmp_path / "damaged.bin", flip=True), "damaged (checksum mismatch)"),
     }

@@ -37,8 +37,8 @@ import torch
 import torch.fx
 
 from cgtrees import counters
+from cgtrees.aot import compat
 from cgtrees.aot.batch_rows import NotBucketable, Trace, expr, same, sizes, value
-from cgtrees.cache import compat as cache_compat
 from cgtrees.logs import log_once
 
 log = logging.getLogger("cgtrees.aot.buckets")
@@ -69,7 +69,7 @@ def plan(gm: torch.fx.GraphModule, buckets: Sequence[int], name: str, static: Se
     if symbol is None:
         return None
     if output_kinds is None:
-        meta = cache_compat.fw_metadata()
+        meta = compat.fw_metadata()
         output_kinds = None if meta is None else [getattr(o.output_type, "name", "") for o in meta.output_info]
     try:
         return _plan(gm, placeholders, symbol, tuple(buckets), frozenset(static), output_kinds)

@@ -38,9 +38,9 @@ on them kept in the entry (``cache.aot``); a prologue that takes sizes (a symbol
 ``ctx.symints``) is traced with them as inputs. A level-1 hit rebuilds the same runtime treatment:
 the part runs as a backward, behind the same flattening call.
 
-**The forward's level-1 entry** (``cache.aot``, ``cache.backward_graph``) keeps AOTAutograd's
+**The forward's level-1 entry** (``cache.aot``, ``aot.backward_graph``) keeps AOTAutograd's
 backward graph and metadata, and the rebuilt forward's autograd.Function carries what compiled
-autograd reads off AOTAutograd's (``cache.compat.aot_backward_attributes``): a warm process inlines
+autograd reads off AOTAutograd's (``aot.compat.aot_backward_attributes``): a warm process inlines
 the same backward graph, so its capture matches the cold one's and hits level 1 too.
 """
 
@@ -78,7 +78,7 @@ def compile_backward_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], 
     log.info("cgtrees: %s is a compiled-autograd backward (%d list inputs flattened)", name, flat.num_listed)
     # backward(create_graph=True) runs with grad mode on: differentiable, compiled as any graph
     compiled = driver.compile_dynamo_graph(flat.gm, flat.inputs, config, graph_id,
-                                           backward=not torch.is_grad_enabled(), hints=hints)
+                                           backward=not torch.is_grad_enabled(), hints=hints).call
     counters.bump("compiled_autograd_graphs")  # not before: Dynamo may restart a compile
     return flat.caller(compiled)
 
@@ -87,7 +87,7 @@ def compile_backward_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], 
 def name_ops(gm: torch.fx.GraphModule) -> Level1Hints:
     """The text the cache key shows for each call of compiled autograd's own (by node name), or
     why the first cache level must not key the graph."""
-    from cgtrees.cache.compat import Uncacheable
+    from cgtrees.aot.compat import Uncacheable
 
     texts: dict[str, str] = {}
     for node in gm.graph.nodes:
@@ -115,7 +115,7 @@ def name_ops(gm: torch.fx.GraphModule) -> Level1Hints:
 def _traced_text(node: torch.fx.Node) -> str:
     """The canonical text of ``node``'s call traced on its arguments' example values: all that
     AOTAutograd, tracing the graph on values of the same shapes, will see of it."""
-    from cgtrees.cache.compat import Uncacheable
+    from cgtrees.aot.compat import Uncacheable
     from cgtrees.cache.key import graph_text
 
     leaves, spec = pytree.tree_flatten((node.args, node.kwargs))

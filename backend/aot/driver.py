@@ -1,6 +1,6 @@
 """aot: drive torch's AOTAutograd over a Dynamo graph and compile each aten graph it hands us.
 
-    Dynamo graph --cache level 1 (a hit skips the rest: ``aot.rebuild`` makes the entry the function)
+    Dynamo graph --cache level 1 (a hit skips the rest: ``aot.rebuild`` makes its CompiledFunction the callable)
                  --AOTAutograd (functionalize, decompose, joint trace, OUR partition)--> aten graphs
     aten graph   --key --look up (level 2) --codegen --store --record (level 1)--> kernel module
                  --runtime.wrap_module--> callable
@@ -31,9 +31,10 @@ from cgtrees.aot import buckets, compat, constants, cse, distributed, layout
 from cgtrees.aot import partition as partitioner
 from cgtrees.aot.partition import Split
 from cgtrees.aot.rebuild import lean_training, rebuild
-from cgtrees.cache import compat as cache_compat
-from cgtrees.cache.aot import NO_HINTS, Level1Hints, Recorder
+from cgtrees.aot.recorder import Recorder
+from cgtrees.cache.aot import NO_HINTS, Level1Hints
 from cgtrees.compiled import CompiledModule, has_symbolic_shapes
+from cgtrees.compiled_function import CompiledFunction
 from cgtrees.config import Config
 from cgtrees.context import GraphContext, GraphKind
 from cgtrees.logs import log, log_once
@@ -64,7 +65,7 @@ class Compilers:
         self.forward_call: Callable[[list[Any]], Any] | None = None
         self._versions = {kind: itertools.count() for kind in ("forward", "backward", "inference")}
         # Whether autocast is on for the graph: read now, AOTAutograd turns it off before it calls a compiler.
-        self.autocast = cache_compat.autocast_enabled()
+        self.autocast = compat.autocast_enabled()
 
     def wrap(self, module: CompiledModule, examples: Examples, ctx: GraphContext) -> Callable[[list[Any]], Any]:
         """The module in the runtime, sharing this graph's tree (level-1 hits use it too)."""
@@ -130,35 +131,51 @@ class Compilers:
         # key, look up, codegen, store
         module, level_2 = kernel_module(gm, example_inputs, ctx, self.store, self.key_file)
         if self.recorder is not None:  # for level 1's entry
-            self.recorder.add(gm, example_inputs, ctx, module, wrapped=True, level_2=level_2)
+            self.recorder.add(gm, example_inputs, ctx, module, level_2=level_2)
         return self.wrap(module, Examples.of(example_inputs, ctx.mutated_input_indices, ctx.static_input_indices), ctx)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """What the driver made of a Dynamo graph: the callable, and its level-1 value (a hit's, or the
+    one this compile built; None where there is none) or the reason the graph bypasses level 1."""
+
+    call: Callable[..., Any]
+    function: CompiledFunction | None = None
+    bypass: str | None = None
 
 
 def compile_dynamo_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config,
                          graph_id: int, backward: bool = False,
-                         hints: Level1Hints = NO_HINTS) -> Callable[..., Any]:
+                         hints: Level1Hints = NO_HINTS) -> Compiled:
     """One Dynamo graph. ``backward``: a compiled-autograd graph traced with grad mode off
     (``aot.compiled_autograd``): AOTAutograd makes it one inference graph, which the runtime runs
-    as a backward. ``hints``: what the caller knows of the graph for level 1 (precompile's
-    ``Kept``, compiled autograd's names or its reason to bypass)."""
+    as a backward. ``hints``: what the caller knows of the graph for level 1 (whether precompile
+    keeps the function, compiled autograd's names or its reason to bypass)."""
     store = cache.open_store(config)  # once for the graph (None: cache off or unusable)
     compilers = Compilers(f"g{graph_id}", config, len(example_inputs), store=store)
     ddp_piece = distributed.is_piece(compilers.name)  # counted: DDPOptimizer splits graphs under DDP
     codegen.prepare(example_inputs, config, compilers.key_file, compiles=False)  # a hit's kernels are compiled
     found = cache.load_aot(gm, example_inputs, config, compilers.name, hints, backward, store)  # level 1
-    compilers.recorder = found.recorder  # on a miss: collects the entry
+    slot = found.slot  # on a miss: where the recorder writes the entry
     if found.hit is not None:  # a hit skips AOT (a piece's too: DDPOptimizer runs it on its fake inputs)
         try:
-            function = rebuild(found.hit.payload, config, compilers.name, compilers.wrap, compilers.backward)
+            call = rebuild(found.hit.function, config, compilers.name, compilers.wrap, compilers.backward)
             found.hit.accept()  # counted; Dynamo guards the frame on the entry's size guards
-            return function
+            return Compiled(call, found.hit.function)
         except Exception as exc:  # noqa: BLE001 - a bad entry is recompiled, never fatal
-            compilers.recorder = found.hit.reject(exc)
+            slot = found.hit.reject(exc)
+    if slot is not None:
+        compilers.recorder = Recorder(slot, config, len(example_inputs), backward, keep=hints.keep)
     try:
-        return _compile_missed(gm, example_inputs, config, compilers, backward, ddp_piece)
+        call = _compile_missed(gm, example_inputs, config, compilers, backward, ddp_piece)
     finally:
         if compilers.recorder is not None:
             compilers.recorder.release()  # a cluster's processes waiting for this entry stop waiting
+    recorder = compilers.recorder
+    if recorder is None:
+        return Compiled(call, bypass=found.bypass)
+    return Compiled(call, recorder.function, recorder.bypass)
 
 
 def _compile_missed(gm: torch.fx.GraphModule, example_inputs: list[Any], config: Config, compilers: Compilers,
@@ -206,13 +223,12 @@ def _lean_inference(call: Callable[[list[Any]], Any], num_inputs: int,
     cache's rule: no aliased or metadata-mutated outputs, no subclasses, inputs not merged);
     None where AOTAutograd's wrappers are needed."""
     from cgtrees.aot import wrappers
-    from cgtrees.cache import compat as plans
 
     if num_inputs != compilers.num_inputs:
         return None  # AOTAutograd deduplicated or merged inputs
     try:
-        plan = plans.runtime_plan(plans.fw_metadata(), "inference", compilers.autocast)
-    except plans.Uncacheable as exc:
+        plan = compat.runtime_plan(compat.fw_metadata(), "inference", compilers.autocast)
+    except compat.Uncacheable as exc:
         log.debug("cgtrees: %s: AOTAutograd's runtime wrappers kept (%s)", compilers.name, exc)
         return None
     return wrappers.inference_function(call, plan)

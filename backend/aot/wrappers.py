@@ -1,5 +1,5 @@
 """Our own runtime wrappers for a level-1 hit: what AOTAutograd would have built around the
-compiled graphs, for the common case only (``compat.runtime_plan`` says which).
+compiled graphs, for the common case only (``compat.runtime_plan`` says which, in a ``RuntimePlan``).
 
 Inference: the inference graph over the flat inputs, with grad mode off; an output that is an
 input is that input; one that is a view of an input is the module's, which the runtime builds over
@@ -25,20 +25,20 @@ from typing import Any, Callable
 
 import torch
 
-from cgtrees.cache import compat
+from cgtrees.aot import compat
+from cgtrees.compiled_function import RuntimePlan, TangentFormat
 
 Boxed = Callable[[list[Any]], Any]
 
 
-def inference_function(call: Boxed, plan: dict[str, Any]) -> Callable[..., Any]:
+def inference_function(call: Boxed, plan: RuntimePlan) -> Callable[..., Any]:
     """The whole per-call cost of the wrapper, which replaces AOTAutograd's also on a miss. Grad
     mode goes off only when it is on: AOTAutograd also makes an inference graph for inputs that
     require grad when no output does, and an aten call on them would then record history."""
-    bump = plan["bump_versions"]
+    bump = plan.bump_versions
     grad_enabled, no_grad = torch.is_grad_enabled, torch.no_grad
-    input_outputs = plan.get("input_outputs") or ()
-    dynamic_dims = plan.get("dynamic_dims") or ()
-    if plan.get("disable_amp"):
+    input_outputs, dynamic_dims = plan.input_outputs, plan.dynamic_dims
+    if plan.disable_amp:
         call = _without_autocast(call)
 
     def run(*args: Any) -> list[Any]:
@@ -70,12 +70,12 @@ def _without_autocast(call: Boxed) -> Boxed:
     return run
 
 
-def training_function(forward: Boxed, backward: Boxed, plan: dict[str, Any], detach: list[int],
+def training_function(forward: Boxed, backward: Boxed, plan: RuntimePlan, detach: tuple[int, ...],
                       aot_attributes: dict[str, Any] | None = None) -> Callable[..., Any]:
     """``aot_attributes``: what compiled autograd reads off AOTAutograd's Function
     (``compat.aot_backward_attributes``); without them it traces our backward instead."""
-    bump = plan["bump_versions"]
-    if plan.get("disable_amp"):
+    bump = plan.bump_versions
+    if plan.disable_amp:
         forward, backward = _without_autocast(forward), _without_autocast(backward)
     function = _autograd_function(forward, backward, plan)
     for name, value in (aot_attributes or {}).items():
@@ -94,15 +94,15 @@ def training_function(forward: Boxed, backward: Boxed, plan: dict[str, Any], det
     return run
 
 
-def _autograd_function(forward: Boxed, backward: Boxed, plan: dict[str, Any]) -> type:
-    num_outputs = plan["num_outputs"]
-    no_vc_check = plan["num_saved_no_vc_check"]
-    num_symints = plan.get("num_saved_symints", 0)  # sizes the backward takes (a symbolic graph's), saved last
-    unsafe_views = plan["unsafe_view_outputs"]
-    non_differentiable = plan["non_differentiable_outputs"]
-    dynamic_dims = plan.get("dynamic_dims") or ()
-    dynamic_saved = plan.get("dynamic_saved") or ()
-    tangents = list(zip(plan["tangent_outputs"], plan["tangent_formats"]))
+def _autograd_function(forward: Boxed, backward: Boxed, plan: RuntimePlan) -> type:
+    num_outputs = plan.num_outputs
+    no_vc_check = plan.num_saved_no_vc_check
+    num_symints = plan.num_saved_symints  # sizes the backward takes (a symbolic graph's), saved last
+    unsafe_views = plan.unsafe_view_outputs
+    non_differentiable = plan.non_differentiable_outputs
+    dynamic_dims = plan.dynamic_dims
+    dynamic_saved = plan.dynamic_saved
+    tangents = list(zip(plan.tangent_outputs, plan.tangent_formats))
 
     class CachedCompiledFunction(torch.autograd.Function):
         @staticmethod
@@ -127,13 +127,13 @@ def _autograd_function(forward: Boxed, backward: Boxed, plan: dict[str, Any]) ->
 
         @staticmethod
         def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-            if plan["deterministic"] is False and torch.are_deterministic_algorithms_enabled():
+            if plan.deterministic is False and torch.are_deterministic_algorithms_enabled():
                 raise RuntimeError("cgtrees: this backward was compiled without deterministic algorithms, "
                                    "but torch.use_deterministic_algorithms(True) is set now")
             args = [*ctx.symints, *ctx.saved_tensors, *ctx.saved_no_vc_check,
                     *(_as_traced(grads[i], fmt) for i, fmt in tangents)]
             compat.release_saved(ctx)
-            if torch.is_grad_enabled() and (plan["any_input_requires_grad"] or
+            if torch.is_grad_enabled() and (plan.any_input_requires_grad or
                                             any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
                 return _FirstOrderOnly.apply(lambda: tuple(backward(args)), torch.empty(0, requires_grad=True))
             return tuple(backward(args))
@@ -153,15 +153,15 @@ class _FirstOrderOnly(torch.autograd.Function):
         raise RuntimeError("cgtrees: double backward through a compiled graph is not supported")
 
 
-def _as_traced(grad: Any, fmt: dict[str, Any]) -> Any:
+def _as_traced(grad: Any, fmt: TangentFormat) -> Any:
     """The tangent in the layout the backward graph was traced with (AOTAutograd does the same)."""
     if not isinstance(grad, torch.Tensor):
         return grad
-    if "memory_format" in fmt:
-        memory_format = getattr(torch, fmt["memory_format"])
+    if fmt.memory_format is not None:
+        memory_format = getattr(torch, fmt.memory_format)
         return grad if grad.is_contiguous(memory_format=memory_format) else grad.contiguous(memory_format=memory_format)
-    if list(grad.shape) == fmt["size"] and list(grad.stride()) == fmt["stride"]:
+    if tuple(grad.shape) == fmt.size and tuple(grad.stride()) == fmt.stride:
         return grad
-    out = torch.empty_strided(fmt["size"], fmt["stride"], dtype=grad.dtype, device=grad.device)
+    out = torch.empty_strided(fmt.size, fmt.stride, dtype=grad.dtype, device=grad.device)
     out.copy_(grad)
     return out

@@ -12,17 +12,14 @@ compiled binaries and the compiled Python of its source, and what is known of it
 runs through aten is not stored here. A bad entry is a counted ``corrupt``, removed, and a miss.
 A hit takes the facts of the graph at hand (its outputs' source lines are this program's).
 
-Also the module *records* of level 1: a record refers to this level's entry by its digest
-(``ref``), and ``resolve`` reads the entry back into a self-contained record, as precompile saves
-it; a graph that runs through aten is recorded as its FX code, which we load back with a fixed set
-of globals.
+A level-1 function refers to this level's entry by its digest (``Level2Ref``), and ``resolve``
+reads the entry back in, as precompile saves it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +35,8 @@ from cgtrees.cache.compat import Uncacheable
 from cgtrees.cache.key import CacheKey, constants_text, make_key
 from cgtrees.cache.store import CorruptEntry, Store
 from cgtrees.codegen import binaries as codegen_binaries
-from cgtrees.codegen import compat as codegen_compat
-from cgtrees.compiled import AtenGraph, CompiledGraph, CompiledModule, GraphFacts
+from cgtrees.compiled import CompiledGraph, CompiledModule, GraphFacts
+from cgtrees.compiled_function import Level2Ref
 from cgtrees.config import Config
 from cgtrees.context import GraphContext
 
@@ -183,48 +180,16 @@ def _triton_knobs() -> Any:
     return knobs if hasattr(knobs, "cache") and hasattr(knobs.cache, "scope") else None
 
 
-# ---- module records for level 1 ---------------------------------------------------------------
-
-class FxModule:
-    """An aten graph loaded back from its FX code (boxed: ``forward(self, args_list)`` clears the
-    list and frees each input at its last use): a CompiledModule like a kernel module."""
-
-    def __init__(self, code: str, name: str, graph: AtenGraph) -> None:
-        namespace = dict(_fx_globals())
-        exec(compile(code, f"<cgtrees cached graph {name}>", "exec"), namespace)  # noqa: S102 - our own entry
-        self._forward = namespace["forward"]
-        self.code = code
-        self.graph = graph
-
-    def call(self, args: list[Any]) -> Any:
-        return self._forward(None, args)
-
-
-def module_record(gm: torch.fx.GraphModule, module: CompiledModule, config: Config,
-                  level_2: str | None = None) -> dict[str, Any]:
-    """What level 1 keeps of one compiled graph (Uncacheable if it cannot be kept): a generated
-    module by the digest of its level-2 entry (``level_2``: the store holds it), else its whole
-    ``CompiledGraph`` (binaries and compiled code in it, as a level-2 entry keeps them); a graph
-    that runs through aten by its FX code."""
-    if not isinstance(module, codegen.KernelModule):
-        return {"format": "fx-boxed", "source": fx_code(gm), "facts": module.graph.facts.as_record(),
-                "launches": module.graph.launches}
-    if level_2 is not None:
-        return {"format": "level-2", "digest": level_2, "facts": module.graph.facts.as_record()}
-    return {"format": "graph", "graph": kept_graph(module, config).as_record()}
-
+# ---- level 1's references to this level ----------------------------------------------------------
 
 class MissingModule(Exception):
-    """A level-1 record refers to a level-2 entry that is gone or bad (evicted, cleared, damaged)."""
+    """A level-1 entry refers to a level-2 entry that is gone or bad (evicted, cleared, damaged)."""
 
 
-def resolve(record: dict[str, Any], store: Store | None) -> dict[str, Any]:
-    """The record with its level-2 entry read in: self-contained, as ``load_record`` and precompile
-    take it (its digest kept, which names its copy in ``CGTREES_DEBUG_DIR``). MissingModule when
-    the entry cannot be read."""
-    if record.get("format") != "level-2":
-        return record
-    digest = str(record["digest"])
+def resolve(ref: Level2Ref, store: Store | None) -> CompiledGraph:
+    """The module a level-1 entry refers to, read in from this level, with the referring
+    function's facts of its graph. MissingModule when the entry cannot be read."""
+    digest = ref.digest
     if store is None:
         raise MissingModule(f"kernel module {digest[:12]} is in a cache this process cannot use")
     try:
@@ -238,53 +203,4 @@ def resolve(record: dict[str, Any], store: Store | None) -> dict[str, Any]:
     if not isinstance(payload.get("graph"), dict):
         raise MissingModule(f"kernel module {digest[:12]}'s entry holds no graph")
     events.hit(LEVEL, digest[:12])
-    return {"format": "graph", "digest": digest, "graph": {**payload["graph"], "facts": record["facts"]}}
-
-
-def record_graph(record: dict[str, Any]) -> CompiledGraph | AtenGraph:
-    """What a self-contained record says of its graph (``resolve`` first one that refers to level 2)."""
-    if record["format"] == "graph":
-        return CompiledGraph.from_record(record["graph"])
-    if record["format"] == "fx-boxed":
-        return AtenGraph(GraphFacts.from_record(record.get("facts")), int(record["launches"]))
-    raise CorruptEntry(f"unknown module format {record['format']!r}")
-
-
-def load_record(record: dict[str, Any], ctx: GraphContext) -> CompiledModule:
-    """The module of a self-contained record; one read from level 2 keeps its digest, which names
-    its copy in ``CGTREES_DEBUG_DIR``."""
-    graph = record_graph(record)
-    if isinstance(graph, AtenGraph):
-        return FxModule(record["source"], ctx.name, graph)
-    if record.get("digest"):
-        ctx = dataclasses.replace(ctx, cache_key=record["digest"])
-    return codegen.load(graph, ctx, fresh=False)
-
-
-def fx_code(gm: torch.fx.GraphModule) -> str:
-    """The graph's FX code, taking its inputs boxed."""
-    if any(n.op in ("get_attr", "call_module") for n in gm.graph.nodes):
-        raise Uncacheable("aten graph reads module attributes")
-    boxed = codegen_compat.boxed_graph_module(gm)
-    if boxed is None:
-        raise Uncacheable("this torch has no boxed FX code generator")
-    code = boxed.graph.python_code(root_module="self")
-    allowed = _fx_globals()
-    for name, value in code.globals.items():
-        known = allowed.get(name, _MISSING)
-        same = known is value or (isinstance(value, float) and isinstance(known, float)
-                                  and (known == value or math.isnan(known) and math.isnan(value)))
-        if not same:
-            raise Uncacheable(f"aten graph code needs the global {name!r}")
-    return code.src
-
-
-_MISSING = object()
-
-
-def _fx_globals() -> dict[str, Any]:
-    import torch.fx._pytree as fx_pytree
-    import torch.utils._pytree as pytree
-
-    return {"torch": torch, "inf": math.inf, "nan": math.nan, "NoneType": type(None),
-            "device": torch.device, "fx_pytree": fx_pytree, "pytree": pytree}
+    return CompiledGraph.from_record(payload["graph"]).with_facts(ref.facts)

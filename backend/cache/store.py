@@ -36,7 +36,7 @@ from cgtrees.cache import remote as remote_tier
 from cgtrees.config import Config
 from cgtrees.logs import log_once
 
-SCHEMA = 1
+SCHEMA = 2  # 2: a level-1 entry holds a typed CompiledFunction (``cgtrees.compiled_function``)
 MAGIC = b"cgtrees-cache-entry/1"
 LEVELS = ("aot", "module")
 LOCK_TIMEOUT_S = 120.0

@@ -2,18 +2,20 @@
 and Dynamo's caching precompile, with ``backend="cgtrees"``.
 
 torch asks the backend's compiled callable for bytes (its ``SerializableCallable`` interface) and,
-in a new process, for the callable back from those bytes. Our bytes are the first cache level's
-entry for the Dynamo graph (``cache/aot.py``: module sources, kernel binaries, the runtime plan),
-in a checksummed file of our own kind (``store.encode``). Loading checks that the entry was made
-by this torch, Triton and cgtrees, for devices this process has, then rebuilds the function as a
-level-1 hit does: no AOTAutograd, no codegen, no Triton compile, the modules wrapped in the
+in a new process, for the callable back from those bytes. Our bytes are the Dynamo graph's level-1 value,
+its ``CompiledFunction`` (``cgtrees.compiled_function``: module sources, kernel binaries, the
+runtime plan), self-contained, in a checksummed file of our own kind (``store.encode``). Loading
+checks that the function was made by this torch, Triton and cgtrees, for devices this process
+has, then rebuilds it as a level-1 hit does: no AOTAutograd, no codegen, no Triton compile, the modules wrapped in the
 runtime again (CUDA graphs record on the first calls). Parameters are graph inputs, so a loaded
 function serves a model whose weights changed.
 
     compiling(gm)                     api.py compiles each Dynamo graph inside it: under torch's
                                       precompile paths, AOTAutograd runs as in a plain compile
-                                      (with the backward compiled at once) and the entry is kept
-    serializable(compiled, kept, ...) what the backend returns there: a ``PrecompiledFunction``
+                                      (with the backward compiled at once), and it says to keep
+                                      the function (``Level1Hints(keep=True)``)
+    serializable(compiled, ...)       what the backend returns there: a ``PrecompiledFunction``
+                                      of the driver's ``Compiled`` (the callable and its value)
     PrecompileError                   a graph we cannot save, or bytes we will not load; the
                                       message names why (a mismatch, damage, a level-1 bypass)
 
@@ -32,20 +34,23 @@ import dataclasses
 import itertools
 import logging
 import os
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 
 from cgtrees import counters, runtime
-from cgtrees.cache.aot import Kept
 from cgtrees.cache.key import device_mismatch
+from cgtrees.compiled_function import CompiledFunction, Origin
 from cgtrees.config import Config
 from cgtrees.precompile import compat
+
+if TYPE_CHECKING:
+    from cgtrees.aot.driver import Compiled
 
 log = logging.getLogger("cgtrees.precompile")
 
 MAGIC = b"cgtrees-precompiled/1"
-FORMAT = 1
+FORMAT = 2  # 2: the typed CompiledFunction's record
 _LOCAL_FIELDS = ("cache_dir", "debug_dir")  # this process's own, never taken from a saved function
 _loaded = itertools.count()
 
@@ -68,26 +73,25 @@ def use_dynamo_cache() -> None:
 
 
 @contextlib.contextmanager
-def compiling(gm: torch.fx.GraphModule, config: Config) -> Iterator[Kept | None]:
-    """Around the compile of one Dynamo graph: a ``Kept`` that collects the level-1 entry when torch
-    will save the result (aot_compile, caching precompile), else None."""
+def compiling(gm: torch.fx.GraphModule, config: Config) -> Iterator[bool]:
+    """Around the compile of one Dynamo graph: whether torch will save the result (aot_compile,
+    caching precompile), so that the driver keeps the level-1 value."""
     if config.precompile_cache and not compat.caching_precompile():
         from cgtrees.logs import log_once
 
         log_once(log, "precompile_cache:late", "cgtrees: precompile_cache=True comes too late in options=: "
                  "Dynamo decides on its cache when torch.compile is called; set CGTREES_PRECOMPILE_CACHE=1 "
                  "in the environment instead")
-    kept = Kept() if compat.precompile_backend_id(gm) is not None else None
-    with compat.plain_aot_settings(non_lazy_backward=kept is not None):
-        yield kept
+    keep = compat.precompile_backend_id(gm) is not None
+    with compat.plain_aot_settings(non_lazy_backward=keep):
+        yield keep
 
 
-def serializable(compiled: Callable[..., Any], kept: Kept, config: Config,
-                 gm: torch.fx.GraphModule, name: str) -> "PrecompiledFunction":
-    fn = PrecompiledFunction(compiled, name, kept.payload, kept.bypass, _saved_config(config))
+def serializable(compiled: Compiled, config: Config, gm: torch.fx.GraphModule, name: str) -> "PrecompiledFunction":
+    fn = PrecompiledFunction(compiled.call, name, compiled.function, compiled.bypass, _saved_config(config))
     backend_id = compat.precompile_backend_id(gm)
     if compat.caching_precompile() and backend_id is not None:
-        if kept.payload is None:
+        if compiled.function is None:
             log.warning("cgtrees: %s is not saved in Dynamo's cache (%s); a later process compiles it again",
                         name, fn.why_not())
         else:
@@ -105,9 +109,9 @@ class PrecompiledFunction(compat.SerializableCallable):
     """A compiled Dynamo graph that torch can save (``serialize_compile_artifacts``) and load in
     another process (``deserialize_compile_artifacts``). Calls go to the compiled function."""
 
-    def __init__(self, fn: Callable[..., Any], name: str, payload: dict[str, Any] | None,
+    def __init__(self, fn: Callable[..., Any], name: str, function: CompiledFunction | None,
                  bypass: str | None, config: dict[str, Any]) -> None:
-        self.fn, self.name, self.payload, self.bypass, self.config = fn, name, payload, bypass, config
+        self.fn, self.name, self.function, self.bypass, self.config = fn, name, function, bypass, config
         self.save_dynamo_cache = False  # at the first call (the ``precompile_cache`` option)
 
     def __call__(self, *args: Any) -> Any:
@@ -122,12 +126,12 @@ class PrecompiledFunction(compat.SerializableCallable):
         return "its compiled graphs were not all recorded (a backward still to compile?)"
 
     def artifact(self) -> bytes:
-        if self.payload is None:
+        if self.function is None:
             raise PrecompileError(f"cgtrees: cannot save the compiled graph {self.name}: {self.why_not()}")
         from cgtrees.cache.store import encode
 
-        return encode({"format": FORMAT, "name": self.name, "config": self.config, "entry": self.payload},
-                      magic=MAGIC)
+        return encode({"format": FORMAT, "name": self.name, "config": self.config,
+                       "function": self.function.as_record()}, magic=MAGIC)
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: "PrecompiledFunction") -> bytes:
@@ -147,11 +151,11 @@ class CachedArtifact(compat.BackendArtifact):
     unique names handed out in the saving process (``compat.reserve_dynamo_names``)."""
 
     names_used = 0
-    checked: dict[str, Any] | None = None  # the record ``check`` read at unpickling: not read twice
+    checked: Saved | None = None  # what ``check`` read at unpickling: not read twice
 
     def after_deserialization(self) -> "PrecompiledFunction":
-        record, self.checked = self.checked or check(self.content), None
-        return load(record)
+        saved, self.checked = self.checked or check(self.content), None
+        return load(saved)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _restore_artifact, (self.key, self.content, self.names_used)
@@ -161,19 +165,28 @@ class CachedArtifact(compat.BackendArtifact):
 
 
 def _restore_artifact(key: str, content: bytes, names_used: int) -> CachedArtifact:
-    record = check(content)
-    _start_first_calls(record)  # as Dynamo reads its cache, before it installs what it read
+    saved = check(content)
+    _start_first_calls(saved)  # as Dynamo reads its cache, before it installs what it read
     compat.reserve_dynamo_names(names_used)
     artifact = CachedArtifact(key=key, content=content)
-    artifact.names_used, artifact.checked = names_used, record
+    artifact.names_used, artifact.checked = names_used, saved
     return artifact
 
 
 _recorded: list[CachedArtifact] = []  # this process's, for ``names_used`` at each save
 
 
-def check(data: bytes) -> dict[str, Any]:
-    """The saved record, if this process can load it; else PrecompileError naming why."""
+@dataclasses.dataclass(frozen=True)
+class Saved:
+    """A saved function as ``check`` read it: its name in the saving process, its config, the value."""
+
+    name: str | None
+    config: dict[str, Any]
+    function: CompiledFunction
+
+
+def check(data: bytes) -> Saved:
+    """The saved function, if this process can load it; else PrecompileError naming why."""
     from cgtrees.cache.store import CorruptEntry, decode
 
     if not isinstance(data, (bytes, bytearray)):
@@ -186,47 +199,49 @@ def check(data: bytes) -> dict[str, Any]:
         raise PrecompileError(f"cgtrees: the saved function has format {record.get('format')!r}; "
                               f"this cgtrees reads format {FORMAT}")
     try:
-        key = record["entry"]["key"]
-        mismatch = _mismatch(key)
-    except (KeyError, TypeError) as exc:
+        saved = Saved(record.get("name"), dict(record["config"]), CompiledFunction.from_record(record["function"]))
+    except KeyError as exc:
         raise PrecompileError(f"cgtrees: the saved function is damaged (no {exc})") from None
+    except (TypeError, ValueError) as exc:
+        raise PrecompileError(f"cgtrees: the saved function is damaged ({exc})") from None
+    mismatch = _mismatch(saved.function.origin)
     if mismatch is not None:
-        raise PrecompileError(f"cgtrees: cannot load the saved function {record.get('name')}: {mismatch}; "
+        raise PrecompileError(f"cgtrees: cannot load the saved function {saved.name}: {mismatch}; "
                               "compile and save it again with this installation")
-    return record
+    return saved
 
 
-def _start_first_calls(record: dict[str, Any]) -> None:
+def _start_first_calls(saved: Saved) -> None:
     """The saved modules' library calls, begun in a thread (``runtime.first_calls``); best effort."""
     from cgtrees.aot.rebuild import start_first_calls
 
     try:
-        start_first_calls(record["entry"], loaded_config(record["config"]))
+        start_first_calls(saved.function, loaded_config(saved.config))
     except Exception as exc:  # noqa: BLE001 - only time is lost; ``load`` meets what is wrong
         log.debug("cgtrees: no library calls made beforehand (%s: %s)", type(exc).__name__, exc)
 
 
-def _mismatch(key: dict[str, Any]) -> str | None:
+def _mismatch(origin: Origin) -> str | None:
     from cgtrees.cache.key import backend_source_hash, triton_version
 
     mine = {"torch_version": torch.__version__, "triton_version": triton_version(),
             "backend_source": backend_source_hash()}
     what = {"torch_version": "torch", "triton_version": "Triton", "backend_source": "cgtrees (source hash)"}
     for field, value in mine.items():
-        if key[field] != value:
-            return f"it was saved by {what[field]} {key[field]}, this process has {value}"
-    return device_mismatch(key["device"])
+        if getattr(origin, field) != value:
+            return f"it was saved by {what[field]} {getattr(origin, field)}, this process has {value}"
+    return device_mismatch(origin.device)
 
 
-def load(record: dict[str, Any]) -> PrecompiledFunction:
-    """Rebuild a checked record as a level-1 hit would (no AOTAutograd, no codegen)."""
+def load(saved: Saved) -> PrecompiledFunction:
+    """Rebuild a checked function as a level-1 hit would (no AOTAutograd, no codegen)."""
     from cgtrees import cache, codegen
     from cgtrees.aot.rebuild import rebuild
 
-    config = loaded_config(record["config"])
+    config = loaded_config(saved.config)
     name = f"p{next(_loaded)}"
-    entry = record["entry"]
-    if "cuda" in entry["key"]["device"]:  # a kernel that goes through the JIT after all reads Triton's hash back
+    function = saved.function
+    if "cuda" in function.origin.device:  # a kernel that goes through the JIT after all reads Triton's hash back
         key_file = cache.triton_key_file(cache.open_store(config))
         codegen.prepare([torch.empty(0, device="cuda")], config, key_file, compiles=False)
     shared = runtime.SharedTree()  # the loaded forward's tree, for its backward
@@ -240,13 +255,13 @@ def load(record: dict[str, Any]) -> PrecompiledFunction:
         return driver.compile_backward(name, config, shared, gm, inputs, static_saved)
 
     try:
-        fn = rebuild(entry, config, name, wrap, compile_backward)
+        fn = rebuild(function, config, name, wrap, compile_backward)
     except Exception as exc:
-        raise PrecompileError(f"cgtrees: the saved function {record.get('name')} could not be rebuilt "
+        raise PrecompileError(f"cgtrees: the saved function {saved.name} could not be rebuilt "
                               f"({type(exc).__name__}: {exc})") from exc
     counters.bump("precompile_loaded")
-    log.debug("cgtrees: loaded the saved function %s as %s", record.get("name"), name)
-    return PrecompiledFunction(fn, name, entry, None, record["config"])
+    log.debug("cgtrees: loaded the saved function %s as %s", saved.name, name)
+    return PrecompiledFunction(fn, name, function, None, saved.config)
 
 
 def _save_dynamo_cache(name: str) -> None:
