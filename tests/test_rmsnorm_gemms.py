@@ -1,5 +1,6 @@
-"""A residual add, the RMSNorm after it and the one-row q/k/v GEMVs that read it as one
-``cgtrees.add_rmsnorm_grouped_mm`` launch (``backend/codegen/rmsnorm_gemms.py``, ``gemv_add_rmsnorm.py``)
+"""A residual add, the RMSNorm after it and the one-row GEMVs that read it as one launch: q/k/v as
+``cgtrees.add_rmsnorm_grouped_mm``, the MLP's gate/up and SiLU-and-multiply as
+``cgtrees.add_rmsnorm_mm_silu_mul`` (``backend/codegen/rmsnorm_gemms.py``, ``gemv_add_rmsnorm.py``)
 on CPU, through Triton's interpreter: the op against eager (hidden 111, N 45: irregular, so masks
 matter; float32 and 16-bit; the prologue exactly eager's, checked through identity weights, so every
 rounding of eager's chain is checked); ``gemm_decisions=rewrite`` takes the fused form the GPU would
@@ -13,6 +14,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from codegen_helpers import INTERPRET, compile_fn, config, context, trace
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
@@ -32,6 +34,19 @@ def layer(residual, attn_out, norm_weight, wq, wk, wv):
     h = residual + attn_out
     n = rmsnorm(h, norm_weight).view(-1, h.shape[-1])
     return n @ wq.t(), n @ wk.t(), n @ wv.t(), h
+
+
+def mlp_layer(residual, attn_out, norm_weight, w_gate, w_up, w_down):
+    """The residual add and the post-attention norm of a Llama layer, then its MLP."""
+    h = residual + attn_out
+    n = rmsnorm(h, norm_weight).view(-1, h.shape[-1])
+    return (F.silu(n @ w_gate.t()) * (n @ w_up.t())) @ w_down.t(), h
+
+
+def eager_silu_op(x, residual, norm_weight, w_gate, w_up):
+    h = x + residual if residual is not None else x
+    n = rmsnorm(h, norm_weight).view(1, -1)
+    return [F.silu(n @ w_gate.t()) * (n @ w_up.t())] + ([h] if residual is not None else [])
 
 
 def eager_op(x, residual, norm_weight, weights):
@@ -95,6 +110,29 @@ def test_the_prologue_rounds_where_eager_rounds(add, dtype):
         assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("add", [True, False])
+def test_the_silu_mul_op_is_eager_add_rmsnorm_and_mlp_gate_up(add, dtype):
+    """Hidden 111, N 45; then identity weights: silu(n) * n equals eager's bit for bit (16-bit) only
+    where the prologue and the epilogue both round where eager rounds."""
+    x, residual, nw = _rows(111, dtype, seed=7)
+    residual = residual if add else None
+    wg, wu = _weights(111, (45, 45), dtype, seed=8)
+    want = eager_silu_op(x, residual, nw, wg, wu)
+    eps = torch.finfo(dtype).eps
+    for form in ((2, 8), (1, 1), (8, 2)):
+        got = torch.ops.cgtrees.add_rmsnorm_mm_silu_mul(x, residual, nw, EPS, wg, wu, *form)
+        assert len(got) == len(want) and [g.shape for g in got] == [w.shape for w in want]
+        for g, w in zip(got, want):
+            tol = (8 if dtype == torch.float32 else 2) * eps * w.float().abs().max().item()
+            torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=tol)
+    if dtype != torch.float32:
+        eye = torch.eye(111, dtype=dtype)[:45]
+        want = eager_silu_op(x, residual, nw, eye, eye)
+        got = torch.ops.cgtrees.add_rmsnorm_mm_silu_mul(x, residual, nw, EPS, eye, eye, 2, 4)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_the_unfused_forms_norm_kernel_is_eager_add_rmsnorm():
     from cgtrees.codegen import gemv_add_rmsnorm
 
@@ -127,6 +165,30 @@ def test_rewrite_runs_add_norm_and_qkv_in_one_launch_with_eager_values(dtype):
     for g, w in zip(got, want):
         torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=8 * eps * w.float().abs().max().item())
     assert torch.equal(got[3], want[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rewrite_runs_add_norm_and_gate_up_in_one_launch_with_eager_values(dtype):
+    """The add, the norm, gate, up and the SiLU-and-multiply are one call; the down projection reads
+    its product, the residual stream is its last output."""
+    x, residual, nw = _rows(104, dtype, seed=9)
+    wg, wu = _weights(104, (40, 40), dtype, seed=10)
+    wd = _weights(40, (104,), dtype, seed=11)[0]
+    args = (x, residual, nw, wg, wu, wd)
+    module = compile_fn(mlp_layer, *args, cfg=config(gemm_decisions="rewrite"))
+    name = str(dtype).removeprefix("torch.")
+    line = next(c for c in module.graph.gemm_choices if "rmsnorm" in c)
+    assert re.fullmatch(rf"add\w*/mm_silu_mul\w*: rmsnorm\(add\) \[1, 104\] x silu\(gate\) \* up \[40, 104\] {name}: "
+                        r"add_rmsnorm_mm_silu_mul 2/8 \(gemm_decisions=rewrite\)", line), module.graph.gemm_choices
+    call = module.source.split("\ndef call(")[1]
+    assert len(re.findall(r"torch\.ops\.cgtrees\.add_rmsnorm_mm_silu_mul\.default\(", call)) == 1, call
+    assert "mm_silu_mul.default(" not in call.replace("add_rmsnorm_mm_silu_mul.default(", "")
+    got = module.call(list(args))
+    want = mlp_layer(*args)
+    eps = torch.finfo(dtype).eps
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=8 * eps * w.float().abs().max().item())
+    assert torch.equal(got[1], want[1])
 
 
 def _norm_read_twice(residual, attn_out, norm_weight, wq, wk, wv):
@@ -190,7 +252,8 @@ def test_training_graphs_stay_unfused():
 def test_tiny_llama_decode_is_fused_and_generates_the_unfused_runs_tokens(tmp_path):
     """A real decode step (transformers' LlamaForCausalLM, bf16, random weights, generate's static
     cache and compile_config): each layer's input norm, with the residual add of layers past the
-    first, is one op with q, k and v; tokens equal the unfused run's (and eager's), logits close."""
+    first, is one op with q, k and v, and its post-attention norm with the residual add one op with
+    the MLP's gate and up; tokens equal the unfused run's (and eager's), logits close."""
     transformers = pytest.importorskip("transformers")
 
     torch.manual_seed(0)
@@ -222,6 +285,7 @@ def test_tiny_llama_decode_is_fused_and_generates_the_unfused_runs_tokens(tmp_pa
     call = source.split("\ndef call(")[1]
     assert len(re.findall(r"add_rmsnorm_grouped_mm\.default\(", call)) == 2, call
     assert len(re.findall(r"add_rmsnorm_grouped_mm\.default\(\w+, None,", call)) == 1  # the first layer: no add
+    assert len(re.findall(r"add_rmsnorm_mm_silu_mul\.default\(\w+, \w+,", call)) == 2, call
     assert "add_rmsnorm_grouped_mm" not in "".join(p.read_text() for p in (tmp_path / "unfused").glob("*.py"))
     assert torch.equal(fused.sequences, unfused.sequences) and torch.equal(fused.sequences, eager.sequences)
     for got, want in zip(fused.logits, unfused.logits):

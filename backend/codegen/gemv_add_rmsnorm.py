@@ -1,5 +1,7 @@
 """``torch.ops.cgtrees.add_rmsnorm_grouped_mm``: a residual add, the RMSNorm after it and the one-row
-GEMVs that read the norm (a Llama layer's q, k and v projections) in one Triton launch.
+GEMVs that read the norm (a Llama layer's q, k and v projections) in one Triton launch;
+``torch.ops.cgtrees.add_rmsnorm_mm_silu_mul``: the same prologue before the MLP's gate and up GEMVs
+and their SiLU-and-multiply (``gemv_silu_mul``'s epilogue).
 
 A Llama decode step computes ``h = residual + attn_out``, ``n = rmsnorm(h) * weight`` and then
 ``n @ w.t()`` for q, k and v. Unfused, that is one reduction kernel that writes ``h`` (the residual
@@ -57,6 +59,18 @@ def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Te
         BLOCK_K=triton.next_power_of_2(k), ADD=add, INTERPRET=_interpreting(), num_warps=warps)
 
 
+def launch_silu_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    w_gate: torch.Tensor, w_up: torch.Tensor, out: torch.Tensor, h: torch.Tensor | None,
+                    block_n: int, warps: int) -> None:
+    """``h = x + residual`` (where given), ``n = rmsnorm(h) * norm_weight`` and
+    ``out = silu(n @ w_gate.t()) * (n @ w_up.t())``: rows as ``launch``'s, the weights [N, K]."""
+    k, n = x.numel(), w_gate.shape[0]
+    add = residual is not None
+    _kernels().add_rmsnorm_gemv_silu_mul_row_kernel[(triton.cdiv(n, block_n),)](
+        x, residual if add else x, norm_weight, w_gate, w_up, out, h if add else out, n, eps, K=k, BLOCK_N=block_n,
+        BLOCK_K=triton.next_power_of_2(k), ADD=add, INTERPRET=_interpreting(), num_warps=warps)
+
+
 def launch_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                        h: torch.Tensor | None, n: torch.Tensor) -> None:
     """The prologue alone, one launch (the unfused form's first)."""
@@ -79,6 +93,27 @@ def add_rmsnorm_grouped_mm(x: torch.Tensor, residual: torch.Tensor | None, norm_
     h = torch.empty_like(x) if residual is not None else None
     launch(x, residual, norm_weight.contiguous(), eps, weights, outs, h, block_n, warps)
     return outs if h is None else [*outs, h]
+
+
+@torch.library.custom_op("cgtrees::add_rmsnorm_mm_silu_mul", mutates_args=())
+def add_rmsnorm_mm_silu_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                            w_gate: torch.Tensor, w_up: torch.Tensor, block_n: int, warps: int) -> list[torch.Tensor]:
+    """``silu(n @ w_gate.t()) * (n @ w_up.t())`` of ``n = rmsnorm(x + residual) * norm_weight``, and then
+    ``x + residual`` itself where ``residual`` is given (x one row of K, in any shape)."""
+    x = x.contiguous()
+    residual = residual.contiguous() if residual is not None else None
+    out = torch.empty((1, w_gate.shape[0]), dtype=x.dtype, device=x.device)
+    h = torch.empty_like(x) if residual is not None else None
+    launch_silu_mul(x, residual, norm_weight.contiguous(), eps, w_gate.contiguous(), w_up.contiguous(), out, h,
+                    block_n, warps)
+    return [out] if h is None else [out, h]
+
+
+@add_rmsnorm_mm_silu_mul.register_fake
+def _(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, w_gate: torch.Tensor,
+      w_up: torch.Tensor, block_n: int, warps: int) -> list[torch.Tensor]:
+    out = x.new_empty((1, w_gate.shape[0]))
+    return [out] if residual is None else [out, x.new_empty(x.shape)]
 
 
 @add_rmsnorm_grouped_mm.register_fake

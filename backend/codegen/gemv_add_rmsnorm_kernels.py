@@ -8,7 +8,7 @@ the prologue both share, pointwise code on one row held in float32 registers.
 import triton
 import triton.language as tl
 
-from cgtrees.codegen.gemv_silu_mul_kernels import rounded
+from cgtrees.codegen.gemv_silu_mul_kernels import rounded, silu_mul
 
 
 @triton.jit
@@ -61,3 +61,24 @@ def add_rmsnorm_kernel(x_ptr, r_ptr, nw_ptr, h_ptr, n_ptr, eps, K: tl.constexpr,
     if ADD:
         tl.store(h_ptr + rk, h.to(h_ptr.dtype.element_ty), mask=in_k)
     tl.store(n_ptr + rk, n.to(n_ptr.dtype.element_ty), mask=in_k)
+
+
+@triton.jit
+def add_rmsnorm_gemv_silu_mul_row_kernel(x_ptr, r_ptr, nw_ptr, wg_ptr, wu_ptr, y_ptr, h_ptr, N, eps,
+                                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                         ADD: tl.constexpr, INTERPRET: tl.constexpr):
+    """``silu(n @ w_gate.t()) * (n @ w_up.t())`` of the row's norm ``n`` (a Llama MLP's input)."""
+    pid = tl.program_id(0)
+    rk = tl.arange(0, BLOCK_K)  # the whole row: BLOCK_K >= K
+    in_k = rk < K
+    h, n = add_rmsnorm(x_ptr, r_ptr, nw_ptr, rk, in_k, eps, K, ADD, y_ptr.dtype.element_ty, INTERPRET)
+    if ADD:  # the residual stream: program 0 writes it
+        tl.store(h_ptr + rk, h.to(h_ptr.dtype.element_ty), mask=in_k & (pid == 0))
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_n = rn < N
+    mask = in_n[:, None] & in_k[None, :]
+    gate = tl.sum(tl.load(wg_ptr + rn[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32) * n[None, :],
+                  axis=1)
+    up = tl.sum(tl.load(wu_ptr + rn[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32) * n[None, :],
+                axis=1)
+    tl.store(y_ptr + rn, silu_mul(gate, up, y_ptr.dtype.element_ty, INTERPRET), mask=in_n)

@@ -1,6 +1,7 @@
-"""A residual add, the RMSNorm after it and the one-row GEMVs that read the norm (a Llama layer's
-q, k and v projections, as one ``grouped_mm``) as one ``cgtrees.add_rmsnorm_grouped_mm`` launch, where
-timing says so (issue 55, "Fuse across the matmul").
+"""A residual add, the RMSNorm after it and the one-row GEMVs that read the norm as one launch, where
+timing says so (issue 55, "Fuse across the matmul"): a Llama layer's q, k and v projections (one
+``grouped_mm``) as ``cgtrees.add_rmsnorm_grouped_mm``, its MLP's gate and up projections with their
+SiLU-and-multiply (one ``mm_silu_mul``) as ``cgtrees.add_rmsnorm_mm_silu_mul``.
 
 Our codegen computes a residual add and the RMSNorm after it in one reduction kernel, which writes
 the residual stream ``h`` and the norm ``n``; ``grouped_mm`` then reads ``n``. Fused
@@ -8,7 +9,8 @@ the residual stream ``h`` and the norm ``n``; ``grouped_mm`` then reads ``n``. F
 program 0 writes ``h``: a launch a layer fewer, a row re-read from the L2 cache by every program more.
 
 ``rewritten(gm, plan, kind)`` runs after ``shared_input_gemms`` and finds, in an inference graph,
-each one-row ``grouped_mm`` (split_k 1) whose input is (a view of) eager's RMSNorm of HF Llama::
+each one-row ``grouped_mm`` (split_k 1) or ``mm_silu_mul`` whose input is (a view of) eager's RMSNorm
+of HF Llama::
 
     h32 = _to_copy(h, float32)                  # h itself in a float32 model
     n = mul(weight, _to_copy(mul(h32, rsqrt(add(mean(pow(h32, 2), [-1], True), eps))), dtype))
@@ -16,9 +18,10 @@ each one-row ``grouped_mm`` (split_k 1) whose input is (a view of) eager's RMSNo
 with the norm's weight a graph input of the row's size and dtype, and no reader of the chain
 outside it. ``h`` is ``add(x, residual)`` of two rows of one dtype (fused; its other readers read the
 op's last output) or any row (normed only). Each match is timed on the device both ways, as
-``gemm_choice`` times a GEMM's forms: unfused (the add-and-norm kernel, then ``grouped_mm`` with the
-block sizes ``shared_input_gemms`` chose) against fused with each of a few block sizes; the fused
-form is taken where it beats the unfused one by more than ``gemm_choice.MARGIN``.
+``gemm_choice`` times a GEMM's forms: unfused (the add-and-norm kernel, then ``grouped_mm`` or
+``mm_silu_mul`` with the block sizes ``shared_input_gemms`` or ``gate_up_gemms`` chose) against fused
+with each of a few block sizes; the fused form is taken where it beats the unfused one by more than
+``gemm_choice.MARGIN``.
 ``gemm_decisions=rewrite`` always takes it with its first block sizes (tests), ``keep`` never, and
 where nothing can be timed the graph stays as it was. Each choice is a line of the module's header.
 Training graphs are left as they are (the op has no backward).
@@ -44,14 +47,17 @@ aten = torch.ops.aten
 MAX_HIDDEN = 8192  # gemv_add_rmsnorm.MAX_HIDDEN (not imported here: that module registers an op)
 # (BLOCK_N, warps): the row is one block of K, so a program's tile is [BLOCK_N, next_pow2(K)]
 _CONFIGS = ((2, 4), (1, 4), (4, 4), (4, 8), (8, 8))
+_SILU_CONFIGS = ((2, 8), (1, 4), (2, 4), (4, 8), (1, 8))  # two weight tiles a program
+_GROUPED, _SILU_MUL = "cgtrees.grouped_mm.default", "cgtrees.mm_silu_mul.default"
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
 class NormedGemms:
-    """One match: ``gemms`` (a ``grouped_mm``) reads ``rmsnorm(h) * weight``, ``chain`` the nodes from
-    ``h`` (not included) to the GEMMs' input; ``h`` is ``x + residual`` where ``residual`` is set."""
+    """One match: ``gemms`` (a ``grouped_mm`` or an ``mm_silu_mul``) reads ``rmsnorm(h) * weight``,
+    ``chain`` the nodes from ``h`` (not included) to the GEMMs' input; ``h`` is ``x + residual`` where
+    ``residual`` is set."""
 
     gemms: torch.fx.Node
     h: torch.fx.Node
@@ -73,11 +79,11 @@ def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan", kind: str) -> torch.fx
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, env))
     copied = {old.name: new for old, new in env.items()}
-    for match, config in chosen:
-        _rewrite(graph, NormedGemms(copied[match.gemms.name], copied[match.h.name], copied[match.x.name],
-                                    copied[match.residual.name] if match.residual is not None else None,
-                                    copied[match.weight.name], match.eps,
-                                    tuple(copied[n.name] for n in match.chain)), config)
+    for match, config in chosen:  # a rewrite's h (the next match's x) is an item of its op from then on
+        residual = copied[match.residual.name] if match.residual is not None else None
+        copied[match.h.name] = _rewrite(graph, NormedGemms(
+            copied[match.gemms.name], copied[match.h.name], copied[match.x.name], residual, copied[match.weight.name],
+            match.eps, tuple(copied[n.name] for n in match.chain)), config)
     graph.lint()
     return torch.fx.GraphModule(gm, graph)
 
@@ -85,8 +91,8 @@ def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan", kind: str) -> torch.fx
 # ------------------------------------------------------------------------------------------ finding
 def _matches(graph: torch.fx.Graph) -> list[NormedGemms]:
     found = []
-    for gemms in graph.nodes:  # the op is registered only where shared_input_gemms put it in a graph
-        if gemms.op != "call_function" or str(gemms.target) != "cgtrees.grouped_mm.default":
+    for gemms in graph.nodes:  # the ops are registered only where an earlier rewrite put them in a graph
+        if gemms.op != "call_function" or str(gemms.target) not in (_GROUPED, _SILU_MUL):
             continue
         match = _match(gemms)
         if match is not None:
@@ -95,9 +101,10 @@ def _matches(graph: torch.fx.Graph) -> list[NormedGemms]:
 
 
 def _match(gemms: torch.fx.Node) -> NormedGemms | None:
-    n, weights, *config = gemms.args
+    n, config = gemms.args[0], gemms.args[2 + _silu_mul(gemms):]
     nv = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
-    if nv is None or nv.dim() != 2 or nv.shape[0] != 1 or config[-1] != 1 or nv.dtype not in _DTYPES:
+    if nv is None or nv.dim() != 2 or nv.shape[0] != 1 or nv.dtype not in _DTYPES or \
+            (not _silu_mul(gemms) and config[-1] != 1):
         return None
     norm = _norm_of(n, nv.dtype)
     if norm is None:
@@ -115,6 +122,14 @@ def _match(gemms: torch.fx.Node) -> NormedGemms | None:
             all(isinstance(a, torch.fx.Node) and _same_row(a.meta.get("val"), hv) for a in h.args):
         x, residual = h.args
     return NormedGemms(gemms, h, x, residual, weight, eps, tuple(chain))
+
+
+def _silu_mul(gemms: torch.fx.Node) -> bool:
+    return str(gemms.target) == _SILU_MUL
+
+
+def _weights(gemms: torch.fx.Node) -> list[torch.fx.Node]:
+    return list(gemms.args[1:3]) if _silu_mul(gemms) else list(gemms.args[1])
 
 
 def _same_row(val: object, hv: torch.Tensor) -> bool:
@@ -201,40 +216,49 @@ def _cast(node: object) -> torch.dtype | None:
 
 def _text(match: NormedGemms) -> str:
     k = match.h.meta["val"].numel()
-    ns = "|".join(str(w.meta["val"].shape[0]) for w in match.gemms.args[1])
+    ws = [w.meta["val"] for w in _weights(match.gemms)]
     what = "rmsnorm(add)" if match.residual is not None else "rmsnorm"
-    return f"{what} [1, {k}] x {len(ns.split('|'))} weights [{ns}, {k}] " \
-           f"{str(match.h.meta['val'].dtype).removeprefix('torch.')}"
+    dtype = str(match.h.meta["val"].dtype).removeprefix("torch.")
+    if _silu_mul(match.gemms):
+        return f"{what} [1, {k}] x silu(gate) * up [{ws[0].shape[0]}, {k}] {dtype}"
+    ns = "|".join(str(w.shape[0]) for w in ws)
+    return f"{what} [1, {k}] x {len(ws)} weights [{ns}, {k}] {dtype}"
 
 
 # ------------------------------------------------------------------------------------------ choosing
-def _fused_text(config: tuple[int, int]) -> str:
-    return "add_rmsnorm_grouped_mm {}/{}".format(*config)
+def _configs(match: NormedGemms) -> tuple[tuple[int, int], ...]:
+    return _SILU_CONFIGS if _silu_mul(match.gemms) else _CONFIGS
+
+
+def _fused_text(match: NormedGemms, config: tuple[int, int]) -> str:
+    op = "add_rmsnorm_mm_silu_mul" if _silu_mul(match.gemms) else "add_rmsnorm_grouped_mm"
+    return "{} {}/{}".format(op, *config)
 
 
 def _choose(match: NormedGemms, plan: "GemmPlan") -> tuple[int, int] | None:
     """The block sizes of the fused form where it is taken, else None."""
     names = f"{match.h.name}/{match.gemms.name}"
+    configs = _configs(match)
     how, why = plan.other_choice()
     if how != "time":
-        plan.note(names, _text(match), _fused_text(_CONFIGS[0]) if how == "rewrite" else "unfused", (), why)
-        return _CONFIGS[0] if how == "rewrite" else None
+        plan.note(names, _text(match), _fused_text(match, configs[0]) if how == "rewrite" else "unfused", (), why)
+        return configs[0] if how == "rewrite" else None
     forms = {"unfused": _unfused_form(match, plan.device)}
-    forms.update({_fused_text(c): _fused_form(match, c, plan.device) for c in _CONFIGS})
+    forms.update({_fused_text(match, c): _fused_form(match, c, plan.device) for c in configs})
     timings = plan.time_forms(forms)
     if timings is None:
         plan.note(names, _text(match), "unfused", (), "too large to time")
         return None
-    best = min((timings[_fused_text(c)], c) for c in _CONFIGS)
+    best = min((timings[_fused_text(match, c)], c) for c in configs)
     if best[0] < timings["unfused"] * (1 - MARGIN):
-        plan.note(names, _text(match), _fused_text(best[1]), tuple(timings.items()))
+        plan.note(names, _text(match), _fused_text(match, best[1]), tuple(timings.items()))
         return best[1]
     plan.note(names, _text(match), "unfused", tuple(timings.items()))
     return None
 
 
 def _metas(match: NormedGemms) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    return match.h.meta["val"], match.weight.meta["val"], [w.meta["val"] for w in match.gemms.args[1]]
+    return match.h.meta["val"], match.weight.meta["val"], [w.meta["val"] for w in _weights(match.gemms)]
 
 
 def _row_operands(match: NormedGemms, device: torch.device):
@@ -247,12 +271,13 @@ def _row_operands(match: NormedGemms, device: torch.device):
 
 
 def _unfused_form(match: NormedGemms, device: torch.device) -> tuple[str, Callable, int]:
-    """The add-and-norm kernel, then ``grouped_mm`` with the block sizes ``shared_input_gemms`` chose."""
+    """The add-and-norm kernel, then ``grouped_mm`` or ``mm_silu_mul`` with the block sizes chosen before."""
     hv, nw, ws = _metas(match)
-    config = tuple(match.gemms.args[2:])
+    silu_mul = _silu_mul(match.gemms)
+    config = tuple(match.gemms.args[2 + silu_mul:])
 
     def build() -> Callable[[], None]:
-        from cgtrees.codegen import gemv_add_rmsnorm, grouped_gemv
+        from cgtrees.codegen import gemv_add_rmsnorm, gemv_silu_mul, grouped_gemv
 
         x, residual, weight, h = _row_operands(match, device)
         _, sets, outs = operands(hv.view(1, -1), ws, device)
@@ -261,10 +286,14 @@ def _unfused_form(match: NormedGemms, device: torch.device) -> tuple[str, Callab
 
         def run() -> None:
             gemv_add_rmsnorm.launch_add_rmsnorm(x, residual, weight, match.eps, h, n)
-            grouped_gemv.launch(n, sets[next(turn) % len(sets)], outs, *config)
+            if silu_mul:
+                gemv_silu_mul.launch(n, *sets[next(turn) % len(sets)], outs[0], *config)
+            else:
+                grouped_gemv.launch(n, sets[next(turn) % len(sets)], outs, *config)
         return run
 
-    return f"add_rmsnorm + grouped_mm {config} {_shapes(hv, ws)} {device} rotating", build, _bytes(hv, nw, ws, device)
+    how = "mm_silu_mul" if silu_mul else "grouped_mm"
+    return f"add_rmsnorm + {how} {config} {_shapes(hv, ws)} {device} rotating", build, _bytes(hv, nw, ws, device)
 
 
 def _fused_form(match: NormedGemms, config: tuple[int, int], device: torch.device) -> tuple[str, Callable, int]:
@@ -276,10 +305,13 @@ def _fused_form(match: NormedGemms, config: tuple[int, int], device: torch.devic
         x, residual, weight, h = _row_operands(match, device)
         _, sets, outs = operands(hv.view(1, -1), ws, device)
         turn = iter(range(1 << 62))
+        if _silu_mul(match.gemms):
+            return lambda: gemv_add_rmsnorm.launch_silu_mul(x, residual, weight, match.eps,
+                                                            *sets[next(turn) % len(sets)], outs[0], h, *config)
         return lambda: gemv_add_rmsnorm.launch(x, residual, weight, match.eps, sets[next(turn) % len(sets)], outs, h,
                                                *config)
 
-    return f"add_rmsnorm_grouped_mm {config} {_shapes(hv, ws)} {device} rotating", build, _bytes(hv, nw, ws, device)
+    return f"{_fused_text(match, config)} {_shapes(hv, ws)} {device} rotating", build, _bytes(hv, nw, ws, device)
 
 
 def _shapes(hv: torch.Tensor, ws: list[torch.Tensor]) -> str:
@@ -292,24 +324,33 @@ def _bytes(hv: torch.Tensor, nw: torch.Tensor, ws: list[torch.Tensor], device: t
 
 
 # ------------------------------------------------------------------------------------------ rewriting
-def _rewrite(graph: torch.fx.Graph, match: NormedGemms, config: tuple[int, int]) -> None:
-    """One ``cgtrees.add_rmsnorm_grouped_mm`` call right after ``h``; the ``grouped_mm``'s readers read
-    its products, ``h``'s other readers its last output, and the chain, the ``grouped_mm`` and ``h`` go."""
-    from cgtrees.codegen import gemv_add_rmsnorm  # noqa: F401 - registers the op (its kernels load lazily)
+def _rewrite(graph: torch.fx.Graph, match: NormedGemms, config: tuple[int, int]) -> torch.fx.Node:
+    """One fused call right after ``h``; the GEMMs' readers read its products, ``h``'s other readers
+    its last output, and the chain, the GEMMs' op and ``h`` go. Returns what stands for ``h`` now."""
+    from cgtrees.codegen import gemv_add_rmsnorm  # noqa: F401 - registers the ops (their kernels load lazily)
 
     gemms, h = match.gemms, match.h
+    silu_mul = _silu_mul(gemms)
+    op = torch.ops.cgtrees.add_rmsnorm_mm_silu_mul if silu_mul else torch.ops.cgtrees.add_rmsnorm_grouped_mm
+    weights = tuple(gemms.args[1:3]) if silu_mul else (gemms.args[1],)
+    products = [gemms.meta["val"]] if silu_mul else list(gemms.meta["val"])
     with graph.inserting_after(h):
-        call = graph.call_function(torch.ops.cgtrees.add_rmsnorm_grouped_mm.default,
-                                   (match.x, match.residual, match.weight, match.eps, gemms.args[1], *config))
-        call.meta["val"] = [*gemms.meta["val"], *([h.meta["val"]] if match.residual is not None else [])]
+        call = graph.call_function(op.default, (match.x, match.residual, match.weight, match.eps, *weights, *config))
+        call.meta["val"] = [*products, *([h.meta["val"]] if match.residual is not None else [])]
         call.meta["stack_trace"] = gemms.meta.get("stack_trace")
-    gemms.replace_all_uses_with(call)
+    value = call
+    if silu_mul:  # mm_silu_mul's readers read a tensor, the fused op's first item
+        with graph.inserting_after(call):
+            value = graph.call_function(operator.getitem, (call, 0))
+            value.meta.update(gemms.meta)
+    gemms.replace_all_uses_with(value)
     for node in (gemms, *reversed(match.chain)):
         graph.erase_node(node)
     if match.residual is None:
-        return
-    with graph.inserting_after(call):
-        item = graph.call_function(operator.getitem, (call, len(gemms.args[1])))
+        return h
+    with graph.inserting_after(value):
+        item = graph.call_function(operator.getitem, (call, len(products)))
         item.meta.update(h.meta)
     h.replace_all_uses_with(item)
     graph.erase_node(h)
+    return item

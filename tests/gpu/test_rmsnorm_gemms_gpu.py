@@ -1,10 +1,11 @@
-"""A Llama layer's residual add, its RMSNorm and the q/k/v GEMVs that read it, fused or not by timing
-on the GPU (``backend/codegen/rmsnorm_gemms.py``, ``gemv_add_rmsnorm.py``), at a 1.1B Llama's decode
-shapes (TinyLlama: bf16, hidden 2048, q/k/v 2048|256|256, gate/up 5632): the compiled op matches eager
-(the residual stream bit for bit, the products to bf16 rounding) with each of its block sizes; the
-header line holds both forms' timings and the form taken is within ``gemm_choice.MARGIN`` of the
-fastest; under ``gemm_decisions=rewrite`` a real decode graph (transformers' LlamaForCausalLM at
-TinyLlama's widths, two layers) calls the op for each layer's input norm."""
+"""A Llama layer's residual add, its RMSNorm and the GEMVs that read it (q/k/v; gate/up with the
+SiLU-and-multiply), fused or not by timing on the GPU (``backend/codegen/rmsnorm_gemms.py``,
+``gemv_add_rmsnorm.py``), at a 1.1B Llama's decode shapes (TinyLlama: bf16, hidden 2048, q/k/v
+2048|256|256, gate/up 5632): the compiled ops match eager (the residual stream bit for bit, the
+products to bf16 rounding) with each of their block sizes; the header line holds both forms'
+timings and the form taken is within ``gemm_choice.MARGIN`` of the fastest; under
+``gemm_decisions=rewrite`` a real decode graph (transformers' LlamaForCausalLM at TinyLlama's widths,
+two layers) calls the ops for each layer's two norms."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
@@ -33,6 +35,20 @@ def layer(residual, attn_out, norm_weight, wq, wk, wv):
     h = residual + attn_out
     n = rmsnorm(h, norm_weight).view(-1, h.shape[-1])
     return n @ wq.t(), n @ wk.t(), n @ wv.t(), h
+
+
+def mlp_layer(residual, attn_out, norm_weight, w_gate, w_up, w_down):
+    h = residual + attn_out
+    n = rmsnorm(h, norm_weight).view(-1, h.shape[-1])
+    return (F.silu(n @ w_gate.t()) * (n @ w_up.t())) @ w_down.t(), h
+
+
+def _mlp_args(seed: int = 0):
+    g = torch.Generator("cuda").manual_seed(seed)
+    kw = dict(device="cuda", dtype=torch.bfloat16, generator=g)
+    return (torch.randn(1, 1, HIDDEN, **kw), torch.randn(1, 1, HIDDEN, **kw), 1 + torch.randn(HIDDEN, **kw) / 4,
+            torch.randn(INTERMEDIATE, HIDDEN, **kw) / 45, torch.randn(INTERMEDIATE, HIDDEN, **kw) / 45,
+            torch.randn(HIDDEN, INTERMEDIATE, **kw) / 75)
 
 
 def _args(seed: int = 0):
@@ -71,19 +87,41 @@ def test_compiled_op_matches_eager_at_tinyllama_shapes(add):
         torch.testing.assert_close(normed.float(), n_kernel.float(), rtol=2 ** -7, atol=0)
 
 
-def test_add_norm_qkv_is_timed_both_ways():
+@pytest.mark.parametrize("add", [True, False])
+def test_compiled_silu_mul_op_matches_eager_at_tinyllama_shapes(add):
+    from cgtrees.codegen import gemv_add_rmsnorm, gemv_silu_mul, rmsnorm_gemms
+
+    x, residual, nw, wg, wu, _ = _mlp_args()
+    residual = residual if add else None
+    h = x + residual if add else x
+    n = rmsnorm(h, nw).view(1, -1)
+    want = F.silu(n @ wg.t()) * (n @ wu.t())
+    n_kernel = torch.empty_like(n)
+    gemv_add_rmsnorm.launch_add_rmsnorm(x, residual, nw, EPS, torch.empty_like(x) if add else None, n_kernel)
+    unfused = torch.empty_like(want)  # the unfused form's mm_silu_mul on the norm kernel's n
+    gemv_silu_mul.launch(n_kernel, wg, wu, unfused, 1, 2048, 8)
+    for config in rmsnorm_gemms._SILU_CONFIGS:
+        got = torch.ops.cgtrees.add_rmsnorm_mm_silu_mul(x, residual, nw, EPS, wg, wu, *config)
+        assert len(got) == 1 + add
+        _close(got[0], want)
+        _close(got[0], unfused)
+        if add:
+            assert torch.equal(got[1], h), config
+
+
+@pytest.mark.parametrize("fn", ["qkv", "mlp"])
+def test_add_norm_gemvs_are_timed_both_ways(fn):
     from codegen_helpers import compile_fn, config
 
-    args = _args(1)
-    module = compile_fn(layer, *args, cfg=config(gemm_decisions="measure"))
+    f, args, op = (layer, _args(1), "add_rmsnorm_grouped_mm") if fn == "qkv" else \
+        (mlp_layer, _mlp_args(1), "add_rmsnorm_mm_silu_mul")
+    module = compile_fn(f, *args, cfg=config(gemm_decisions="measure"))
     choice = next((c for c in module.graph.gemm_choices if "rmsnorm(add)" in c), None)
-    if choice is None:  # shared_input_gemms kept cuBLAS: nothing read the norm through grouped_mm
-        assert not any("grouped_mm" in c.split(": ")[-1].split(" (")[0] for c in module.graph.gemm_choices), \
-            module.graph.gemm_choices
-        pytest.skip(f"grouped_mm not taken: {module.graph.gemm_choices}")
+    if choice is None:  # cuBLAS kept: nothing read the norm through grouped_mm or mm_silu_mul
+        pytest.skip(f"no grouped_mm or mm_silu_mul taken: {module.graph.gemm_choices}")
     print(choice)
     timings = dict((name, float(us)) for name, us in re.findall(
-        r"(unfused|add_rmsnorm_grouped_mm \S+) ([\d.]+) us", choice))
+        rf"(unfused|{op} \S+) ([\d.]+) us", choice))
     assert "unfused" in timings and any(n.startswith("add_rmsnorm") for n in timings), choice
     taken = choice.split(": ")[2].split(" (")[0]
     if taken == "unfused":
@@ -91,8 +129,8 @@ def test_add_norm_qkv_is_timed_both_ways():
     else:
         assert timings[taken] <= min(timings.values()) * 1.05, choice
     call = module.source.split("\ndef call(")[1]
-    assert ("add_rmsnorm_grouped_mm" in call) == (taken != "unfused"), call
-    for got, want in zip(module.call(list(args)), layer(*args)):
+    assert (op in call) == (taken != "unfused"), call
+    for got, want in zip(module.call(list(args)), f(*args)):
         _close(got, want)
 
 
@@ -119,6 +157,8 @@ def test_rewrite_fuses_a_tinyllama_decode_graph(tmp_path):
     finally:
         torch._dynamo.reset()
     sources = [p.read_text() for p in tmp_path.glob("*inference*.py")]
-    assert any(len(re.findall(r"add_rmsnorm_grouped_mm\.default\(", s.split("\ndef call(")[1])) == 2
-               for s in sources), [p.name for p in tmp_path.iterdir()]
+    calls = [s.split("\ndef call(")[1] for s in sources]
+    assert any(len(re.findall(r"add_rmsnorm_grouped_mm\.default\(", c)) == 2 and
+               len(re.findall(r"add_rmsnorm_mm_silu_mul\.default\(", c)) == 2 for c in calls), \
+        [p.name for p in tmp_path.iterdir()]
     _close(fused.logits[0], eager.logits[0])
