@@ -61,7 +61,7 @@ def wrap(module: CompiledModule, examples: Examples, ctx: GraphContext,
     if not ctx.config.cudagraphs:
         return module.call
     facts = module.graph.facts
-    scalars = getattr(module.graph, "device_scalars", ())  # a generated module's (AtenGraph: none)
+    scalars = module.graph.device_scalars  # CPU 0-d inputs the module moves to the device itself
     reason, device = skips.reason_to_skip(examples, ctx, facts, scalars)
     if reason is not None:
         skip(ctx.name, reason)  # one skip per function, logged once
