@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import os
 from typing import Any, Callable, Mapping
 
 import torch
@@ -53,7 +52,7 @@ class CgtreesBackend:
 
     def __init__(self) -> None:
         self._graph_ids = itertools.count()
-        if os.environ.get("CGTREES_PRECOMPILE_CACHE"):  # Dynamo decides on its cache before any graph
+        if "precompile_cache" in Config.set_in_environment():  # Dynamo decides on its cache before any graph
             from cgtrees import precompile
 
             precompile.use_dynamo_cache()

@@ -94,12 +94,10 @@ class Config:
         names = {f.name: f for f in dataclasses.fields(cls)}
         _warn_unknown_env(environ, names)
         values: dict[str, Any] = {}
-        for name, f in names.items():
-            raw = environ.get(f"CGTREES_{name.upper()}")
-            if raw is not None and raw != "":
-                source = f"env CGTREES_{name.upper()}"
-                values[name] = _parse(name, f.type, raw, source=source)
-                _check(name, f.type, values[name], source=source)
+        for name, raw in _environment(environ).items():
+            source, kind = f"env CGTREES_{name.upper()}", names[name].type
+            values[name] = _parse(name, kind, raw, source=source)
+            _check(name, kind, values[name], source=source)
         if mode not in (None, "default"):
             if mode not in MODES:
                 raise OptionError(f"cgtrees: torch.compile(..., mode={mode!r}) is not a mode of ours; "
@@ -115,6 +113,11 @@ class Config:
             values[name] = raw
         return cls(**values)
 
+    @classmethod
+    def set_in_environment(cls, environ: Mapping[str, str] | None = None) -> frozenset[str]:
+        """The fields this process sets with ``CGTREES_<NAME>`` (a non-empty value), unparsed."""
+        return frozenset(_environment(os.environ if environ is None else environ))
+
     def items(self) -> list[tuple[str, Any]]:
         """Every field's name and value, in order."""
         return list(zip((f.name for f in dataclasses.fields(self)), dataclasses.astuple(self)))
@@ -123,6 +126,16 @@ class Config:
         """Exactly the fields that change generated code, for the cache key."""
         affects = {f.name for f in dataclasses.fields(self) if f.metadata["affects_codegen"]}
         return tuple((name, value) for name, value in self.items() if name in affects)
+
+
+def _environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """The one place the environment is read: each field's ``CGTREES_<NAME>`` that is set, non-empty."""
+    found = {}
+    for f in dataclasses.fields(Config):
+        raw = environ.get(f"CGTREES_{f.name.upper()}")
+        if raw is not None and raw != "":
+            found[f.name] = raw
+    return found
 
 
 def _nearest(name: str, valid: Iterable[str], shown: str = "{!r}") -> str:

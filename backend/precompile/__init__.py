@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
@@ -281,9 +280,8 @@ def loaded_config(saved: dict[str, Any], environ: dict[str, str] | None = None) 
     """The config a saved function runs under here: as saved (its ``options=`` were given in the
     process that compiled it), except the fields that do not shape generated code and that this
     process sets itself (``CGTREES_<NAME>``), such as ``cudagraphs`` or ``warm_first_calls``."""
-    environ = os.environ if environ is None else environ
-    mine = {f.name for f in dataclasses.fields(Config)
-            if not f.metadata["affects_codegen"] and environ.get(f"CGTREES_{f.name.upper()}", "") != ""}
+    affects = {f.name for f in dataclasses.fields(Config) if f.metadata["affects_codegen"]}
+    mine = Config.set_in_environment(environ) - affects
     return Config.resolve(options={k: v for k, v in saved.items() if k not in mine}, environ=environ)
 
 
