@@ -290,3 +290,50 @@ def test_tiny_llama_decode_is_fused_and_generates_the_unfused_runs_tokens(tmp_pa
     assert torch.equal(fused.sequences, unfused.sequences) and torch.equal(fused.sequences, eager.sequences)
     for got, want in zip(fused.logits, unfused.logits):
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2 * want.float().abs().max().item())
+
+
+class _Timed:
+    """A plan that "times" each form as ``us`` says (by its name's start), as a GPU's would."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, us: dict[str, float]) -> None:
+        self.us, self.notes = us, []
+
+    def other_choice(self):
+        return "time", ""
+
+    def time_forms(self, forms):
+        return {name: next(t for start, t in self.us.items() if name.startswith(start)) for name in forms}
+
+    def note(self, *line, why="timed"):
+        self.notes.append(line)
+
+
+@pytest.mark.parametrize("fused_us, taken", [(4.0, True), (4.95, False), (6.0, False)])
+def test_the_fused_form_is_taken_only_where_it_beats_the_unfused_one_by_the_margin(fused_us, taken):
+    """Unfused 5 us: fused 4 us is taken, 4.95 (within gemm_choice.MARGIN) and 6 are not, and the
+    header line lists every form's time."""
+    from cgtrees.codegen import rmsnorm_gemms, shared_input_gemms
+
+    x, residual, nw = _rows(104, torch.bfloat16)
+    gm = trace(layer, x, residual, nw, *_weights(104, (40, 16, 8), torch.bfloat16))
+    grouped = shared_input_gemms.rewritten(gm, _Rewrite())
+    (match,) = rmsnorm_gemms._matches(grouped.graph)
+    plan = _Timed({"unfused": 5.0, "add_rmsnorm_grouped_mm": fused_us})
+    config = rmsnorm_gemms._choose(match, plan)
+    assert (config is not None) == taken
+    (note,) = plan.notes
+    assert note[2].startswith("add_rmsnorm_grouped_mm ") if taken else note[2] == "unfused"
+    assert [name for name, _ in note[3]] == ["unfused", *(f"add_rmsnorm_grouped_mm {b}/{w}"
+                                                          for b, w in rmsnorm_gemms._CONFIGS)]
+
+
+class _Rewrite:
+    """A plan that takes every grouped form (``gemm_decisions=rewrite``)."""
+
+    def other_choice(self):
+        return "rewrite", "gemm_decisions=rewrite"
+
+    def note(self, *line, why="timed"):
+        pass

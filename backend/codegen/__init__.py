@@ -101,7 +101,7 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
     gm = grouped_attention.rewritten(gm, gemms)  # SDPA on unexpanded grouped K/V where that was faster
     gm = gate_up_gemms.rewritten(gm, gemms, ctx.kind)  # silu(x @ gate) * (x @ up) in one launch where faster
     gm = shared_input_gemms.rewritten(gm, gemms)  # few-row GEMMs of one input in one launch where faster
-    gm = rmsnorm_gemms.rewritten(gm, gemms, ctx.kind)  # add + RMSNorm + one-row grouped_mm in one launch where faster
+    gm = rmsnorm_gemms.rewritten(gm, gemms, ctx.kind)  # add + RMSNorm + the one-row GEMVs reading it, one launch
     lowerer = GraphLowerer(gm, ctx.config, gemms)
     program = lowerer.run()  # aten nodes -> IR steps (fallbacks as aten calls)
     items = schedule(program)  # steps -> fused kernels, aten calls, views

@@ -293,7 +293,7 @@ def _unfused_form(match: NormedGemms, device: torch.device) -> tuple[str, Callab
         return run
 
     how = "mm_silu_mul" if silu_mul else "grouped_mm"
-    return f"add_rmsnorm + {how} {config} {_shapes(hv, ws)} {device} rotating", build, _bytes(hv, nw, ws, device)
+    return f"add_rmsnorm + {how} {config} {_shapes(match)} {device} rotating", build, _bytes(hv, nw, ws, device)
 
 
 def _fused_form(match: NormedGemms, config: tuple[int, int], device: torch.device) -> tuple[str, Callable, int]:
@@ -311,11 +311,14 @@ def _fused_form(match: NormedGemms, config: tuple[int, int], device: torch.devic
         return lambda: gemv_add_rmsnorm.launch(x, residual, weight, match.eps, sets[next(turn) % len(sets)], outs, h,
                                                *config)
 
-    return f"{_fused_text(match, config)} {_shapes(hv, ws)} {device} rotating", build, _bytes(hv, nw, ws, device)
+    return f"{_fused_text(match, config)} {_shapes(match)} {device} rotating", build, _bytes(hv, nw, ws, device)
 
 
-def _shapes(hv: torch.Tensor, ws: list[torch.Tensor]) -> str:
-    return f"[1, {hv.numel()}] x {[list(w.shape) for w in ws]} {hv.dtype}"
+def _shapes(match: NormedGemms) -> str:
+    """The timing key's shapes: a form with the add and one without are timed apart."""
+    hv, _, ws = _metas(match)
+    add = "added" if match.residual is not None else "not added"
+    return f"[1, {hv.numel()}] {add} x {[list(w.shape) for w in ws]} {hv.dtype}"
 
 
 def _bytes(hv: torch.Tensor, nw: torch.Tensor, ws: list[torch.Tensor], device: torch.device) -> int:
