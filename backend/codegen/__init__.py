@@ -78,9 +78,11 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
     facts, dynamic = GraphFacts.of(gm), has_symbolic_shapes(example_inputs)
     scalars = device_scalars.moved(gm)  # CPU 0-d inputs of a CUDA graph, on the device
     header = _header(ctx)
-    if not _uses_triton(gm, ctx):  # CPU without the interpreter: aten calls only
+    if not _uses_triton(gm, ctx):  # CPU without the interpreter: aten calls only, as eager makes them
+        from cgtrees.codegen import eager_ops
+
         source = "\n".join([*header, "import math", "import operator", "", "import torch", "",
-                            "aten = torch.ops.aten", "", "", *wrapper.aten_call(gm, "call"), ""])
+                            "aten = torch.ops.aten", "", "", *wrapper.aten_call(eager_ops.fold(gm), "call"), ""])
         return CompiledGraph(source, facts, ctx.graph_hash, launches=aten_launches(gm), device="cpu", dynamic=dynamic)
     from cgtrees.codegen import (
         gate_up_gemms,
