@@ -310,15 +310,19 @@ class _Timed:
         self.notes.append(line)
 
 
+@pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize("fused_us, taken", [(4.0, True), (4.95, False), (6.0, False)])
-def test_the_fused_form_is_taken_only_where_it_beats_the_unfused_one_by_the_margin(fused_us, taken):
+def test_the_fused_form_is_taken_only_where_it_beats_the_unfused_one_by_the_margin(fused_us, taken, split_k):
     """Unfused 5 us: fused 4 us is taken, 4.95 (within gemm_choice.MARGIN) and 6 are not, and the
-    header line lists every form's time."""
+    header line lists every form's time. A ``grouped_mm`` split over K (the unfused form then is)
+    matches too."""
     from cgtrees.codegen import rmsnorm_gemms, shared_input_gemms
 
     x, residual, nw = _rows(104, torch.bfloat16)
     gm = trace(layer, x, residual, nw, *_weights(104, (40, 16, 8), torch.bfloat16))
     grouped = shared_input_gemms.rewritten(gm, _Rewrite())
+    (node,) = [n for n in grouped.graph.nodes if str(n.target) == "cgtrees.grouped_mm.default"]
+    node.args = (*node.args[:-1], split_k)
     (match,) = rmsnorm_gemms._matches(grouped.graph)
     plan = _Timed({"unfused": 5.0, "add_rmsnorm_grouped_mm": fused_us})
     config = rmsnorm_gemms._choose(match, plan)

@@ -9,8 +9,8 @@ the residual stream ``h`` and the norm ``n``; ``grouped_mm`` then reads ``n``. F
 program 0 writes ``h``: a launch a layer fewer, a row re-read from the L2 cache by every program more.
 
 ``rewritten(gm, plan, kind)`` runs after ``shared_input_gemms`` and finds, in an inference graph,
-each one-row ``grouped_mm`` (split_k 1) or ``mm_silu_mul`` whose input is (a view of) eager's RMSNorm
-of HF Llama::
+each one-row ``grouped_mm`` (split over K or not: the fused form is not) or ``mm_silu_mul`` whose
+input is (a view of) eager's RMSNorm of HF Llama::
 
     h32 = _to_copy(h, float32)                  # h itself in a float32 model
     n = mul(weight, _to_copy(mul(h32, rsqrt(add(mean(pow(h32, 2), [-1], True), eps))), dtype))
@@ -101,10 +101,9 @@ def _matches(graph: torch.fx.Graph) -> list[NormedGemms]:
 
 
 def _match(gemms: torch.fx.Node) -> NormedGemms | None:
-    n, config = gemms.args[0], gemms.args[2 + _silu_mul(gemms):]
+    n = gemms.args[0]
     nv = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
-    if nv is None or nv.dim() != 2 or nv.shape[0] != 1 or nv.dtype not in _DTYPES or \
-            (not _silu_mul(gemms) and config[-1] != 1):
+    if nv is None or nv.dim() != 2 or nv.shape[0] != 1 or nv.dtype not in _DTYPES:
         return None
     norm = _norm_of(n, nv.dtype)
     if norm is None:
