@@ -304,33 +304,41 @@ class _Timed:
         return "time", ""
 
     def time_forms(self, forms):
+        for _, build, _ in forms.values():  # each form runs (on the CPU, through the interpreter)
+            build()()
         return {name: next(t for start, t in self.us.items() if name.startswith(start)) for name in forms}
 
     def note(self, *line, why="timed"):
         self.notes.append(line)
 
 
-@pytest.mark.parametrize("split_k", [1, 4])
+@pytest.mark.parametrize("split_k", [1, 4, "mlp"])
 @pytest.mark.parametrize("fused_us, taken", [(4.0, True), (4.95, False), (6.0, False)])
 def test_the_fused_form_is_taken_only_where_it_beats_the_unfused_one_by_the_margin(fused_us, taken, split_k):
     """Unfused 5 us: fused 4 us is taken, 4.95 (within gemm_choice.MARGIN) and 6 are not, and the
-    header line lists every form's time. A ``grouped_mm`` split over K (the unfused form then is)
-    matches too."""
-    from cgtrees.codegen import rmsnorm_gemms, shared_input_gemms
+    header line lists every form's time; every form runs. A ``grouped_mm`` split over K (the unfused
+    form then is) matches too; ``mlp``: the gate/up side."""
+    from cgtrees.codegen import gate_up_gemms, rmsnorm_gemms, shared_input_gemms
 
     x, residual, nw = _rows(104, torch.bfloat16)
-    gm = trace(layer, x, residual, nw, *_weights(104, (40, 16, 8), torch.bfloat16))
-    grouped = shared_input_gemms.rewritten(gm, _Rewrite())
-    (node,) = [n for n in grouped.graph.nodes if str(n.target) == "cgtrees.grouped_mm.default"]
-    node.args = (*node.args[:-1], split_k)
-    (match,) = rmsnorm_gemms._matches(grouped.graph)
-    plan = _Timed({"unfused": 5.0, "add_rmsnorm_grouped_mm": fused_us})
+    if split_k == "mlp":
+        wg, wu = _weights(104, (40, 40), torch.bfloat16)
+        gm = trace(mlp_layer, x, residual, nw, wg, wu, _weights(40, (104,), torch.bfloat16)[0])
+        gm = gate_up_gemms.rewritten(gm, _Rewrite(), "inference")
+        op, configs = "add_rmsnorm_mm_silu_mul", rmsnorm_gemms._SILU_CONFIGS
+    else:
+        gm = trace(layer, x, residual, nw, *_weights(104, (40, 16, 8), torch.bfloat16))
+        gm = shared_input_gemms.rewritten(gm, _Rewrite())
+        (node,) = [n for n in gm.graph.nodes if str(n.target) == "cgtrees.grouped_mm.default"]
+        node.args = (*node.args[:-1], split_k)
+        op, configs = "add_rmsnorm_grouped_mm", rmsnorm_gemms._CONFIGS
+    (match,) = rmsnorm_gemms._matches(gm.graph)
+    plan = _Timed({"unfused": 5.0, op: fused_us})
     config = rmsnorm_gemms._choose(match, plan)
     assert (config is not None) == taken
     (note,) = plan.notes
-    assert note[2].startswith("add_rmsnorm_grouped_mm ") if taken else note[2] == "unfused"
-    assert [name for name, _ in note[3]] == ["unfused", *(f"add_rmsnorm_grouped_mm {b}/{w}"
-                                                          for b, w in rmsnorm_gemms._CONFIGS)]
+    assert note[2].startswith(op + " ") if taken else note[2] == "unfused"
+    assert [name for name, _ in note[3]] == ["unfused", *(f"{op} {b}/{w}" for b, w in configs)]
 
 
 class _Rewrite:

@@ -260,6 +260,11 @@ def _metas(match: NormedGemms) -> tuple[torch.Tensor, torch.Tensor, list[torch.T
     return match.h.meta["val"], match.weight.meta["val"], [w.meta["val"] for w in _weights(match.gemms)]
 
 
+def _row(hv: torch.Tensor) -> torch.Tensor:
+    """The GEMMs' input as ``shared_input_gemms.operands`` reads it: [1, K] of h's dtype, no data."""
+    return torch.empty((1, hv.numel()), dtype=hv.dtype, device="meta")
+
+
 def _row_operands(match: NormedGemms, device: torch.device):
     """Random rows x and residual (None where not added), the norm's weight, and h's buffer."""
     hv, nw, _ = _metas(match)
@@ -279,7 +284,7 @@ def _unfused_form(match: NormedGemms, device: torch.device) -> tuple[str, Callab
         from cgtrees.codegen import gemv_add_rmsnorm, gemv_silu_mul, grouped_gemv
 
         x, residual, weight, h = _row_operands(match, device)
-        _, sets, outs = operands(hv.view(1, -1), ws, device)
+        _, sets, outs = operands(_row(hv), ws, device)
         n = torch.empty((1, hv.numel()), dtype=hv.dtype, device=device)
         turn = iter(range(1 << 62))
 
@@ -302,7 +307,7 @@ def _fused_form(match: NormedGemms, config: tuple[int, int], device: torch.devic
         from cgtrees.codegen import gemv_add_rmsnorm
 
         x, residual, weight, h = _row_operands(match, device)
-        _, sets, outs = operands(hv.view(1, -1), ws, device)
+        _, sets, outs = operands(_row(hv), ws, device)
         turn = iter(range(1 << 62))
         if _silu_mul(match.gemms):
             return lambda: gemv_add_rmsnorm.launch_silu_mul(x, residual, weight, match.eps,
@@ -322,7 +327,7 @@ def _shapes(match: NormedGemms) -> str:
 
 def _bytes(hv: torch.Tensor, nw: torch.Tensor, ws: list[torch.Tensor], device: torch.device) -> int:
     """What a form allocates: ``shared_input_gemms``'s operands, and the rows and the norm's weight."""
-    return operand_bytes(hv.view(1, -1), ws, device) + 4 * span_bytes(hv) + span_bytes(nw)
+    return operand_bytes(_row(hv), ws, device) + 4 * span_bytes(hv) + span_bytes(nw)
 
 
 # ------------------------------------------------------------------------------------------ rewriting
