@@ -52,3 +52,17 @@ def test_python_m_cgtrees_tree_writes_the_picture(tmp_path):
     assert f"wrote {tmp_path / 'tree.dot'}" in done.stdout and "dot -Tsvg" in done.stdout, done.stdout
     text = (tmp_path / "tree.dot").read_text()
     assert "g0_forward: no CUDA graphs\\nCPU inputs" in text and "g0_backward" in text, text
+
+
+def test_readme_shows_a_real_models_tree():
+    """Item 8's picture in the docs: drawn from GPT-2 small on the GPU, rendered, and shown in the README."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    assert "![" in (readme := (root / "README.md").read_text()) and "(docs/tree-gpt2.svg)" in readme
+    dot_text, svg = (root / "docs/tree-gpt2.dot").read_text(), (root / "docs/tree-gpt2.svg").read_text()
+    boxes = [line for line in dot_text.splitlines() if line.strip().startswith("n") and "[label=" in line]
+    assert any("g0_backward (backward)" in b for b in boxes) and any("(inference)" in b for b in boxes)
+    parents = [line.split("->")[0].strip() for line in dot_text.splitlines() if "->" in line]
+    assert max(parents.count(p) for p in set(parents)) >= 2  # a branch: one node with two children
+    assert "g0_forward (forward)" in svg
