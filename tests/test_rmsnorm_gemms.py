@@ -229,6 +229,16 @@ def test_what_does_not_match_stays_unfused(fn):
         torch.testing.assert_close(got.float(), w.float(), rtol=2e-2, atol=2e-2 * w.float().abs().max().item())
 
 
+@pytest.mark.parametrize("rows, whole", [(1, True), (2, False)])
+def test_a_slice_in_the_chain_is_one_that_keeps_everything(rows, whole):
+    """The LM head reads the last token's norm: of a decode step's one token, all of it."""
+    from cgtrees.codegen import rmsnorm_gemms
+
+    gm = trace(lambda h: h[:, -1:].view(1, -1), torch.randn(1, rows, 104))
+    (node,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.slice.Tensor)
+    assert rmsnorm_gemms._whole_slice(node) == whole
+
+
 @pytest.mark.parametrize("mode", ["keep", "measure"])
 def test_keep_and_measure_without_a_gpu_stay_unfused(mode):
     x, residual, nw = _rows(104, torch.bfloat16)
@@ -252,8 +262,9 @@ def test_training_graphs_stay_unfused():
 def test_tiny_llama_decode_is_fused_and_generates_the_unfused_runs_tokens(tmp_path):
     """A real decode step (transformers' LlamaForCausalLM, bf16, random weights, generate's static
     cache and compile_config): each layer's input norm, with the residual add of layers past the
-    first, is one op with q, k and v, and its post-attention norm with the residual add one op with
-    the MLP's gate and up; tokens equal the unfused run's (and eager's), logits close."""
+    first, is one op with q, k and v, its post-attention norm with the residual add one op with the
+    MLP's gate and up, and the final norm (through a slice of the last token) one op with the LM
+    head; tokens equal the unfused run's (and eager's), logits close."""
     transformers = pytest.importorskip("transformers")
 
     torch.manual_seed(0)
@@ -283,7 +294,7 @@ def test_tiny_llama_decode_is_fused_and_generates_the_unfused_runs_tokens(tmp_pa
         eager = model.generate(ids, disable_compile=True, **greedy)
     (source,) = [p.read_text() for p in (tmp_path / "fused").glob("*inference*.py")]
     call = source.split("\ndef call(")[1]
-    assert len(re.findall(r"add_rmsnorm_grouped_mm\.default\(", call)) == 2, call
+    assert len(re.findall(r"add_rmsnorm_grouped_mm\.default\(", call)) == 3, call  # and the LM head's
     assert len(re.findall(r"add_rmsnorm_grouped_mm\.default\(\w+, None,", call)) == 1  # the first layer: no add
     assert len(re.findall(r"add_rmsnorm_mm_silu_mul\.default\(\w+, \w+,", call)) == 2, call
     assert "add_rmsnorm_grouped_mm" not in "".join(p.read_text() for p in (tmp_path / "unfused").glob("*.py"))

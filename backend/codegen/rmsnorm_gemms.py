@@ -1,7 +1,8 @@
 """A residual add, the RMSNorm after it and the one-row GEMVs that read the norm as one launch, where
 timing says so (issue 55, "Fuse across the matmul"): a Llama layer's q, k and v projections (one
 ``grouped_mm``) as ``cgtrees.add_rmsnorm_grouped_mm``, its MLP's gate and up projections with their
-SiLU-and-multiply (one ``mm_silu_mul``) as ``cgtrees.add_rmsnorm_mm_silu_mul``.
+SiLU-and-multiply (one ``mm_silu_mul``) as ``cgtrees.add_rmsnorm_mm_silu_mul``, and the model's final
+norm with the LM head (a ``grouped_mm`` of one weight) as ``add_rmsnorm_grouped_mm`` again.
 
 Our codegen computes a residual add and the RMSNorm after it in one reduction kernel, which writes
 the residual stream ``h`` and the norm ``n``; ``grouped_mm`` then reads ``n``. Fused
@@ -139,12 +140,14 @@ def _same_row(val: object, hv: torch.Tensor) -> bool:
 def _norm_of(n: torch.fx.Node, dtype: torch.dtype
              ) -> tuple[torch.fx.Node, torch.fx.Node, float, list[torch.fx.Node]] | None:
     """(h, the norm's weight, eps, the chain's nodes in graph order) where ``n`` is (a view of)
-    ``weight * rmsnorm(h)`` as HF Llama computes it in ``dtype``, else None."""
+    ``weight * rmsnorm(h)`` as HF Llama computes it in ``dtype``, else None. The view may be of a
+    slice that keeps everything (the last token of a decode step's one: the LM head's input)."""
     chain = []
-    if n.target in _VIEWS and isinstance(n.args[0], torch.fx.Node):
+    while len(chain) < 2 and n.op == "call_function" and isinstance(n.args[0], torch.fx.Node) and \
+            (n.target in _VIEWS or _whole_slice(n)):
         chain.append(n)
         n = n.args[0]
-    if n.target is not aten.mul.Tensor or len(n.args) != 2:
+    if n.target is not aten.mul.Tensor or len(n.args) != 2 or not isinstance(n.meta.get("val"), torch.Tensor):
         return None
     for weight, normed in (n.args, reversed(n.args)):
         if _is_norm_weight(weight, n.meta["val"]) and isinstance(normed, torch.fx.Node):
@@ -171,9 +174,19 @@ def _norm_of(n: torch.fx.Node, dtype: torch.dtype
     return h, weight, eps, list(reversed(chain))
 
 
+def _whole_slice(node: torch.fx.Node) -> bool:
+    """``node`` is a ``slice`` of step 1 whose result is all of its input."""
+    if node.target is not aten.slice.Tensor or (len(node.args) > 4 and node.args[4] != 1):
+        return False
+    source, out = node.args[0].meta.get("val"), node.meta.get("val")
+    return isinstance(source, torch.Tensor) and isinstance(out, torch.Tensor) and \
+        tuple(out.shape) == tuple(source.shape) and out.stride() == source.stride()
+
+
 def _scaled(node: torch.fx.Node) -> tuple[torch.fx.Node, float, list[torch.fx.Node]] | None:
     """(h32, eps, the nodes) where ``node`` is ``h32 * rsqrt(mean(h32 ** 2, [-1], True) + eps)``, float32."""
-    if node.target is not aten.mul.Tensor or node.meta["val"].dtype != torch.float32:
+    val = node.meta.get("val")
+    if node.target is not aten.mul.Tensor or not isinstance(val, torch.Tensor) or val.dtype != torch.float32:
         return None
     a, b = node.args
     h32, rsqrt = (b, a) if isinstance(a, torch.fx.Node) and a.target is aten.rsqrt.default else (a, b)
