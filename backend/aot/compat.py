@@ -29,6 +29,7 @@ from cgtrees.cache.compat import (
     autocast_enabled,
     concrete_int,
     saved_tensors_hooks_inlined,
+    storage_id,
     tensor_bytes,
 )
 from cgtrees.compiled_function import RuntimePlan, TangentFormat, TensorSpec
@@ -39,7 +40,7 @@ __all__ = [
     "fake_mode_of", "fake_of", "Uncacheable", "Symbols", "fw_metadata", "runtime_plan", "pickle_aot_metadata",
     "aot_backward_attributes", "fake_mode", "fake_tensors", "increment_version", "release_saved", "view_replay",
     "autocast_enabled", "no_autocast", "mark_dynamic_dims", "concrete_int", "saved_tensors_hooks_inlined",
-    "tensor_bytes",
+    "tensor_bytes", "storage_id",
 ]
 
 # AOTAutograd's modules are imported where they are used: a level-1 hit and a loaded precompiled
@@ -55,7 +56,6 @@ def make_boxed_func(fn: Callable[..., Any]) -> Callable[..., Any]:
     from torch._functorch.aot_autograd import make_boxed_func as boxed
 
     return boxed(fn)
-
 
 
 def extract_fwd_bwd_modules(joint: torch.fx.GraphModule, saved_values: list[torch.fx.Node],
@@ -126,7 +126,6 @@ def fake_of(value: torch.Tensor, mode: Any) -> torch.Tensor:
     return mode.from_tensor(value, static_shapes=True)
 
 
-
 def in_compiled_autograd() -> bool:
     """Whether compiled autograd is tracing or running a backward graph now (it is when Dynamo
     traces that graph and hands it to us; torch 2.11 and 2.13 keep the flag in this module)."""
@@ -176,13 +175,6 @@ def ddp_optimizer_piece() -> int | None:
     context = torch._guards.TracingContext.try_get()
     ddp = getattr(context, "ddp_optimizer_ctx", None) if context is not None else None
     return None if ddp is None else int(ddp.curr_bucket) + 1
-
-
-def storage_id(t: torch.Tensor) -> Any:
-    """A hashable identity of ``t``'s storage (fake tensors' too): views of one tensor share it."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    return StorageWeakRef(t.untyped_storage())
 
 
 # ---- AOTAutograd's metadata, for our runtime wrapper ---------------------------------------------
@@ -363,7 +355,6 @@ def fake_tensors(specs: Iterable[TensorSpec], mode: Any) -> list[torch.Tensor]:
     return out
 
 
-
 def increment_version(tensors: list[torch.Tensor]) -> None:
     try:
         torch.autograd.graph.increment_version(tensors)
@@ -399,7 +390,6 @@ class view_replay:  # noqa: N801 - a context manager, named like one
     def __exit__(self, *exc: Any) -> None:
         if torch._C._is_view_replay_enabled() != self.prev:
             torch._C._set_view_replay_enabled(self.prev)
-
 
 
 def no_autocast(off: bool) -> Any:

@@ -26,6 +26,7 @@ class Uncacheable(Exception):
 
 
 def storage_id(t: torch.Tensor) -> Any:
+    """A hashable identity of ``t``'s storage (fake tensors' too): views of one tensor share it."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return StorageWeakRef(t.untyped_storage())
