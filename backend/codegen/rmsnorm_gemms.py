@@ -141,10 +141,11 @@ def _norm_of(n: torch.fx.Node, dtype: torch.dtype
              ) -> tuple[torch.fx.Node, torch.fx.Node, float, list[torch.fx.Node]] | None:
     """(h, the norm's weight, eps, the chain's nodes in graph order) where ``n`` is (a view of)
     ``weight * rmsnorm(h)`` as HF Llama computes it in ``dtype``, else None. The view may be of a
-    slice that keeps everything (the last token of a decode step's one: the LM head's input)."""
+    slice that keeps everything, or of an alias (the LM head's input: the last token of a decode
+    step's one, or all of them)."""
     chain = []
-    while len(chain) < 2 and n.op == "call_function" and isinstance(n.args[0], torch.fx.Node) and \
-            (n.target in _VIEWS or _whole_slice(n)):
+    while len(chain) < 3 and n.op == "call_function" and isinstance(n.args[0], torch.fx.Node) and \
+            (n.target in _VIEWS or n.target is aten.alias.default or _whole_slice(n)):
         chain.append(n)
         n = n.args[0]
     if n.target is not aten.mul.Tensor or len(n.args) != 2 or not isinstance(n.meta.get("val"), torch.Tensor):
