@@ -12,7 +12,8 @@ import torch
 from codegen_helpers import compile_fn, config, trace
 
 from cgtrees import codegen
-from cgtrees.aot.fx_code import AtenCodeModule, fx_code
+from cgtrees.aot import fx_code as fx_code_module
+from cgtrees.aot.fx_code import fx_code
 from cgtrees.aot.rebuild import load_module
 from cgtrees.aot.recorder import part_module
 from cgtrees.codegen.module import AtenModule
@@ -91,5 +92,5 @@ def test_cached_fx_module_is_boxed():
     assert "args_list.clear()" in code, code
     x, y = torch.randn(4), torch.randn(4)
     args = [x, y]
-    torch.testing.assert_close(AtenCodeModule(code, "g0", AtenGraph(GraphFacts.of(gm), 1)).call(args), x.sin() + y)
+    torch.testing.assert_close(fx_code_module.load(code, "g0", AtenGraph(GraphFacts.of(gm), 1)).call(args), x.sin() + y)
     assert args == []

@@ -1,5 +1,6 @@
 """Aten graphs kept as their FX code: a graph that runs through aten in a level-1 function
-(``AtenCode``), and AOTAutograd's backward graph (``aot.backward_graph``).
+(``AtenCode``, loaded back as a ``codegen.AtenModule`` by ``load``), and AOTAutograd's backward
+graph (``aot.backward_graph``).
 
 The code may use only torch's own globals (``fx_globals``): it is loaded back by ``exec`` with
 exactly those, so a graph whose code needs any other (a Python function, a module attribute) is
@@ -8,6 +9,7 @@ not kept (Uncacheable).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -16,22 +18,16 @@ import torch.fx
 
 from cgtrees.aot.compat import Uncacheable
 from cgtrees.codegen import compat as codegen_compat
+from cgtrees.codegen.module import AtenModule
 from cgtrees.compiled import AtenGraph
 
 
-class AtenCodeModule:
+def load(code: str, name: str, graph: AtenGraph) -> AtenModule:
     """An aten graph loaded back from its FX code (boxed: ``forward(self, args_list)`` clears the
     list and frees each input at its last use): a CompiledModule like a kernel module."""
-
-    def __init__(self, code: str, name: str, graph: AtenGraph) -> None:
-        namespace = dict(fx_globals())
-        exec(compile(code, f"<cgtrees cached graph {name}>", "exec"), namespace)  # noqa: S102 - our own entry
-        self._forward = namespace["forward"]
-        self.code = code
-        self.graph = graph
-
-    def call(self, args: list[Any]) -> Any:
-        return self._forward(None, args)
+    namespace = dict(fx_globals())
+    exec(compile(code, f"<cgtrees cached graph {name}>", "exec"), namespace)  # noqa: S102 - our own entry
+    return AtenModule.from_boxed(functools.partial(namespace["forward"], None), graph)
 
 
 def fx_code(gm: torch.fx.GraphModule) -> str:

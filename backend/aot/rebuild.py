@@ -20,8 +20,7 @@ import torch
 import torch.fx
 
 from cgtrees import codegen
-from cgtrees.aot import backward_graph, compat, records, wrappers
-from cgtrees.aot.fx_code import AtenCodeModule
+from cgtrees.aot import backward_graph, compat, fx_code, records, wrappers
 from cgtrees.cache.store import CorruptEntry
 from cgtrees.codegen import compat as codegen_compat
 from cgtrees.compiled import CompiledGraph, CompiledModule
@@ -128,7 +127,7 @@ def load_module(part: CompiledPart, ctx: GraphContext) -> CompiledModule:
     ``CGTREES_DEBUG_DIR``."""
     module = part.module
     if isinstance(module, AtenCode):
-        return AtenCodeModule(module.source, ctx.name, module.graph())
+        return fx_code.load(module.source, ctx.name, module.graph())
     if not isinstance(module, CompiledGraph):
         raise CorruptEntry(f"{part.name}'s module was not read in from level 2")
     if part.level_2:

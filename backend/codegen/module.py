@@ -30,16 +30,25 @@ log = logging.getLogger("cgtrees.codegen")
 
 
 class AtenModule:
-    """Runs the aten graph directly (a graph codegen gave up on). Its FX code takes the inputs
+    """Runs an aten graph directly: a graph codegen gave up on, or one a level-1 entry kept as its
+    FX code (``from_boxed``: ``aot.fx_code.load`` executes the code). Its FX code takes the inputs
     boxed, so each is freed at its last use as in a generated module (``gm(*args)`` would hold
     every input until the graph returns: the whole of a backward's saved activations)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, facts: GraphFacts | None = None) -> None:
+    def __init__(self, gm: torch.fx.GraphModule | None, facts: GraphFacts | None = None) -> None:
         from cgtrees.codegen import compat
 
         self.gm = gm
-        self.graph = AtenGraph(GraphFacts.of(gm) if facts is None else facts, aten_launches(gm))
-        self._boxed = compat.boxed_graph_module(gm)
+        if gm is not None:
+            self.graph = AtenGraph(GraphFacts.of(gm) if facts is None else facts, aten_launches(gm))
+            self._boxed = compat.boxed_graph_module(gm)
+
+    @classmethod
+    def from_boxed(cls, boxed: Callable[[list[Any]], Any], graph: AtenGraph) -> "AtenModule":
+        """The module of a graph known only by its boxed callable (it clears the list it is given)."""
+        module = cls(None)
+        module.graph, module._boxed = graph, boxed
+        return module
 
     def call(self, args: list[Any]) -> Any:
         if self._boxed is not None:
