@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from cgtrees.capture import recording_lock
+
 _TARGET_US = 2000.0  # a batch's GPU time: long enough that a replay's launch is noise
 _MAX_REPS = 100
 _REPLAYS = 3
@@ -48,7 +50,7 @@ def time_us(key: str, device: torch.device, build: Callable[[], Callable[[], Non
             reps = _reps(_once_us(candidate))
             graph = torch.cuda.CUDAGraph()
             # thread_local: another thread's CUDA calls (a warm load's first calls) are not the capture's
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            with recording_lock, torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 for _ in range(reps):
                     candidate()
             graph.replay()

@@ -39,12 +39,13 @@ import weakref
 from typing import Any, Callable
 
 from cgtrees import counters
+from cgtrees.capture import recording_lock  # noqa: F401 - public: a thread holds it around its own random draws
 from cgtrees.compiled import CompiledModule
 from cgtrees.context import GraphContext
 from cgtrees.logs import log_once
 from cgtrees.runtime import skips
 from cgtrees.runtime.examples import Examples
-from cgtrees.runtime.function import GraphFunction, log, recording_lock, skip  # noqa: F401 - recording_lock: public
+from cgtrees.runtime.function import GraphFunction, log, skip
 from cgtrees.runtime.manager import Managers, SharedTree
 
 _managers = Managers()

@@ -26,15 +26,9 @@ Invariants:
   host's launches; a graph of few kernels over large inputs (a bandwidth-bound layer's forward fed
   a fresh batch, its backward fed that batch and the output's gradient) is slower replayed.
 - A function that runs without graphs says why once (log) and counts one ``cudagraph_skips``.
-- One recording at a time in the process (``recording_lock``, public as
-  ``cgtrees.runtime.recording_lock``). A capture's device synchronize and cuBLAS workspace reset
-  must not run while another thread captures; and with torch 2.11 a capture flags the device's
-  default CUDA generator as capturing for every thread, whether or not the graph draws random
-  numbers, so another thread's ``torch.randn`` raises "Offset increment outside graph capture
-  encountered unexpectedly" (reduce-overhead's recordings do the same) and two captures at once
-  would share one generator state. Our recordings take turns; a program whose other threads draw
-  from the default generator holds the same lock around those draws, or gives each thread a
-  generator of its own (README, "Threads").
+- One capture at a time in the process: a recording holds ``cgtrees.capture.recording_lock``
+  (public as ``cgtrees.runtime.recording_lock``), as codegen's GEMM timings do; why, and the rule
+  for a program's other threads, in ``cgtrees.capture``.
 """
 
 from __future__ import annotations
@@ -42,13 +36,13 @@ from __future__ import annotations
 import collections
 import enum
 import logging
-import threading
 from threading import get_ident
 from typing import Any, Callable
 
 import torch
 
 from cgtrees import counters
+from cgtrees.capture import recording_lock
 from cgtrees.compiled import GraphFacts
 from cgtrees.context import GraphContext
 from cgtrees.logs import log_once
@@ -69,7 +63,6 @@ class Why(enum.Enum):
     INPUT_MOVED = "an input written in place moved"  # a new KV cache, or one copied from now on
 
 _WORTH_RECORDING = 8  # replays that pay for a recording (a capture costs about what 10 calls do)
-recording_lock = threading.RLock()
 
 
 class GraphFunction:

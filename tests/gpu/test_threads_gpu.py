@@ -73,8 +73,29 @@ def test_other_thread_draws_while_we_record(how, no_tf32):
 
 
 def test_two_threads_record_side_by_side(no_tf32):
+    """Each thread's first calls warm up and record in a tree of its own, at the same time. The
+    compiles happen first, on this thread: Dynamo cannot compile in one thread while another runs
+    compiled code (torch's FX-tracing flag is process-wide: "Detected that you are using FX to
+    symbolically trace a dynamo-optimized function")."""
     errors: list[str] = []
-    threads = [threading.Thread(target=_run_compiled, args=(_model(), errors)) for _ in range(2)]
+    models = [_model(), _model()]
+    compiled = [torch.compile(m, backend="cgtrees", dynamic=False) for m in models]
+    with torch.no_grad():
+        for f in compiled:
+            for rows in SHAPES:
+                f(torch.ones(rows, 96, device="cuda"))
+
+    def run(model: torch.nn.Module, f) -> None:
+        try:
+            with torch.no_grad():
+                for _ in range(3):
+                    for rows in SHAPES:
+                        x = torch.arange(rows * 96, device="cuda", dtype=torch.float32).reshape(rows, 96) / 500
+                        torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"{type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=run, args=pair) for pair in zip(models, compiled)]
     for t in threads:
         t.start()
     for t in threads:

@@ -1,0 +1,58 @@
+"""Training memory against Inductor (issue 54, item 7): a GPT-2-shaped model (HF ``GPT2LMHeadModel``,
+4 layers of GPT-2 small's width, batch 4 x 512, bf16 autocast, fused AdamW) peaks at no more
+reserved memory than Inductor's default mode, CUDA-graph pools counted (``max_memory_reserved``
+from before the first step, each backend in a fresh process: the allocator's statistics are per
+process). The full-size row (GPT-2 small, 8 x 1024) is the real-size benchmark's
+(``benchmarks/size_run.py``, ``docs/benchmarks.md``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = r"""
+import json, sys, torch, transformers
+backend = sys.argv[1]
+torch.manual_seed(0)
+config = transformers.GPT2Config(n_layer=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                                 attn_implementation="sdpa")
+model = transformers.GPT2LMHeadModel(config).cuda()
+ids = torch.randint(0, config.vocab_size, (4, 512), device="cuda")
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+fn = torch.compile(model, backend="cgtrees") if backend == "cgtrees" else torch.compile(model)
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+torch.cuda.reset_peak_memory_stats()
+for _ in range(6):
+    if backend == "cgtrees":
+        torch.compiler.cudagraph_mark_step_begin()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = fn(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+torch.cuda.synchronize()
+print(json.dumps({"reserved": torch.cuda.max_memory_reserved(), "allocated": torch.cuda.max_memory_allocated()}))
+"""
+
+
+def _peaks(backend: str) -> dict[str, int]:
+    done = subprocess.run([sys.executable, "-c", SCRIPT, backend], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.xfail(strict=True, reason="issue 54 item 7, open: with the default allocator the default pool keeps the "
+                   "segments the eager warmup's activations and the optimizer's first state were cut from, while "
+                   "later activations live in our graph pool (H200: 2266 MiB reserved against Inductor's 1952, "
+                   "with less allocated; under expandable_segments 1906 against 2084)")
+def test_gpt2_training_peak_reserved_at_most_inductors():
+    ours, theirs = _peaks("cgtrees"), _peaks("inductor")
+    mib = {k: f"cgtrees {ours[k] / 2**20:.0f} MiB, inductor {theirs[k] / 2**20:.0f} MiB" for k in ours}
+    print(f"GPT-2 (4 layers, 4 x 512) training peak reserved: {mib['reserved']}; allocated: {mib['allocated']}")
+    assert ours["reserved"] <= theirs["reserved"], mib
