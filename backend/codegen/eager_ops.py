@@ -30,14 +30,15 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from cgtrees.codegen import fx_copy
+
 aten = torch.ops.aten
 
 
 def fold(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of ``gm`` with the rewrites above applied and its dead nodes removed (``gm`` itself is
     left as it is: the driver may keep it, for a fallback or a later compile)."""
-    graph = torch.fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
+    graph, _ = fx_copy.copied(gm)
     changed = True
     while changed:
         changed = False

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.fx
 
+from cgtrees.codegen import fx_copy
 from cgtrees.codegen.gemm_choice import MARGIN
 from cgtrees.codegen.shared_input_gemms import config_text, configs, operand_bytes, operands, qualifies, weight
 
@@ -61,10 +62,7 @@ def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan", kind: str) -> torch.fx
     chosen = [(match, config) for match in _matches(gm.graph) if (config := _choose(match, plan)) is not None]
     if not chosen:
         return gm
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, env))
-    copied = {old.name: new for old, new in env.items()}
+    graph, copied = fx_copy.copied(gm)
     for match, config in chosen:
         _rewrite(graph, GateUp(*(copied[n.name] for n in (match.gate, match.up, match.out)),
                                tuple(copied[n.name] for n in match.chain)), config)

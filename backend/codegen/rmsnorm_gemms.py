@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.fx
 
+from cgtrees.codegen import fx_copy
 from cgtrees.codegen.gemm_choice import MARGIN, random_like, span_bytes
 from cgtrees.codegen.shared_input_gemms import operand_bytes, operands
 
@@ -78,10 +79,7 @@ def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan", kind: str) -> torch.fx
     chosen = [(match, config) for match in _matches(gm.graph) if (config := _choose(match, plan)) is not None]
     if not chosen:
         return gm
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, env))
-    copied = {old.name: new for old, new in env.items()}
+    graph, copied = fx_copy.copied(gm)
     for match, config in chosen:  # a rewrite's h (the next match's x) is an item of its op from then on
         residual = copied[match.residual.name] if match.residual is not None else None
         copied[match.h.name] = _rewrite(graph, NormedGemms(

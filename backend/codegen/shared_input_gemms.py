@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.fx
 
+from cgtrees.codegen import fx_copy
 from cgtrees.codegen.gemm_choice import MARGIN, random_like, span_bytes
 
 if TYPE_CHECKING:
@@ -47,10 +48,7 @@ def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan") -> torch.fx.GraphModul
     chosen = [(group, config) for group in groups if (config := _choose(group, plan)) is not None]
     if not chosen:
         return gm
-    graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, env))
-    copied = {old.name: new for old, new in env.items()}
+    graph, copied = fx_copy.copied(gm)
     for group, config in chosen:
         _rewrite(graph, [copied[n.name] for n in group], config)
     graph.lint()
