@@ -107,3 +107,14 @@ def test_kv_cache_write_stays_in_place_and_right(tmp_path):
             assert "aten.index_copy.default(" in source and "aten.copy_.default(" in source
         else:
             assert "aten.index_copy_.default(" in source and "aten.copy_" not in source
+
+
+def test_scaled_addmm_stays():
+    def f(b, x, w):
+        return aten.addmm(b, x, aten.t(w), beta=2, alpha=0.5), aten.addmm(b, x, aten.t(w), alpha=3)
+
+    args = (torch.randn(13), torch.randn(9, 23), torch.randn(13, 23))
+    folded = eager_ops.fold(make_fx(f)(*args))
+    assert aten.linear.default not in _targets(folded)  # linear has no beta or alpha
+    for got, want in zip(folded(*args), f(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -91,7 +91,7 @@ def _double_transposes(graph: torch.fx.Graph) -> bool:
 def _linears(graph: torch.fx.Graph) -> bool:
     changed = False
     for node in list(graph.nodes):
-        if _is(node, aten.addmm.default) and not node.kwargs:
+        if _is(node, aten.addmm.default) and not node.kwargs:  # beta and alpha (keyword-only) at 1
             bias, x, wt = node.args
         elif _is(node, aten.mm.default):
             (x, wt), bias = node.args, None

@@ -22,10 +22,10 @@ Generated modules that call the op import this module, which registers it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
+
+from cgtrees.codegen import interp
 
 MAX_WEIGHTS = 3
 MAX_HIDDEN = 8192  # the row is one block of registers
@@ -38,8 +38,6 @@ def _kernels():
     return gemv_add_rmsnorm_kernels
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -56,7 +54,7 @@ def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Te
     add = residual is not None
     _kernels().add_rmsnorm_gemv_row_kernel[grid](
         x, residual if add else x, norm_weight, *ws, *ys, h if add else ys[0], *ns, eps, K=k, BLOCK_N=block_n,
-        BLOCK_K=triton.next_power_of_2(k), ADD=add, INTERPRET=_interpreting(), num_warps=warps)
+        BLOCK_K=triton.next_power_of_2(k), ADD=add, INTERPRET=interp.active(), num_warps=warps)
 
 
 def launch_silu_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -68,7 +66,7 @@ def launch_silu_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     add = residual is not None
     _kernels().add_rmsnorm_gemv_silu_mul_row_kernel[(triton.cdiv(n, block_n),)](
         x, residual if add else x, norm_weight, w_gate, w_up, out, h if add else out, n, eps, K=k, BLOCK_N=block_n,
-        BLOCK_K=triton.next_power_of_2(k), ADD=add, INTERPRET=_interpreting(), num_warps=warps)
+        BLOCK_K=triton.next_power_of_2(k), ADD=add, INTERPRET=interp.active(), num_warps=warps)
 
 
 def launch_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -77,7 +75,7 @@ def launch_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     k = x.numel()
     add = residual is not None
     _kernels().add_rmsnorm_kernel[(1,)](x, residual if add else x, norm_weight, h if add else n, n, eps, K=k,
-                                        BLOCK_K=triton.next_power_of_2(k), ADD=add, INTERPRET=_interpreting(),
+                                        BLOCK_K=triton.next_power_of_2(k), ADD=add, INTERPRET=interp.active(),
                                         num_warps=8 if k >= 2048 else 4)
 
 

@@ -24,10 +24,10 @@ Generated modules that call the op import this module, which registers it.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
+
+from cgtrees.codegen import interp
 
 POINTWISE_BLOCK = 1024  # silu_mul_kernel's elements a program
 
@@ -39,8 +39,6 @@ def _kernels():
     return gemv_silu_mul_kernels
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def launch(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, out: torch.Tensor, block_n: int,
@@ -51,13 +49,13 @@ def launch(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, out: torch
     grid = (triton.cdiv(n, block_n),)
     if m == 1:
         _kernels().gemv_row_silu_mul_kernel[grid](x, w_gate, w_up, out, n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                  INTERPRET=_interpreting(), num_warps=warps)
+                                                  INTERPRET=interp.active(), num_warps=warps)
         return
     # float32 through tl.dot would round to tf32; the interpreter computes a bfloat16 tl.dot wrongly
-    dot = x.dtype != torch.float32 and not (_interpreting() and x.dtype == torch.bfloat16)
+    dot = x.dtype != torch.float32 and not (interp.active() and x.dtype == torch.bfloat16)
     block_m = max(16, triton.next_power_of_2(m)) if dot else triton.next_power_of_2(m)
     _kernels().gemv_rows_silu_mul_kernel[grid](x, w_gate, w_up, out, n, M=m, K=k, BLOCK_M=block_m, BLOCK_N=block_n,
-                                               BLOCK_K=block_k, DOT=dot, INTERPRET=_interpreting(),
+                                               BLOCK_K=block_k, DOT=dot, INTERPRET=interp.active(),
                                                num_warps=warps)
 
 
@@ -65,7 +63,7 @@ def launch_silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> 
     """``out = silu(gate) * up`` of contiguous products, one pointwise launch (the unfused form's)."""
     numel = out.numel()
     grid = (triton.cdiv(numel, POINTWISE_BLOCK),)
-    _kernels().silu_mul_kernel[grid](gate, up, out, numel, BLOCK=POINTWISE_BLOCK, INTERPRET=_interpreting(),
+    _kernels().silu_mul_kernel[grid](gate, up, out, numel, BLOCK=POINTWISE_BLOCK, INTERPRET=interp.active(),
                                      num_warps=4)
 
 

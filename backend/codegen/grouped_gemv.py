@@ -23,11 +23,12 @@ Generated modules that call it import this module, which registers the op.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from cgtrees.codegen import interp
 
 MAX_WEIGHTS = 3
 SUM_BLOCK = 1024  # split_sum_kernel's elements a program
@@ -134,8 +135,7 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tensor
         raise ValueError(f"cgtrees grouped_mm: split_k={split_k} needs one row, not {m}")
     # float32 through tl.dot would round to tf32; Triton's interpreter computes a bfloat16 tl.dot
     # wrongly (numpy has no bfloat16), so it takes the other path there
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
-    dot = x.dtype != torch.float32 and not (interpreting and x.dtype == torch.bfloat16)
+    dot = x.dtype != torch.float32 and not (interp.active() and x.dtype == torch.bfloat16)
     block_m = max(16, triton.next_power_of_2(m)) if dot else triton.next_power_of_2(m)
     _kernel()[(blocks,)](x, *ws, *ys, *ns, M=m, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
                          num_warps=warps)

@@ -21,6 +21,12 @@ import os
 _done = False
 
 
+def active() -> bool:
+    """Whether this process runs Triton kernels interpreted: a launcher's question, where the
+    interpreter computes a form wrongly (a bfloat16 ``tl.dot``, a bfloat16 cast that truncates)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def enable() -> None:
     global _done
     os.environ["TRITON_INTERPRET"] = "1"
