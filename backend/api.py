@@ -69,12 +69,14 @@ class CgtreesBackend:
         hits_before = counters.get("cache_hit_aot")
         try:
             from cgtrees import precompile
-            from cgtrees.aot import compiled_autograd
+            from cgtrees.aot import as_captured, compiled_autograd
             from cgtrees.aot.driver import Compiled, compile_dynamo_graph
             from cgtrees.cache.aot import Level1Hints
 
             # keep: torch will save the result (aot_compile); a line on the terminal if it takes long
             with PROGRESS.compiling(f"g{graph_id}", config.progress), precompile.compiling(gm, config) as keep:
+                if not keep and as_captured.applies(gm, example_inputs, config):  # CPU: eager's ops, eager's cost
+                    return as_captured.call(gm, f"g{graph_id}")
                 if compiled_autograd.is_backward_graph(example_inputs):  # its first input is a list
                     result = Compiled(compiled_autograd.compile_backward_graph(gm, example_inputs, config, graph_id))
                 else:

@@ -44,6 +44,16 @@ def _own_cache_dir(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def _cpu_pipeline(request, monkeypatch):
+    """On CPU tensors a user's graphs run as Dynamo captured them (``cgtrees.aot.as_captured``). The
+    CPU suite stands in for the GPU's path: AOTAutograd, our partition, the runtime, the cache, and
+    codegen under the interpreter. So it asks for that pipeline (the option ``cpu_pipeline``), in
+    subprocesses too; tests of the default CPU path are marked ``cpu_default``."""
+    if request.node.get_closest_marker("cpu_default") is None:
+        monkeypatch.setenv("CGTREES_CPU_PIPELINE", "1")
+
+
+@pytest.fixture(autouse=True)
 def _fresh_dynamo():
     """A clean Dynamo and the same random inputs on every run: a test that fails, fails again."""
     import torch

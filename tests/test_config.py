@@ -91,7 +91,7 @@ def test_an_unknown_cgtrees_variable_is_named_with_the_nearest_one(caplog, monke
 # Every option: values that must be refused given in options= and as env text, and one that is taken.
 BAD_OPTIONS = {
     "cudagraphs": ["yes", 1, None], "cache": ["yes", 0], "interpret": ["1"], "precompile_cache": ["on"],
-    "warm_first_calls": ["false"], "unfuse_addmm": [2],
+    "cpu_pipeline": ["true", 1], "warm_first_calls": ["false"], "unfuse_addmm": [2],
     "max_shapes_per_function": ["8", -1, 0, True, 2.0], "max_rerecords_per_function": ["4", -1],
     "max_live_branches_per_function": ["4", -2], "max_copy_mb_per_launch": ["8", -1, 8.5],
     "cache_size_mb": [-5, "100"],
@@ -102,6 +102,7 @@ BAD_OPTIONS = {
 }
 BAD_ENV = {
     "cudagraphs": ["maybe", "2"], "cache": ["maybe"], "interpret": ["y"], "precompile_cache": ["enabled"],
+    "cpu_pipeline": ["always"],
     "warm_first_calls": ["nope"], "unfuse_addmm": ["2"],
     "max_shapes_per_function": ["-1", "0", "many", "8.0"], "max_rerecords_per_function": ["-1"],
     "max_live_branches_per_function": ["x"], "max_copy_mb_per_launch": ["1e3"], "cache_size_mb": ["-5"],
@@ -111,6 +112,7 @@ BAD_ENV = {
 }
 GOOD = {  # option value, env text, the value either gives
     "cudagraphs": (False, "off", False), "cache": (False, "no", False), "interpret": (True, "1", True),
+    "cpu_pipeline": (True, "on", True),
     "precompile_cache": (True, "true", True), "warm_first_calls": (False, "0", False),
     "unfuse_addmm": (False, "false", False), "max_shapes_per_function": (3, "3", 3),
     "max_rerecords_per_function": (0, "0", 0), "max_live_branches_per_function": (2, "2", 2),
