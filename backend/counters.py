@@ -7,7 +7,8 @@ from torch._dynamo.utils import counters
 KEYS = (
     # graphs_compiled: Dynamo graphs compiled; graphs_loaded: those whose AOT result came from the cache;
     # graphs_as_captured: those with no CUDA tensor, which run as Dynamo captured them (``aot/as_captured.py``)
-    "graphs_compiled", "graphs_loaded", "graphs_as_captured", "graph_fallbacks", "kernels_generated", "aten_fallbacks", "aten_gaps",
+    "graphs_compiled", "graphs_loaded", "graphs_as_captured", "graph_fallbacks",
+    "kernels_generated", "aten_fallbacks", "aten_gaps",
     "cache_hit", "cache_miss", "cache_bypass", "cache_corrupt",
     # the same per cache level (``cache.events``): "aot", a Dynamo graph's whole AOT result; "module", a kernel module
     *(f"cache_{event}_{level}" for level in ("aot", "module") for event in ("hit", "miss", "bypass", "corrupt")),
