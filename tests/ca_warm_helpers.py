@@ -6,12 +6,12 @@ backend: the key hashes our source, and the tree may be edited meanwhile."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from snapshot_helpers import COUNT_AOT, backend_snapshot, keep_log
+from subprocess_env import clean_env
 
 WORKER = COUNT_AOT + keep_log("cgtrees") + r"""
 import copy, json, logging, sys, torch
@@ -93,7 +93,7 @@ def cold_and_warm(tmp_path: Path, device: str, enable: tuple[str, str] = ("confi
     batches of ``sizes`` (comma-separated)."""
     backend_snapshot(tmp_path / "snapshot")
     (tmp_path / "worker.py").write_text(WORKER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
+    env = clean_env()
     env.update(CGTREES_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(tmp_path / "snapshot"))
     runs = []
     for how, batch in zip(enable, sizes):

@@ -17,6 +17,11 @@ def pytest_configure(config):
     cores instead of one intra-op thread per core each (15 x 16 threads on the GPU machine's 16
     cores). The suite there went from 450 to 434 s; the demo's subprocess still ran past its limit
     beside 14 workers, so it is a ``timing`` test now."""
+    # On CPU tensors a user's graphs run as Dynamo captured them (``cgtrees.aot.as_captured``). The CPU
+    # suite stands in for the GPU's path (AOTAutograd, our partition, the runtime, the cache, codegen
+    # under the interpreter), so it asks for that pipeline for the whole session: module-scoped fixtures
+    # and subprocesses included. Tests of the default CPU path are marked ``cpu_default``.
+    os.environ["CGTREES_CPU_PIPELINE"] = "1"
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
     if workers > 1:
         import torch
@@ -45,12 +50,10 @@ def _own_cache_dir(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _cpu_pipeline(request, monkeypatch):
-    """On CPU tensors a user's graphs run as Dynamo captured them (``cgtrees.aot.as_captured``). The
-    CPU suite stands in for the GPU's path: AOTAutograd, our partition, the runtime, the cache, and
-    codegen under the interpreter. So it asks for that pipeline (the option ``cpu_pipeline``), in
-    subprocesses too; tests of the default CPU path are marked ``cpu_default``."""
-    if request.node.get_closest_marker("cpu_default") is None:
-        monkeypatch.setenv("CGTREES_CPU_PIPELINE", "1")
+    """Tests marked ``cpu_default`` run the default CPU path; the rest the pipeline
+    (``CGTREES_CPU_PIPELINE``, set for the whole session in ``pytest_configure``)."""
+    if request.node.get_closest_marker("cpu_default") is not None:
+        monkeypatch.delenv("CGTREES_CPU_PIPELINE", raising=False)
 
 
 @pytest.fixture(autouse=True)

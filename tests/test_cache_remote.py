@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from snapshot_helpers import COUNT_AOT, backend_snapshot
+from subprocess_env import clean_env
 
 from cgtrees import logs
 from cgtrees.cache import remote
@@ -288,7 +288,7 @@ def test_fresh_processes_compile_each_graph_once_among_them(tmp_path, server):
     kernel modules) is compiled once in all, and every process gets eager's results; a fifth,
     later, with an empty local directory, compiles nothing."""
     root = backend_snapshot(tmp_path / "snapshot", WORKER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
+    env = clean_env()
     env.update(PYTHONPATH=str(root), CGTREES_REMOTE_CACHE=server.url, CGTREES_REMOTE_CACHE_KEY=KEY)
     procs = [subprocess.Popen([sys.executable, str(root / "worker.py")],
                               env={**env, "CGTREES_CACHE_DIR": str(tmp_path / f"local{i}")},

@@ -11,13 +11,13 @@ edited meanwhile), a few seconds each (aten graphs, or generated kernels through
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from snapshot_helpers import COUNT_AOT, backend_snapshot
+from subprocess_env import clean_env
 
 WORKER = COUNT_AOT + r'''
 import copy, json, sys, torch
@@ -91,7 +91,7 @@ def snapshot(tmp_path_factory) -> Path:
 
 def _run(snapshot: Path, cache_dir: Path, case: str, sizes: str, interpret: bool = False) -> dict:
     """``interpret``: generated Triton kernels through the interpreter (else aten graphs)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
+    env = clean_env()
     env.update(CGTREES_CACHE_DIR=str(cache_dir), PYTHONPATH=str(snapshot), CGTREES_INTERPRET=str(int(interpret)))
     proc = subprocess.run([sys.executable, str(snapshot / "worker.py"), case, sizes], env=env,
                           capture_output=True, text=True, timeout=300)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from snapshot_helpers import backend_snapshot
+from subprocess_env import clean_env
 
 from cgtrees.cache.store import SCHEMA
 
@@ -102,7 +103,7 @@ def _snapshot(tmp_path_factory):
 
 
 def _env(cache_dir: Path, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
+    env = clean_env()
     env.update(CGTREES_CACHE_DIR=str(cache_dir), PYTHONPATH=str(SNAPSHOT[0]), **extra)
     return env
 

@@ -21,13 +21,13 @@ once per module: the cache key hashes our source, and the tree may be edited whi
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from snapshot_helpers import backend_snapshot, keep_log
+from subprocess_env import clean_env
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
 
@@ -90,7 +90,7 @@ def snapshot(tmp_path_factory) -> Path:
 def _run(snapshot: Path, cache_dir: Path, path: str, archs: list[str], decisions: str = "measure") -> list[dict]:
     """One process, the archs one after another (each a fresh Dynamo and cleared counters).
     ``decisions``: ``CGTREES_GEMM_DECISIONS`` (``rewrite``: the forms a GPU would time, taken)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
+    env = clean_env()
     env.update(CGTREES_CACHE_DIR=str(cache_dir), PYTHONPATH=str(snapshot), CGTREES_INTERPRET="1",
                CGTREES_GEMM_DECISIONS=decisions, CGTREES_DEBUG_DIR=str(cache_dir.parent / "modules"))
     args = json.dumps({"path": path, "archs": archs, "new": NEW_TOKENS})

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from snapshot_helpers import backend_snapshot
+from subprocess_env import clean_env
 
 MAGIC = b"cgtrees-precompiled/1"
 
@@ -154,7 +154,7 @@ def snapshot(tmp_path_factory):
 
 
 def _run(snapshot: Path, cache_dir: Path, interpret: bool, env: dict[str, str] | None = None, **args) -> dict:
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}, **(env or {})}
+    env = {**clean_env(), **(env or {})}
     env.update(CGTREES_CACHE_DIR=str(cache_dir), PYTHONPATH=str(snapshot), CGTREES_INTERPRET="1" if interpret else "0")
     proc = subprocess.run([sys.executable, str(snapshot / "worker.py"), json.dumps(args)], env=env,
                           capture_output=True, text=True, timeout=300)
@@ -348,7 +348,7 @@ def test_loading_imports_no_aot_autograd(snapshot, tmp_path):
     importing AOTAutograd or our driver (which the compile needs)."""
     script = tmp_path / "lean.py"
     script.write_text(LEAN)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE"))}
+    env = clean_env()
     env.update(PYTHONPATH=str(snapshot), CGTREES_INTERPRET="0")
     results = []
     for role, cache in (("save", "cache"), ("load", "empty_cache")):

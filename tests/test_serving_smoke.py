@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from subprocess_env import clean_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_smoke_decodes_both_paths_as_eager_and_reports(tmp_path):
     pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CGTREES_")}  # the runner sets what it needs
+    env = clean_env(drop=("CGTREES_",))  # the runner sets what it needs
     done = subprocess.run([sys.executable, "benchmarks/serve_run.py", "--smoke", "--out-dir", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
