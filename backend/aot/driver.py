@@ -21,15 +21,13 @@ import functools
 import itertools
 from pathlib import Path
 from types import EllipsisType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.fx
 
 from cgtrees import cache, codegen, counters, runtime
 from cgtrees.aot import buckets, compat, constants, cse, distributed, layout
-from cgtrees.aot import partition as partitioner
-from cgtrees.aot.partition import Split
 from cgtrees.aot.rebuild import lean_training, rebuild
 from cgtrees.aot.recorder import Recorder
 from cgtrees.cache.aot import NO_HINTS, Level1Hints
@@ -39,6 +37,9 @@ from cgtrees.config import Config
 from cgtrees.context import GraphContext, GraphKind
 from cgtrees.logs import log, log_once
 from cgtrees.runtime.examples import Examples
+
+if TYPE_CHECKING:  # imported where a graph is partitioned, which a warm start never is (~7 ms)
+    from cgtrees.aot.partition import Split
 
 
 class Compilers:
@@ -75,6 +76,8 @@ class Compilers:
                   **kwargs: Any) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         """AOTAutograd's ``partition_fn``: our cut, kept for the two compilers and for level 1 (the
         backward graph: AOTAutograd compiles it lazily, compiled autograd never has it compiled)."""
+        from cgtrees.aot import partition as partitioner  # a miss's only: see the import of Split
+
         self.split = partitioner.split(joint, joint_inputs, layout_opt=self.config.layout_opt, **kwargs)
         if self.recorder is not None:
             self.recorder.keep_backward_graph(self.split.backward, self.split.static_saved)
