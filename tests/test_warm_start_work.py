@@ -1,6 +1,6 @@
 """What a warm process does, counted (issue 53, "a warm start that does little"): a level-1 hit
 traces nothing through AOTAutograd (its backward included), generates no kernel module, times no
-GEMM, opens the store once per Dynamo graph, reads each entry file once, imports neither our
+GEMM, opens the store once per Dynamo graph (making no directory), reads each entry file once, imports neither our
 partitioner nor our decompositions, and gives the cold process's numbers bit for bit.
 
 Each side is a fresh process over one cache directory, importing a snapshot of the backend (the key
@@ -50,6 +50,13 @@ def counted_read(self, level, digest):
     reads[f"{level}/{digest}"] += 1
     return real_read(self, level, digest)
 Store.open, Store.read = classmethod(counted_open), counted_read
+import os
+real_mkdir, cache_dir = os.mkdir, os.environ["CGTREES_CACHE_DIR"]
+def counted_mkdir(path, *a, **k):  # Path.mkdir's too
+    if str(path).startswith(cache_dir):
+        calls["cache_mkdir"] += 1
+    return real_mkdir(path, *a, **k)
+os.mkdir = counted_mkdir
 
 from cgtrees.demo import DemoBlock
 torch.manual_seed(0)
@@ -118,6 +125,13 @@ def test_warm_start_opens_the_store_once_per_graph_and_reads_each_entry_once(col
     assert set(warm["reads"].values()) == {1}, warm["reads"]
     levels = collections_of(warm["reads"])
     assert levels == {"aot": 1, "module": warm["counters"]["cache_hit_module"]}, warm["reads"]
+
+
+def test_warm_start_makes_no_cache_directory(cold_and_warm):
+    """The store's directories exist: opening it stats each once and tries to make none."""
+    cold, warm, _ = cold_and_warm
+    assert cold["calls"]["cache_mkdir"] > 0
+    assert warm["calls"].get("cache_mkdir", 0) == 0, warm["calls"]
 
 
 def test_warm_start_imports_neither_partitioner_nor_decompositions(cold_and_warm):

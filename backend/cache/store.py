@@ -56,9 +56,10 @@ def base_dir(config: Config, environ: Mapping[str, str] | None = None) -> Path:
     return Path.home() / ".cache" / "cgtrees"
 
 
-def unsafe_reason(path: Path) -> str | None:
-    """Why ``path`` must not be trusted (another owner, or writable by group/others), or None."""
-    st = path.stat()
+def unsafe_reason(path: Path, st: os.stat_result | None = None) -> str | None:
+    """Why ``path`` must not be trusted (another owner, or writable by group/others), or None.
+    ``st``: its stat, where the caller has it."""
+    st = path.stat() if st is None else st
     if st.st_uid != os.getuid():
         return (f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()}); "
                 f"set CGTREES_CACHE_DIR to a directory of your own")
@@ -86,8 +87,7 @@ class Store:
         try:
             root = base / f"v{SCHEMA}"
             for path in (base, root, *(root / d for d in (*LEVELS, "locks", "triton"))):
-                _mkdir_private(path)
-                reason = unsafe_reason(path)
+                reason = unsafe_reason(path, _private_dir(path))
                 if reason is not None:
                     log_once(log, f"unsafe:{path}", "cgtrees: cache disabled: %s; compiling uncached", reason)
                     return None
@@ -296,6 +296,16 @@ def _atomic_write(path: Path, data: bytes) -> None:
             os.close(dir_fd)
     except OSError:
         pass
+
+
+def _private_dir(path: Path) -> os.stat_result:
+    """The directory's stat, made (mode 0700) where it is missing. A warm start finds every one:
+    one stat each, never a mkdir that fails because the directory exists."""
+    try:
+        return path.stat()
+    except FileNotFoundError:
+        _mkdir_private(path)
+        return path.stat()
 
 
 def _mkdir_private(path: Path) -> None:
