@@ -123,6 +123,29 @@ def _bart() -> torch.nn.Module:
         forced_eos_token_id=None, **_special(pad=1, bos=0, eos=2)))
 
 
+def _decoder(model: str, config: str, **extra: Any) -> Callable[[], torch.nn.Module]:
+    """A two-layer decoder of transformers' class ``model``, its config at the sizes of the rest."""
+    def build() -> torch.nn.Module:
+        import transformers
+
+        return getattr(transformers, model)(getattr(transformers, config)(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=32, **extra, **_special()))
+    return build
+
+
+# Decoders users bring, each for what it adds: a sliding-window mask (Mistral), fused q/k/v and
+# gate/up projections (Phi-3), RMSNorm on q and k (Qwen3), tanh soft-capping of attention and logits,
+# norms around each block and a window on every other layer (Gemma 2), rotary embedding on part of
+# each head and a parallel residual (GPT-NeoX)
+_mistral = _decoder("MistralForCausalLM", "MistralConfig", num_key_value_heads=2, sliding_window=8)
+_phi3 = _decoder("Phi3ForCausalLM", "Phi3Config", num_key_value_heads=2)
+_qwen3 = _decoder("Qwen3ForCausalLM", "Qwen3Config", num_key_value_heads=2, head_dim=8)
+_gemma2 = _decoder("Gemma2ForCausalLM", "Gemma2Config", num_key_value_heads=2, head_dim=8, sliding_window=8)
+_gpt_neox = _decoder("GPTNeoXForCausalLM", "GPTNeoXConfig", rotary_pct=0.5, hidden_dropout=0.0,
+                     attention_dropout=0.0)
+
+
 def _mixtral() -> torch.nn.Module:
     """Mixture of experts with transformers' eager experts: a Python loop over the experts that
     ``nonzero()`` found, each step an index_add_ into a buffer made by ``zeros_like`` (graph breaks)."""
@@ -144,6 +167,11 @@ CASES = {
     "t5": Case(_t5, _seq2seq_inputs, seq2seq=True),
     "bart": Case(_bart, _seq2seq_inputs, seq2seq=True),
     "mixtral": Case(_mixtral, _causal_lm_inputs, graph_breaks=True),
+    "mistral": Case(_mistral, _causal_lm_inputs),
+    "phi3": Case(_phi3, _causal_lm_inputs),
+    "qwen3": Case(_qwen3, _causal_lm_inputs),
+    "gemma2": Case(_gemma2, _causal_lm_inputs),
+    "gpt_neox": Case(_gpt_neox, _causal_lm_inputs),
 }
 
 
