@@ -185,12 +185,15 @@ def load(graph: CompiledGraph, ctx: GraphContext, fresh: bool = True) -> KernelM
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # Triton looks kernels' globals up through their module
-    if not fresh and not ctx.config.interpret:
-        from cgtrees.codegen.binaries import exec_deferred
+    from cgtrees.codegen import compat
 
-        exec_deferred(module, graph.source, path, graph.binaries, graph.code)  # kernels with binaries undecorated
-    else:
-        spec.loader.exec_module(module)
+    with compat.real_tensors():  # tensors a module makes at import (a tail's ticket) are real under a trace
+        if not fresh and not ctx.config.interpret:
+            from cgtrees.codegen.binaries import exec_deferred
+
+            exec_deferred(module, graph.source, path, graph.binaries, graph.code)  # kernels with binaries undecorated
+        else:
+            spec.loader.exec_module(module)
     return KernelModule(graph, module, path, ctx.name, ctx.mutated_input_indices, _ready(module, graph, ctx, fresh))
 
 

@@ -14,6 +14,14 @@ dimension (ViT's first LayerNorm reads the convolution output with stride 1 alon
 which is the coalesced way for such a load, and joins it to the row-contiguous values through
 shared memory (tests/test_codegen_reduction_layout.py reads this off the sm_90 TTGIR).
 
+A kernel with a tail (``scheduler``: a loss's sum over every row, and its mean) ends with it: each
+program writes its rows' share of each sum to its slot of a workspace (``<name>_parts``, one slot a
+program), then takes a ticket (an atomic add on a counter that the module keeps, zero between
+launches); the program whose ticket is the last adds the slots in program order (the same sum on
+every run, unlike atomic float adds), computes the final members, stores them and sets the counter
+back to 0. The ticket's acquire-release orders the slots' writes before the last program's reads,
+which are volatile (past L1), as in CUDA's threadfence reduction.
+
 Kernels of one step of their own: a scan holds its whole row in a block (``tl.cumsum`` along the
 columns); a scatter computes its values pointwise and writes each at the place its indices say
 (``tl.store``, or ``tl.atomic_add`` where writes accumulate), masked where an index is out of range.
@@ -32,6 +40,8 @@ from cgtrees.codegen.scheduler import Kernel, Member
 from cgtrees.codegen.simplify import fold, merge_dims
 
 INT32_LIMIT = 2**31 - 1
+_LATE = ("tail", "final")  # members written after every program's rows (``_emit_tail``)
+TAIL_BLOCK = 1024  # slots of a tail's workspace the last program adds at a time
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,8 @@ class KernelCode:
     config: heuristics.Config
     helpers: frozenset[str]
     libdevice: bool
+    workspace: tuple[tuple[str, torch.dtype], ...] = ()  # a tail's slots (one per program) per sum
+    ticket: str | None = None  # the module's counter of a kernel with a tail (``_emit_tail``)
 
 
 @dataclass
@@ -98,6 +110,7 @@ class KernelWriter:
         self.libdevice = False
         self.two_d = kernel.two_d
         self.targets: dict[str, tuple[ir.Indirect, ...]] = {}  # a scatter's indices, as its body sees them
+        self.workspace: dict[str, torch.dtype] = {}  # a tail's slots, by buffer name
 
     # -------------------------------------------------------------------------------------- entry
     def write(self) -> KernelCode:
@@ -123,6 +136,7 @@ class KernelWriter:
             self._emit_flat(outer, bodies, stores)
         else:
             self._emit_looped(outer, bodies, stores)
+        self._emit_tail(outer, bodies, stores)  # sums over every row, finished by the last program
         return self._finish(outer, xnumel, rnumel)
 
     # ------------------------------------------------------------------------------- preparation
@@ -230,6 +244,8 @@ class KernelWriter:
         if self.two_d:
             self._row_loop_header(scope, looped=False)
         for m in self.kernel.members:
+            if m.role in _LATE:
+                continue  # _emit_tail's
             if m.step.scatter is not None:
                 self._scatter(m, self.value(bodies[m.name], scope), stores[m.name], scope)
             elif m.role == "reduce" and m.step.reduction.is_scan:
@@ -250,7 +266,8 @@ class KernelWriter:
 
     def _emit_looped(self, outer: _Scope, bodies: dict, stores: dict) -> None:
         online = online_softmax.pairs(self.kernel.members, bodies)  # {sum of exp: its max}, one loop
-        loop_of, avail = facts.loop_levels(self.kernel.members, bodies, online)
+        early = tuple(m for m in self.kernel.members if m.role not in _LATE)  # the tail is _emit_tail's
+        loop_of, avail = facts.loop_levels(early, bodies, online)
         loops = max(loop_of.values(), default=0) + 1
         for loop in range(loops):
             for m in self.kernel.members:
@@ -288,6 +305,55 @@ class KernelWriter:
         for m in self.kernel.members:
             if m.role == "row" and avail[m.name] == loops:
                 self._emit_row(m, bodies, stores, outer)
+
+    def _emit_tail(self, scope: _Scope, bodies: dict, stores: dict) -> None:
+        """Each tail sum's share of this program's rows into its slot; the last program to take a
+        ticket adds the slots in order and writes the sums and the final members (module docstring)."""
+        tails = [m for m in self.kernel.members if m.role == "tail"]
+        if not tails:
+            return
+        for m in tails:
+            value = self.value(bodies[m.name], scope)
+            if _is_literal(value) or not facts.spans_block(self.two_d, bodies[m.name], full=False):
+                value = self._var(scope, f"tl.broadcast_to({self._block(value, bodies[m.name].dtype)}, [XBLOCK, 1])")
+            share = self._var(scope, f"tl.sum(tl.where(xmask, {value}, 0), 0)")
+            slots = self._ptr(f"{m.name}_parts", m.step.body.dtype)
+            self.workspace[f"{m.name}_parts"] = m.step.body.dtype
+            scope.lines.append(f"tl.store({slots} + tl.program_id(0) + tl.zeros([1], tl.int32), {share})")
+        ticket = self._ptr(f"{self.name}_ticket", torch.int32)
+        scope.lines += ["tl.debug_barrier()  # every thread's share is written before the ticket releases them",
+                        f'ticket = tl.atomic_add({ticket}, 1, sem="acq_rel")', "if ticket == programs - 1:"]
+        last = _Scope(scope, scope.indent + "    ")
+        for m in tails:
+            acc = self._var(last, f"tl.zeros([PBLOCK], {printer.TRITON_DTYPES[m.step.body.dtype]})", prefix="acc")
+            last.lines += ["for poffset in range(0, programs, PBLOCK):", "    pindex = poffset + tl.arange(0, PBLOCK)",
+                           f"    {acc} = {acc} + tl.load({self.ptrs[f'{m.name}_parts']} + pindex, pindex < programs, "
+                           "other=0, volatile=True)"]
+            total = self._var(last, f"tl.sum({acc}, 0, keep_dims=True)")
+            self.row_vars[m.name] = self._var(last, _cast_text(total, m.step.body.dtype, m.step.dtype))
+            self._store_one(m, self.row_vars[m.name], stores, last)
+        for m in self.kernel.members:
+            if m.role == "final":
+                value = self._block(self.value(bodies[m.name], last), bodies[m.name].dtype)
+                self.row_vars[m.name] = self._var(last, _cast_text(value, bodies[m.name].dtype, m.step.dtype))
+                self._store_one(m, self.row_vars[m.name], stores, last)
+        last.lines.append(f"tl.store({ticket}, 0)  # the next launch counts from 0 again")
+        scope.lines += [last.indent[len(scope.indent):] + line for line in last.lines]
+
+    def _block(self, value: str, dtype: torch.dtype) -> str:
+        """``value`` as a block: a literal becomes a one-element tensor of ``dtype``."""
+        if not _is_literal(value):
+            return value
+        if self.interpret and dtype == torch.bfloat16:
+            return f"tl.full([1], {_bf16_literal(value)}, tl.float32).to(tl.bfloat16)"
+        return f"tl.full([1], {value}, {printer.TRITON_DTYPES[dtype]})"
+
+    def _store_one(self, m: Member, value: str, stores: dict, scope: _Scope) -> None:
+        """Store a tail's one-element value (shape ``[1]``) where ``m`` keeps it, if anything reads it."""
+        if m.name not in stores:
+            return
+        offset = _plus(printer.expr(stores[m.name], triton=True), "tl.zeros([1], tl.int32)")
+        scope.lines.append(f"tl.store({self._ptr(m.name, m.step.dtype)} + ({offset}), {value})")
 
     def _online_step(self, acc_m: str, acc_s: str, value: str, scope: _Scope) -> str:
         """Add ``value`` to a running sum of exponentials (``online_softmax``); the new running max."""
@@ -542,13 +608,26 @@ class KernelWriter:
         # 1-element array), so there the row length is a constexpr; compiled kernels keep it dynamic.
         rnumel_param = "rnumel: tl.constexpr" if self.interpret else "rnumel"
         params = list(self.ptrs.values()) + sizes + ["xnumel"] + ([rnumel_param] if self.two_d else [])
+        programs = ["programs: tl.constexpr" if self.interpret else "programs"] if self.workspace else None
+        params += programs or []
         params += ["XBLOCK: tl.constexpr"] + (["RBLOCK: tl.constexpr"] if self.two_d else [])
+        params += ["PBLOCK: tl.constexpr"] if self.workspace else []
         lines = ["@triton.jit", f"def {self.name}({', '.join(params)}):"]
         lines += [body.indent + line for line in body.lines]
         args = tuple(self.ptrs) + tuple(sizes) + (printer.expr(xnumel),) + \
-            ((printer.expr(rnumel),) if self.two_d else ())
+            ((printer.expr(rnumel),) if self.two_d else ()) + \
+            ((_programs(xnumel, self.cfg.xblock),) if programs is not None else ())
         return KernelCode(self.name, "\n".join(lines) + "\n", args, tuple(self.ptr_dtypes[b] for b in self.ptrs),
-                          xnumel, rnumel, self.cfg, frozenset(self.helpers), self.libdevice)
+                          xnumel, rnumel, self.cfg, frozenset(self.helpers), self.libdevice,
+                          tuple(self.workspace.items()), f"{self.name}_ticket" if self.workspace else None)
+
+
+def _programs(xnumel: sympy.Expr, xblock: int) -> str:
+    """A kernel with a tail's program count as its launch writes it (``wrapper._launch`` takes it
+    for the grid): one at least, so that over no rows at all the tail still writes its sums (0) and
+    what follows from them (a mean of nothing: NaN, as eager's)."""
+    n = sympy.sympify(xnumel)
+    return str(max(1, -(-int(n) // xblock))) if n.is_number else f"max(1, -(-{_operand(n)} // {xblock}))"
 
 
 def _cast(e: ir.Expr, dtype: torch.dtype) -> ir.Expr:

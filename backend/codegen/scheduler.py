@@ -8,6 +8,17 @@ pointwise kernel). Its members take one of three roles:
 - ``row``: a pointwise step over the rows (``ranges`` without the reduced dimensions, or with
   them as size 1), e.g. ``rsqrt(var + eps)`` between two reductions.
 
+and two more that make a kernel's *tail* (``_Open.tail_of``): a loss's mean over its rows after the
+row statistics (a cross-entropy: each row's log-sum-exp and picked logit, then their sum over every
+row divided by the count of counted rows). As its own kernel the mean is a launch of one program
+that reads the rows' values back; as a tail, each program adds its rows' share to a slot of its own
+and the last program to finish adds the slots in order (``kernel.py``, ``_emit_tail``):
+
+- ``tail``: a sum over every row of a row value (a step over the kept dimensions, all reduced),
+- ``final``: a pointwise step over one element that reads only tail members (the mean's division).
+
+Nothing else in the kernel may read a tail or final member: their values exist only at the end.
+
 A step joins the open kernel when its role fits and every value it reads from a member is read at
 exactly the element that member computes (so it can stay in registers). A step that does not fit
 is passed over, and the kernel keeps taking the later steps that fit and do not depend on a
@@ -43,12 +54,13 @@ from cgtrees.codegen import heuristics, ir
 
 _MAX_PERMUTATIONS = 24  # ways to map a permuted step onto a kernel's dimensions that are tried
 WINDOW_LOADS = 9  # loads of one buffer per element that make a step a window (a 3x3 convolution's)
+_LATE = ("tail", "final")  # roles whose values exist only after every program of the kernel ran
 
 
 @dataclass(frozen=True)
 class Member:
     step: ir.Compute
-    role: str  # "full" | "reduce" | "row"
+    role: str  # "full" | "reduce" | "row" | "tail" | "final"
     subs: tuple[tuple[sympy.Symbol, sympy.Expr], ...]  # the step's own index symbols -> kernel symbols
 
     @property
@@ -60,7 +72,7 @@ class Member:
 
     def store_index(self) -> sympy.Expr:
         own = ir.index_symbols(len(self.step.ranges))
-        if self.role == "reduce" or self.step.scatter is not None:
+        if self.role in ("reduce", "tail") or self.step.scatter is not None:
             return self.step.store_index(own).xreplace(dict(self.subs))
         return self.step.layout.index(own).xreplace(dict(self.subs))
 
@@ -108,11 +120,16 @@ class _Open:
         if step.is_reduction:
             if step.ranges == self.ranges and (not self.reduced or step.reduced == self.reduced):
                 return "reduce", identity
-            return None
+            return self.tail_of(step)
         if step.ranges == self.ranges:
             return "full", identity
         if not self.reduced:
             return None
+        unit = self.unit_dims(step)
+        if unit is not None:
+            return "full", unit
+        if all(n == 1 for n in step.ranges) and self._reads_only_tail(step):
+            return "final", {s: sympy.Integer(0) for s in own}
         keep = tuple(sympy.Integer(1) if d in self.reduced else n for d, n in enumerate(self.ranges))
         if step.ranges == keep:
             return "row", {s: (sympy.Integer(0) if d in self.reduced else kernel[d]) for d, s in enumerate(own)}
@@ -124,6 +141,46 @@ class _Open:
             subs.update({own[i]: kernel[d] for i, d in zip(mine, kept)})
             return "row", subs
         return None
+
+    def unit_dims(self, step: ir.Compute) -> dict | None:
+        """A pointwise step over a row kernel's dimensions with size-1 ones added or left out (a
+        loss's gradient over ``[N, V]`` rows written as the ``[1, N, V]`` logits it flows back to)
+        as a ``full`` member: its other dimensions, in order, are the kernel's."""
+        mine = [i for i, n in enumerate(step.ranges) if n != 1]
+        theirs = [d for d, n in enumerate(self.ranges) if n != 1]
+        if step.is_reduction or step.scatter is not None or len(step.ranges) == len(self.ranges):
+            return None
+        if not mine or [step.ranges[i] for i in mine] != [self.ranges[d] for d in theirs]:
+            return None
+        own, kernel = ir.index_symbols(len(step.ranges)), ir.index_symbols(len(self.ranges))
+        subs = {s: sympy.Integer(0) for s in own}
+        subs.update({own[i]: kernel[d] for i, d in zip(mine, theirs)})
+        return subs
+
+    def tail_of(self, step: ir.Compute) -> tuple[str, dict] | None:
+        """A sum over every row of a row value (a loss's sum over its rows) as a ``tail`` member of
+        a row kernel: the step's dimensions, size-1 ones aside, are the kernel's kept ones, and it
+        reduces them all. Sums only (their shares add up in any grouping, and deterministically in
+        the order the last program adds them); a max or a mean would need shares of their own kind."""
+        if not self.reduced or step.reduction != ir.Reduce.SUM or step.alone or step.writes_input:
+            return None
+        if step.reduced != tuple(range(len(step.ranges))):
+            return None
+        kept = [d for d in range(len(self.ranges)) if d not in self.reduced and self.ranges[d] != 1]
+        mine = [i for i, n in enumerate(step.ranges) if n != 1]
+        if not kept or [step.ranges[i] for i in mine] != [self.ranges[d] for d in kept]:
+            return None
+        own, kernel = ir.index_symbols(len(step.ranges)), ir.index_symbols(len(self.ranges))
+        subs = {s: sympy.Integer(0) for s in own}
+        subs.update({own[i]: kernel[d] for i, d in zip(mine, kept)})
+        return "tail", subs
+
+    def _reads_only_tail(self, step: ir.Compute) -> bool:
+        """Whether a one-element step reads tail (or final) members and nothing else."""
+        late = {m.name for m in self.members if m.role in _LATE}
+        loads = ir.loads(step.body)
+        return bool(late) and bool(loads) and all(ld.buf in late for ld in loads) and not step.alone \
+            and not step.writes_input
 
     def permuted(self, step: ir.Compute) -> list[dict]:
         """A pointwise step over the kernel's dimensions in another order (a channels-first layer
@@ -211,8 +268,10 @@ class _Open:
             producer = by_name.get(load.buf)
             if producer is None:
                 continue
-            if member.role == "row" and producer.role == "full":
+            if member.role in ("row", "tail") and producer.role == "full":
                 return False  # a row value cannot depend on a whole-row computation
+            if producer.role in _LATE and member.role != "final":
+                return False  # a tail's value exists only once every program added its share
             if not self._same_element(load.index, producer.store_index()):
                 return False
         return True

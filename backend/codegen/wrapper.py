@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from cgtrees.codegen import extern_strides, ir, library_calls, printer
-from cgtrees.codegen.kernel import HELPERS, KernelCode, write_kernel
+from cgtrees.codegen.kernel import HELPERS, TAIL_BLOCK, KernelCode, write_kernel
 from cgtrees.codegen.naming import kernel_name, origin_comment
 from cgtrees.codegen.scheduler import Item, Kernel, reads
 from cgtrees.compiled import KernelLaunch
@@ -63,7 +63,7 @@ def module_source(header: list[str], program: ir.Program, items: list[Item], int
     for h in helpers:
         out += ["", HELPERS[h]]
     for kernel, code in codes:
-        out += ["", *origin_comment(kernel, described), code.source]
+        out += ["", *origin_comment(kernel, described), code.source, *_ticket(code)]
     out += ["", *_call(program, items, dict((id(k), c) for k, c in codes), checks), "",
             "def run(*args):", '    """Call the graph with positional arguments (for experiments)."""',
             "    return call(list(args))", ""]
@@ -82,7 +82,7 @@ def _precompile_list(codes: list[KernelCode]) -> tuple[KernelLaunch, ...]:
         if any(n is None or not n.is_number for n in sizes) or int(sympy.sympify(code.xnumel)) == 0:
             continue
         meta = [("XBLOCK", code.config.xblock), *([("RBLOCK", code.config.rblock)] if code.rnumel is not None else []),
-                ("num_warps", code.config.num_warps)]
+                *([("PBLOCK", TAIL_BLOCK)] if code.workspace else []), ("num_warps", code.config.num_warps)]
         out.append(KernelLaunch(code.name, tuple(str(d).removeprefix("torch.") for d in code.ptr_dtypes),
                                 tuple(int(n) for n in sizes), tuple(meta)))
     return tuple(out)
@@ -113,7 +113,7 @@ def _stride_checks(program: ir.Program, items: list[Item]) -> dict[str, ir.Layou
 
 def launches(items: list[Item], codes: list[KernelCode]) -> int:
     """The kernels (with work to do: a zero-size one is a comment) and aten calls of one call."""
-    return (sum(1 for c in codes if sympy.sympify(c.xnumel) != 0)
+    return (sum(1 for c in codes if sympy.sympify(c.xnumel) != 0 or c.workspace)  # a tail runs over no rows too
             + sum(1 for item in items if isinstance(item, ir.Extern)))
 
 
@@ -160,17 +160,40 @@ def _launch(kernel: Kernel, code: KernelCode, reuse: dict[str, str]) -> list[str
             lines += _allocate(m.step, reuse.get(m.name))
     cfg = code.config
     grid = sympy.sympify(code.xnumel)
+    if code.workspace:  # a tail: launched over no rows too, its program count the kernel's last argument
+        return lines + _workspace(code) + [f"    {code.name}[({code.args[-1]},)]({', '.join(code.args)}, "
+                                           f"{_blocks(code)}, num_warps={cfg.num_warps})"]
     if grid.is_number:
         if int(grid) == 0:
             return lines + [f"    # {code.name}: nothing to compute (zero-size)"]
         grid_text = str(-(-int(grid) // cfg.xblock))
     else:
         grid_text = f"triton.cdiv({printer.expr(grid)}, {cfg.xblock})"
-    blocks = f"XBLOCK={cfg.xblock}" + (f", RBLOCK={cfg.rblock}" if code.rnumel is not None else "")
-    launch = f"{code.name}[({grid_text},)]({', '.join(code.args)}, {blocks}, num_warps={cfg.num_warps})"
+    launch = f"{code.name}[({grid_text},)]({', '.join(code.args)}, {_blocks(code)}, num_warps={cfg.num_warps})"
     if grid.is_number:
         return lines + [f"    {launch}"]
     return lines + [f"    if {printer.expr(grid)} > 0:", f"        {launch}"]
+
+
+def _blocks(code: KernelCode) -> str:
+    cfg = code.config
+    blocks = f"XBLOCK={cfg.xblock}" + (f", RBLOCK={cfg.rblock}" if code.rnumel is not None else "")
+    return blocks + (f", PBLOCK={TAIL_BLOCK}" if code.workspace else "")
+
+
+def _workspace(code: KernelCode) -> list[str]:
+    """A tail's slots: one per program for each sum (``kernel._emit_tail``)."""
+    return [f"    {slots} = torch.empty(({code.args[-1]},), dtype={dtype}, device=DEVICE)"
+            for slots, dtype in code.workspace]
+
+
+def _ticket(code: KernelCode) -> list[str]:
+    """The counter of a kernel with a tail: made once, with the module (before any graph records),
+    and set back to 0 by each launch's last program."""
+    if code.ticket is None:
+        return []
+    return [f"{code.ticket} = torch.zeros((1,), dtype=torch.int32, device=DEVICE)  # {code.name}'s last program "
+            "finishes its tail", ""]
 
 
 def _allocate(step: ir.Compute, old: str | None) -> list[str]:
