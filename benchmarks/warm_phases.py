@@ -16,8 +16,10 @@ its total less the backend call), ``backend`` (the backend call), ``level1_load`
 lookup: key, entry, its kernel modules from level 2), ``key`` (inside it), ``remote_get`` (reads
 from the server), ``rebuild`` (the entry turned into the function), ``module_import`` (kernel
 modules loaded), ``kernel_binaries`` (their Triton binaries installed), ``warmup``, ``record`` and
-``first_replay`` (the runtime's first calls). One JSON line per run in OUT/warm_phases.jsonl and a
-table at the end.
+``first_replay`` (the runtime's first calls); ``work``: how often the process opened the store,
+read an entry, traced through AOTAutograd, compiled a backward or generated a module (a warm start:
+one open per Dynamo graph, one read per entry, nothing else). One JSON line per run in
+OUT/warm_phases.jsonl and a table at the end.
 """
 
 from __future__ import annotations
@@ -62,6 +64,13 @@ try:
     timed(cgtrees.runtime.function.GraphFunction, "_warmup", "warmup")
     timed(cgtrees.runtime.function.GraphFunction, "_record", "record")
     timed(cgtrees.runtime.node.GraphNode, "replay", "first_replay", first_only=True)
+    # work a warm start should not do, or do once per graph: counted under "work"
+    import cgtrees.aot.compat, cgtrees.cache.store
+    timed(cgtrees.cache.store.Store, "open", "work:store_open")
+    timed(cgtrees.cache.store.Store, "read", "work:entry_read")
+    timed(cgtrees.aot.compat, "aot_module_simplified", "work:aot_trace")
+    timed(cgtrees.aot.driver.Compilers, "backward", "work:backward_compile")
+    timed(cgtrees.codegen, "compile_graph", "work:codegen")
 except Exception as exc:  # a baseline row: nothing of ours to time
     PHASES["shim_error"] = repr(exc)
 @atexit.register
@@ -72,6 +81,10 @@ def report():
     backend = dyn.get("OutputGraph.call_user_compiler", 0.0)
     PHASES["dynamo"] = dyn.get("_compile.compile_inner", 0.0) - backend
     PHASES["backend"] = backend
+    work = ("store_open", "entry_read", "aot_trace", "backward_compile", "codegen")
+    PHASES["work"] = {w: COUNTS.get("work:" + w, 0) for w in work}
+    for w in work:
+        PHASES.pop("work:" + w, None)
     print("PHASES " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in PHASES.items()}),
           file=sys.stderr, flush=True)
 sys.argv = ["worker.py", *sys.argv[1:]]
