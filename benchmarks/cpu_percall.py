@@ -58,6 +58,9 @@ def measure(name: str, mode: str, windows: int, budget_s: float,
             backends: tuple[str, ...] = BACKENDS) -> dict[str, Any]:
     """One row; ``backends`` may add ``dynamo`` (``backend="eager"``: Dynamo's graph under eager's
     autograd, what ``cgtrees.aot.as_captured`` runs)."""
+    # Dynamo's frames of earlier rows share code objects with this one's (the wrapper torch.compile puts
+    # around a module's forward): past its recompile limit (8) Dynamo would run this row eagerly
+    torch._dynamo.reset()
     model, args, loss = build(name)
     if mode == "infer":
         model.eval()
