@@ -173,3 +173,14 @@ def test_a_max_over_rows_is_not_a_tail():
     comp.check()
     assert [kernel_count(m) for m in comp.modules] == [2]
     _close(got, x.sum(1).amax(0), "max")
+
+
+def test_no_rows_at_all_is_eager_nan():
+    """Over no rows the kernel still launches one program, whose tail writes a mean of nothing:
+    NaN, as eager's (a kernel skipped for its zero size would leave the loss unwritten)."""
+    x, labels = torch.randn(0, 1000), torch.zeros(0, dtype=torch.int64)
+    comp = Compiler()
+    got = _run(_loss, x, (labels,), comp)
+    comp.check()
+    assert "[(1,)](" in _forward_source(comp)
+    assert torch.isnan(got[0]) and torch.isnan(F.cross_entropy(x, labels))
