@@ -489,3 +489,18 @@ def test_a_loaded_function_takes_this_processs_runtime_settings():
     assert here.layout_opt == "auto" and here.unfuse_addmm is True  # shape the code: as saved
     assert here.cudagraphs is False and here.max_shapes_per_function == 3  # not set here: as saved
     assert loaded_config(saved, {}) == Config.resolve(options=saved, environ={})
+
+
+def test_precompile_cache_says_once_what_dropped_guards_mean(tmp_path):
+    """Torch names each guard it drops under its caching precompile; we say once what that means
+    (a swapped global function runs the old graph: README, why it is not the default)."""
+    script = tmp_path / "two.py"
+    script.write_text("import torch\n"
+                      "for k in (2, 3):\n"
+                      "    torch.compile(lambda x: x.sin() * k, backend='cgtrees')(torch.randn(4))\n")
+    env = {**clean_env(), "CGTREES_PRECOMPILE_CACHE": "1", "CGTREES_CACHE_DIR": str(tmp_path / "cache"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("CGTREES_PRECOMPILE_CACHE=1: Dynamo drops the guards it cannot save") == 1, done.stderr
+    assert "runs the old graph without an error" in done.stderr
