@@ -20,7 +20,9 @@ program), then takes a ticket (an atomic add on a counter that the module keeps,
 launches); the program whose ticket is the last adds the slots in program order (the same sum on
 every run, unlike atomic float adds), computes the final members, stores them and sets the counter
 back to 0. The ticket's acquire-release orders the slots' writes before the last program's reads,
-which are volatile (past L1), as in CUDA's threadfence reduction.
+which are volatile (past L1), as in CUDA's threadfence reduction. The counter is one per module: two
+launches of the same kernel at once, on two streams, would share it (not guarded; not yet run on a GPU:
+``tests/gpu/test_loss_tail_gpu.py`` checks the ordering over many programs and replays).
 
 Kernels of one step of their own: a scan holds its whole row in a block (``tl.cumsum`` along the
 columns); a scatter computes its values pointwise and writes each at the place its indices say
