@@ -38,11 +38,10 @@ import torch
 
 from cgtrees.codegen import heuristics, ir, online_softmax, ops, printer
 from cgtrees.codegen import kernel_facts as facts
-from cgtrees.codegen.scheduler import Kernel, Member
+from cgtrees.codegen.scheduler import LATE, Kernel, Member
 from cgtrees.codegen.simplify import fold, merge_dims
 
 INT32_LIMIT = 2**31 - 1
-_LATE = ("tail", "final")  # members written after every program's rows (``_emit_tail``)
 TAIL_BLOCK = 1024  # slots of a tail's workspace the last program adds at a time
 
 
@@ -246,7 +245,7 @@ class KernelWriter:
         if self.two_d:
             self._row_loop_header(scope, looped=False)
         for m in self.kernel.members:
-            if m.role in _LATE:
+            if m.role in LATE:
                 continue  # _emit_tail's
             if m.step.scatter is not None:
                 self._scatter(m, self.value(bodies[m.name], scope), stores[m.name], scope)
@@ -268,7 +267,7 @@ class KernelWriter:
 
     def _emit_looped(self, outer: _Scope, bodies: dict, stores: dict) -> None:
         online = online_softmax.pairs(self.kernel.members, bodies)  # {sum of exp: its max}, one loop
-        early = tuple(m for m in self.kernel.members if m.role not in _LATE)  # the tail is _emit_tail's
+        early = tuple(m for m in self.kernel.members if m.role not in LATE)  # the tail is _emit_tail's
         loop_of, avail = facts.loop_levels(early, bodies, online)
         loops = max(loop_of.values(), default=0) + 1
         for loop in range(loops):

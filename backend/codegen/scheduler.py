@@ -54,7 +54,7 @@ from cgtrees.codegen import heuristics, ir
 
 _MAX_PERMUTATIONS = 24  # ways to map a permuted step onto a kernel's dimensions that are tried
 WINDOW_LOADS = 9  # loads of one buffer per element that make a step a window (a 3x3 convolution's)
-_LATE = ("tail", "final")  # roles whose values exist only after every program of the kernel ran
+LATE = ("tail", "final")  # roles whose values exist only after every program of the kernel ran
 
 
 @dataclass(frozen=True)
@@ -146,16 +146,9 @@ class _Open:
         """A pointwise step over a row kernel's dimensions with size-1 ones added or left out (a
         loss's gradient over ``[N, V]`` rows written as the ``[1, N, V]`` logits it flows back to)
         as a ``full`` member: its other dimensions, in order, are the kernel's."""
-        mine = [i for i, n in enumerate(step.ranges) if n != 1]
-        theirs = [d for d, n in enumerate(self.ranges) if n != 1]
         if step.is_reduction or step.scatter is not None or len(step.ranges) == len(self.ranges):
             return None
-        if not mine or [step.ranges[i] for i in mine] != [self.ranges[d] for d in theirs]:
-            return None
-        own, kernel = ir.index_symbols(len(step.ranges)), ir.index_symbols(len(self.ranges))
-        subs = {s: sympy.Integer(0) for s in own}
-        subs.update({own[i]: kernel[d] for i, d in zip(mine, theirs)})
-        return subs
+        return self._onto(step, [d for d, n in enumerate(self.ranges) if n != 1])
 
     def tail_of(self, step: ir.Compute) -> tuple[str, dict] | None:
         """A sum over every row of a row value (a loss's sum over its rows) as a ``tail`` member of
@@ -166,18 +159,23 @@ class _Open:
             return None
         if step.reduced != tuple(range(len(step.ranges))):
             return None
-        kept = [d for d in range(len(self.ranges)) if d not in self.reduced and self.ranges[d] != 1]
+        subs = self._onto(step, [d for d in range(len(self.ranges)) if d not in self.reduced and self.ranges[d] != 1])
+        return None if subs is None else ("tail", subs)
+
+    def _onto(self, step: ir.Compute, dims: list[int]) -> dict | None:
+        """The step's dimensions of size other than 1, in order, as the kernel's ``dims`` (the rest at
+        index 0); None where their sizes differ or there are none."""
         mine = [i for i, n in enumerate(step.ranges) if n != 1]
-        if not kept or [step.ranges[i] for i in mine] != [self.ranges[d] for d in kept]:
+        if not dims or not mine or [step.ranges[i] for i in mine] != [self.ranges[d] for d in dims]:
             return None
         own, kernel = ir.index_symbols(len(step.ranges)), ir.index_symbols(len(self.ranges))
         subs = {s: sympy.Integer(0) for s in own}
-        subs.update({own[i]: kernel[d] for i, d in zip(mine, kept)})
-        return "tail", subs
+        subs.update({own[i]: kernel[d] for i, d in zip(mine, dims)})
+        return subs
 
     def _reads_only_tail(self, step: ir.Compute) -> bool:
         """Whether a one-element step reads tail (or final) members and nothing else."""
-        late = {m.name for m in self.members if m.role in _LATE}
+        late = {m.name for m in self.members if m.role in LATE}
         loads = ir.loads(step.body)
         return bool(late) and bool(loads) and all(ld.buf in late for ld in loads) and not step.alone \
             and not step.writes_input
@@ -270,7 +268,7 @@ class _Open:
                 continue
             if member.role in ("row", "tail") and producer.role == "full":
                 return False  # a row value cannot depend on a whole-row computation
-            if producer.role in _LATE and member.role != "final":
+            if producer.role in LATE and member.role != "final":
                 return False  # a tail's value exists only once every program added its share
             if not self._same_element(load.index, producer.store_index()):
                 return False
