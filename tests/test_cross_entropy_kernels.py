@@ -5,7 +5,7 @@ kernels: the rows' max and sum of exponentials, then a one-program kernel for th
 (the target's logit picked again per row), then the backward's ``softmax - onehot`` times the incoming
 gradient over the count. The mean is now the row kernel's *tail* (``codegen/scheduler.py``): each
 program adds its rows' share to a slot of its own and the last program to finish adds the slots in
-order (``codegen/kernel.py``). A gradient written as the ``[1, N, V]`` logits it flows back to joins
+order (``codegen/tail.py``). A gradient written as the ``[1, N, V]`` logits it flows back to joins
 the row kernel that recomputes the statistics (``_Open.unit_dims``), so the backward stays one kernel.
 
 Irregular sizes (37 rows; 1000, 5003 and 9001 columns, the last past one block so the row is

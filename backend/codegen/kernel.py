@@ -14,15 +14,7 @@ dimension (ViT's first LayerNorm reads the convolution output with stride 1 alon
 which is the coalesced way for such a load, and joins it to the row-contiguous values through
 shared memory (tests/test_codegen_reduction_layout.py reads this off the sm_90 TTGIR).
 
-A kernel with a tail (``scheduler``: a loss's sum over every row, and its mean) ends with it: each
-program writes its rows' share of each sum to its slot of a workspace (``<name>_parts``, one slot a
-program), then takes a ticket (an atomic add on a counter that the module keeps, zero between
-launches); the program whose ticket is the last adds the slots in program order (the same sum on
-every run, unlike atomic float adds), computes the final members, stores them and sets the counter
-back to 0. The ticket's acquire-release orders the slots' writes before the last program's reads,
-which are volatile (past L1), as in CUDA's threadfence reduction. The counter is one per module: two
-launches of the same kernel at once, on two streams, would share it (not guarded; not yet run on a GPU:
-``tests/gpu/test_loss_tail_gpu.py`` checks the ordering over many programs and replays).
+A kernel with a tail (a loss's sum over every row, and its mean) ends with it: ``tail.py``.
 
 Kernels of one step of their own: a scan holds its whole row in a block (``tl.cumsum`` along the
 columns); a scatter computes its values pointwise and writes each at the place its indices say
@@ -31,18 +23,18 @@ columns); a scatter computes its values pointwise and writes each at the place i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import sympy
 import torch
 
-from cgtrees.codegen import heuristics, ir, online_softmax, ops, printer
+from cgtrees.codegen import heuristics, ir, online_softmax, ops, printer, tail
 from cgtrees.codegen import kernel_facts as facts
+from cgtrees.codegen.kernel_text import Scope, bf16_literal, cast_text, is_literal, is_number, operand, plus
 from cgtrees.codegen.scheduler import LATE, Kernel, Member
 from cgtrees.codegen.simplify import fold, merge_dims
 
 INT32_LIMIT = 2**31 - 1
-TAIL_BLOCK = 1024  # slots of a tail's workspace the last program adds at a time
 
 
 @dataclass(frozen=True)
@@ -57,36 +49,7 @@ class KernelCode:
     helpers: frozenset[str]
     libdevice: bool
     workspace: tuple[tuple[str, torch.dtype], ...] = ()  # a tail's slots (one per program) per sum
-    ticket: str | None = None  # the module's counter of a kernel with a tail (``_emit_tail``)
-
-
-@dataclass
-class _Scope:
-    """A block of the kernel (its body, or a loop over a row) and what it computed: by IR value
-    (``cache``) and by right-hand side (``texts``: two values that render alike, a row's mean and
-    the same mean inlined into the next member, are one variable). An inner scope sees its parents'."""
-
-    parent: "_Scope | None"
-    indent: str
-    lines: list[str] = field(default_factory=list)
-    cache: dict = field(default_factory=dict)
-    texts: dict[str, str] = field(default_factory=dict)
-
-    def find(self, key: object) -> str | None:
-        scope: _Scope | None = self
-        while scope is not None:
-            if key in scope.cache:
-                return scope.cache[key]
-            scope = scope.parent
-        return None
-
-    def find_text(self, text: str) -> str | None:
-        scope: _Scope | None = self
-        while scope is not None:
-            if text in scope.texts:
-                return scope.texts[text]
-            scope = scope.parent
-        return None
+    ticket: str | None = None  # the module's counter of a kernel with a tail (``tail.emit``)
 
 
 HELPERS = {
@@ -131,13 +94,13 @@ class KernelWriter:
             cfg = heuristics.pointwise(xnumel, self.interpret, len({x for b in bodies.values() for x in ir.loads(b)}))
         self.cfg = cfg
         self.int64 = self._needs_int64(bodies, stores, dims)
-        outer = _Scope(None, "    ")
+        outer = Scope(None, "    ")
         self._prologue(outer)
         if not self.two_d or cfg.persistent:
             self._emit_flat(outer, bodies, stores)
         else:
             self._emit_looped(outer, bodies, stores)
-        self._emit_tail(outer, bodies, stores)  # sums over every row, finished by the last program
+        tail.emit(self, outer, bodies, stores)  # sums over every row, finished by the last program
         return self._finish(outer, xnumel, rnumel)
 
     # ------------------------------------------------------------------------------- preparation
@@ -210,7 +173,7 @@ class KernelWriter:
         return False
 
     # ---------------------------------------------------------------------------------- prologue
-    def _prologue(self, scope: _Scope) -> None:
+    def _prologue(self, scope: Scope) -> None:
         pid = "tl.program_id(0).to(tl.int64)" if self.int64 else "tl.program_id(0)"
         shape = "[:, None]" if self.two_d else ""
         scope.lines += [f"xoffset = {pid} * XBLOCK", f"xindex = xoffset + tl.arange(0, XBLOCK){shape}",
@@ -228,12 +191,12 @@ class KernelWriter:
         lines, stride = [], sympy.Integer(1)
         for i, (s, n) in enumerate(reversed(dims)):
             outer = i == len(dims) - 1
-            q = flat if stride == 1 else f"({flat} // {_operand(stride)})"
-            lines.append(f"{s.name} = {q}" if outer else f"{s.name} = {q} % {_operand(n)}")
+            q = flat if stride == 1 else f"({flat} // {operand(stride)})"
+            lines.append(f"{s.name} = {q}" if outer else f"{s.name} = {q} % {operand(n)}")
             stride = stride * n
         return list(reversed(lines))
 
-    def _row_loop_header(self, scope: _Scope, looped: bool) -> None:
+    def _row_loop_header(self, scope: Scope, looped: bool) -> None:
         if looped:
             scope.lines += ["rindex = roffset + rbase"]
         else:
@@ -241,19 +204,19 @@ class KernelWriter:
         scope.lines += ["rmask = rindex < rnumel"] + self._decompose("r", "rindex")
 
     # ---------------------------------------------------------------------------------- emission
-    def _emit_flat(self, scope: _Scope, bodies: dict, stores: dict) -> None:
+    def _emit_flat(self, scope: Scope, bodies: dict, stores: dict) -> None:
         if self.two_d:
             self._row_loop_header(scope, looped=False)
         for m in self.kernel.members:
             if m.role in LATE:
-                continue  # _emit_tail's
+                continue  # tail.emit's
             if m.step.scatter is not None:
                 self._scatter(m, self.value(bodies[m.name], scope), stores[m.name], scope)
             elif m.role == "reduce" and m.step.reduction.is_scan:
                 value = self._full_value(bodies[m.name], scope)
                 masked = self._var(scope, f"tl.where(xmask & rmask, {value}, {self._identity(m)})")
                 scanned = self._var(scope, self._scan_text(m, masked))
-                self._store(m, _cast_text(scanned, m.step.body.dtype, m.step.dtype), stores[m.name], scope, full=True,
+                self._store(m, cast_text(scanned, m.step.body.dtype, m.step.dtype), stores[m.name], scope, full=True,
                             spans=True)
             elif m.role == "reduce":
                 value = self._full_value(bodies[m.name], scope)
@@ -265,9 +228,9 @@ class KernelWriter:
                 self._store(m, self.value(bodies[m.name], scope), stores[m.name], scope, full=True,
                             spans=facts.spans_block(self.two_d, bodies[m.name], full=True))
 
-    def _emit_looped(self, outer: _Scope, bodies: dict, stores: dict) -> None:
+    def _emit_looped(self, outer: Scope, bodies: dict, stores: dict) -> None:
         online = online_softmax.pairs(self.kernel.members, bodies)  # {sum of exp: its max}, one loop
-        early = tuple(m for m in self.kernel.members if m.role not in LATE)  # the tail is _emit_tail's
+        early = tuple(m for m in self.kernel.members if m.role not in LATE)  # the tail is tail.emit's
         loop_of, avail = facts.loop_levels(early, bodies, online)
         loops = max(loop_of.values(), default=0) + 1
         for loop in range(loops):
@@ -282,7 +245,7 @@ class KernelWriter:
             if not accs and not any(loop_of.get(m.name) == loop and m.name in stores for m in self.kernel.members):
                 continue  # its members are read in registers only, by members of later loops
             outer.lines.append("for roffset in range(0, rnumel, RBLOCK):")
-            inner = _Scope(outer, outer.indent + "    ")
+            inner = Scope(outer, outer.indent + "    ")
             self._row_loop_header(inner, looped=True)
             for m in self.kernel.members:
                 if loop_of.get(m.name) != loop or m.name in online:
@@ -307,56 +270,7 @@ class KernelWriter:
             if m.role == "row" and avail[m.name] == loops:
                 self._emit_row(m, bodies, stores, outer)
 
-    def _emit_tail(self, scope: _Scope, bodies: dict, stores: dict) -> None:
-        """Each tail sum's share of this program's rows into its slot; the last program to take a
-        ticket adds the slots in order and writes the sums and the final members (module docstring)."""
-        tails = [m for m in self.kernel.members if m.role == "tail"]
-        if not tails:
-            return
-        for m in tails:
-            value = self.value(bodies[m.name], scope)
-            if _is_literal(value) or not facts.spans_block(self.two_d, bodies[m.name], full=False):
-                value = self._var(scope, f"tl.broadcast_to({self._block(value, bodies[m.name].dtype)}, [XBLOCK, 1])")
-            share = self._var(scope, f"tl.sum(tl.where(xmask, {value}, 0), 0)")
-            slots = self._ptr(f"{m.name}_parts", m.step.body.dtype)
-            self.workspace[f"{m.name}_parts"] = m.step.body.dtype
-            scope.lines.append(f"tl.store({slots} + tl.program_id(0) + tl.zeros([1], tl.int32), {share})")
-        ticket = self._ptr(f"{self.name}_ticket", torch.int32)
-        scope.lines += ["tl.debug_barrier()  # every thread's share is written before the ticket releases them",
-                        f'ticket = tl.atomic_add({ticket}, 1, sem="acq_rel")', "if ticket == programs - 1:"]
-        last = _Scope(scope, scope.indent + "    ")
-        for m in tails:
-            acc = self._var(last, f"tl.zeros([PBLOCK], {printer.TRITON_DTYPES[m.step.body.dtype]})", prefix="acc")
-            last.lines += ["for poffset in range(0, programs, PBLOCK):", "    pindex = poffset + tl.arange(0, PBLOCK)",
-                           f"    {acc} = {acc} + tl.load({self.ptrs[f'{m.name}_parts']} + pindex, pindex < programs, "
-                           "other=0, volatile=True)"]
-            total = self._var(last, f"tl.sum({acc}, 0, keep_dims=True)")
-            self.row_vars[m.name] = self._var(last, _cast_text(total, m.step.body.dtype, m.step.dtype))
-            self._store_one(m, self.row_vars[m.name], stores, last)
-        for m in self.kernel.members:
-            if m.role == "final":
-                value = self._block(self.value(bodies[m.name], last), bodies[m.name].dtype)
-                self.row_vars[m.name] = self._var(last, _cast_text(value, bodies[m.name].dtype, m.step.dtype))
-                self._store_one(m, self.row_vars[m.name], stores, last)
-        last.lines.append(f"tl.store({ticket}, 0)  # the next launch counts from 0 again")
-        scope.lines += [last.indent[len(scope.indent):] + line for line in last.lines]
-
-    def _block(self, value: str, dtype: torch.dtype) -> str:
-        """``value`` as a block: a literal becomes a one-element tensor of ``dtype``."""
-        if not _is_literal(value):
-            return value
-        if self.interpret and dtype == torch.bfloat16:
-            return f"tl.full([1], {_bf16_literal(value)}, tl.float32).to(tl.bfloat16)"
-        return f"tl.full([1], {value}, {printer.TRITON_DTYPES[dtype]})"
-
-    def _store_one(self, m: Member, value: str, stores: dict, scope: _Scope) -> None:
-        """Store a tail's one-element value (shape ``[1]``) where ``m`` keeps it, if anything reads it."""
-        if m.name not in stores:
-            return
-        offset = _plus(printer.expr(stores[m.name], triton=True), "tl.zeros([1], tl.int32)")
-        scope.lines.append(f"tl.store({self._ptr(m.name, m.step.dtype)} + ({offset}), {value})")
-
-    def _online_step(self, acc_m: str, acc_s: str, value: str, scope: _Scope) -> str:
+    def _online_step(self, acc_m: str, acc_s: str, value: str, scope: Scope) -> str:
         """Add ``value`` to a running sum of exponentials (``online_softmax``); the new running max."""
         grown = self._var(scope, online_softmax.grown(acc_m, value))
         shifted = self._var(scope, online_softmax.shift(grown))
@@ -364,30 +278,30 @@ class KernelWriter:
         scope.lines.append(f"{acc_s} = tl.where(xmask & rmask, {rescaled}, {acc_s})")
         return grown
 
-    def _emit_row(self, m: Member, bodies: dict, stores: dict, scope: _Scope) -> None:
+    def _emit_row(self, m: Member, bodies: dict, stores: dict, scope: Scope) -> None:
         value = self.value(bodies[m.name], scope)
-        self.row_vars[m.name] = self._var(scope, _cast_text(value, bodies[m.name].dtype, m.step.dtype))
+        self.row_vars[m.name] = self._var(scope, cast_text(value, bodies[m.name].dtype, m.step.dtype))
         if m.name in stores:
             self._store(m, self.row_vars[m.name], stores[m.name], scope, full=False,
                         spans=facts.spans_block(self.two_d, bodies[m.name], full=False))
 
-    def _finish_reduction(self, m: Member, text: str, scope: _Scope, stores: dict) -> None:
+    def _finish_reduction(self, m: Member, text: str, scope: Scope, stores: dict) -> None:
         var = self._var(scope, text)
         result_dtype = torch.int32 if m.step.reduction in (ir.Reduce.ARGMAX, ir.Reduce.ARGMIN) else m.step.body.dtype
-        self.row_vars[m.name] = self._var(scope, _cast_text(var, result_dtype, m.step.dtype)) \
+        self.row_vars[m.name] = self._var(scope, cast_text(var, result_dtype, m.step.dtype)) \
             if result_dtype != m.step.dtype else var
         if m.name in stores:
             self._store(m, self.row_vars[m.name], stores[m.name], scope, full=False, spans=True)  # [XBLOCK, 1]
 
-    def _store(self, m: Member, value: str, index: sympy.Expr, scope: _Scope, full: bool, spans: bool) -> None:
+    def _store(self, m: Member, value: str, index: sympy.Expr, scope: Scope, full: bool, spans: bool) -> None:
         """Store ``value`` (which has the stored block's shape already where ``spans``)."""
         shape = ("[XBLOCK, RBLOCK]" if full else "[XBLOCK, 1]") if self.two_d else "[XBLOCK]"
         mask = "xmask & rmask" if (self.two_d and full) else "xmask"
         dtype = printer.TRITON_DTYPES[m.step.dtype]
-        if _is_literal(value) and self.interpret and m.step.dtype == torch.bfloat16:
+        if is_literal(value) and self.interpret and m.step.dtype == torch.bfloat16:
             # the interpreter has no bfloat16 constants: fill float32 with the value eager rounds to
-            value = f"tl.full({shape}, {_bf16_literal(value)}, tl.float32).to(tl.bfloat16)"
-        elif _is_literal(value):
+            value = f"tl.full({shape}, {bf16_literal(value)}, tl.float32).to(tl.bfloat16)"
+        elif is_literal(value):
             value = f"tl.full({shape}, {value}, {dtype})"
         elif not spans:
             value = f"tl.broadcast_to({value}, {shape})"
@@ -395,10 +309,10 @@ class KernelWriter:
         offset = printer.expr(index, triton=True)
         kinds = facts.symbol_kinds(index)
         if "x" not in kinds or (self.two_d and full and "r" not in kinds):  # pointer must span the block
-            offset = _plus(offset, f"tl.zeros({shape}, tl.int32)")
+            offset = plus(offset, f"tl.zeros({shape}, tl.int32)")
         scope.lines.append(f"tl.store({ptr} + ({offset}), {value}, {mask})")
 
-    def _scatter(self, m: Member, value: str, index: sympy.Expr, scope: _Scope) -> None:
+    def _scatter(self, m: Member, value: str, index: sympy.Expr, scope: Scope) -> None:
         """Write (or atomically add) each element where its indices say, where they are in range."""
         subs, conds = {}, ["xmask"]
         for k, ind in enumerate(self.targets[m.name]):
@@ -409,12 +323,12 @@ class KernelWriter:
         if "x" not in facts.symbol_kinds(index).union(*(facts.kinds(i) for i in self.targets[m.name])):
             offset += " + tl.zeros([XBLOCK], tl.int32)"  # pointers must span the block
         dtype = printer.TRITON_DTYPES[m.step.dtype]
-        if _is_literal(value) and self.interpret and m.step.dtype == torch.bfloat16:
-            value = f"tl.full([XBLOCK], {_bf16_literal(value)}, tl.float32).to(tl.bfloat16)"  # no bf16 constants
-        elif _is_literal(value):
+        if is_literal(value) and self.interpret and m.step.dtype == torch.bfloat16:
+            value = f"tl.full([XBLOCK], {bf16_literal(value)}, tl.float32).to(tl.bfloat16)"  # no bf16 constants
+        elif is_literal(value):
             value = f"tl.full([XBLOCK], {value}, {dtype})"
         else:
-            value = f"tl.broadcast_to({_cast_text(value, m.step.body.dtype, m.step.dtype)}, [XBLOCK])"
+            value = f"tl.broadcast_to({cast_text(value, m.step.body.dtype, m.step.dtype)}, [XBLOCK])"
         ptr, mask = self._ptr(m.name, m.step.dtype), " & ".join(conds)
         if m.step.scatter.mode == ir.Write.ADD:
             scope.lines.append(f"tl.atomic_add({ptr} + ({offset}), {value}, {mask}, sem=\"relaxed\")")
@@ -428,10 +342,10 @@ class KernelWriter:
         return f"tl.associative_scan({value}, 1, _prod)"
 
     # ----------------------------------------------------------------------------- reductions
-    def _full_value(self, body: ir.Expr, scope: _Scope) -> str:
+    def _full_value(self, body: ir.Expr, scope: Scope) -> str:
         value = self.value(body, scope)
         dtype = printer.TRITON_DTYPES[body.dtype]
-        if _is_literal(value):
+        if is_literal(value):
             return self._var(scope, f"tl.full([XBLOCK, RBLOCK], {value}, {dtype})")
         if facts.spans_block(self.two_d, body, full=True):
             return value
@@ -486,7 +400,7 @@ class KernelWriter:
         return f"{fn}({value}, 1)[:, None]"
 
     # ---------------------------------------------------------------------------------- values
-    def value(self, e: ir.Expr, scope: _Scope) -> str:
+    def value(self, e: ir.Expr, scope: Scope) -> str:
         if isinstance(e, ir.Const):
             if isinstance(e.value, sympy.Expr):
                 text = printer.expr(e.value, triton=True)
@@ -511,7 +425,7 @@ class KernelWriter:
         scope.cache[e] = var
         return var
 
-    def _load_text(self, e: ir.Load, scope: _Scope) -> str:
+    def _load_text(self, e: ir.Load, scope: Scope) -> str:
         ptr = self._ptr(e.buf, e.dtype)
         if e.mask is not None or e.indirect:
             return self._guarded_load_text(e, ptr, scope)
@@ -519,13 +433,13 @@ class KernelWriter:
         names = facts.symbol_kinds(e.index)
         if not names and self.interpret:  # the interpreter mixes 0-d and block values badly: load a block
             shape = "[XBLOCK, 1]" if self.two_d else "[XBLOCK]"
-            return f"tl.load({ptr} + {_plus(index, f'tl.zeros({shape}, tl.int32)')}, xmask, other=0)"
+            return f"tl.load({ptr} + {plus(index, f'tl.zeros({shape}, tl.int32)')}, xmask, other=0)"
         if not names:
             return f"tl.load({ptr} + {index})" if index != "0" else f"tl.load({ptr})"
         mask = "xmask & rmask" if "r" in names else "xmask"
         return f"tl.load({ptr} + ({index}), {mask}, other=0)"
 
-    def _guarded_load_text(self, e: ir.Load, ptr: str, scope: _Scope) -> str:
+    def _guarded_load_text(self, e: ir.Load, ptr: str, scope: Scope) -> str:
         """A load that reads only where its mask holds and its indirect indices are in range."""
         need = facts.kinds(e) | {"x"}  # the mask has xmask's shape at least
         subs, conds = {}, [self._mask(need)]
@@ -537,10 +451,10 @@ class KernelWriter:
             conds.append(self.value(e.mask, scope))
         offset = printer.expr(sympy.sympify(e.index).xreplace(subs), triton=True)
         if need - facts.kinds(ir.Load(e.buf, e.index, e.dtype, None, e.indirect)):  # pointers must span the mask
-            offset = _plus(offset, f"tl.zeros({self._shape(need)}, tl.int32)")
+            offset = plus(offset, f"tl.zeros({self._shape(need)}, tl.int32)")
         return f"tl.load({ptr} + ({offset}), {' & '.join(conds)}, other=0)"
 
-    def _indirect(self, e: ir.Indirect, scope: _Scope) -> tuple[str, str]:
+    def _indirect(self, e: ir.Indirect, scope: Scope) -> tuple[str, str]:
         """The index as int64 (negative ones wrapped where allowed), asserted to be in range, and
         its range check, which masks the loads that use it. Two indices of one value into
         dimensions of other sizes share the variable, not the check: hence cached per ``Indirect``."""
@@ -549,9 +463,9 @@ class KernelWriter:
             hit = scope.cache[e] = self._indirect_vars(e, scope)
         return hit
 
-    def _indirect_vars(self, e: ir.Indirect, scope: _Scope) -> tuple[str, str]:
+    def _indirect_vars(self, e: ir.Indirect, scope: Scope) -> tuple[str, str]:
         value = self.value(e.value, scope)
-        if _is_literal(value):
+        if is_literal(value):
             value = f"tl.full([1], {value}, tl.int64)"
         size = printer.expr(e.size, triton=True)
         index = value if e.value.dtype == torch.int64 else self._var(scope, f"{value}.to(tl.int64)")
@@ -572,21 +486,21 @@ class KernelWriter:
             return "[XBLOCK]"
         return "[XBLOCK, RBLOCK]" if "r" in kinds else "[XBLOCK, 1]"
 
-    def _op_text(self, e: ir.Op, scope: _Scope) -> str:
+    def _op_text(self, e: ir.Op, scope: Scope) -> str:
         args = [self.value(a, scope) for a in e.args]
         if e.name == "cast":
-            return _cast_text(args[0], e.args[0].dtype, e.dtype)
+            return cast_text(args[0], e.args[0].dtype, e.dtype)
         text = ops.template(e.name, self.interpret)
         if ops.uses_libdevice(text):
             self.libdevice = True
         return text.format(*args)
 
-    def _var(self, scope: _Scope, text: str, prefix: str = "tmp") -> str:
+    def _var(self, scope: Scope, text: str, prefix: str = "tmp") -> str:
         """A variable holding ``text``: the one that holds it already where this scope or a parent
         computed it, ``text`` itself where it is a name or a literal (no ``tmp5 = tmp4``), else a
         new one. Accumulators (``acc``) are assigned again in their loop: always new."""
         if prefix == "tmp":
-            if text.isidentifier() or _is_number(text):
+            if text.isidentifier() or is_number(text):
                 return text
             hit = scope.find_text(text)
             if hit is not None:
@@ -603,7 +517,7 @@ class KernelWriter:
         return self.ptrs.setdefault(buf, f"{buf}_ptr")
 
     # ----------------------------------------------------------------------------------- finish
-    def _finish(self, body: _Scope, xnumel: sympy.Expr, rnumel: sympy.Expr | None) -> KernelCode:
+    def _finish(self, body: Scope, xnumel: sympy.Expr, rnumel: sympy.Expr | None) -> KernelCode:
         sizes = sorted({s.name for s in facts.size_symbols(self.kernel, xnumel, rnumel)})
         # The interpreter cannot use a runtime int as a loop bound (numpy 2 refuses ``int()`` of a
         # 1-element array), so there the row length is a constexpr; compiled kernels keep it dynamic.
@@ -617,60 +531,14 @@ class KernelWriter:
         lines += [body.indent + line for line in body.lines]
         args = tuple(self.ptrs) + tuple(sizes) + (printer.expr(xnumel),) + \
             ((printer.expr(rnumel),) if self.two_d else ()) + \
-            ((_programs(xnumel, self.cfg.xblock),) if programs is not None else ())
+            ((tail.programs(xnumel, self.cfg.xblock),) if programs is not None else ())
         return KernelCode(self.name, "\n".join(lines) + "\n", args, tuple(self.ptr_dtypes[b] for b in self.ptrs),
                           xnumel, rnumel, self.cfg, frozenset(self.helpers), self.libdevice,
                           tuple(self.workspace.items()), f"{self.name}_ticket" if self.workspace else None)
 
 
-def _programs(xnumel: sympy.Expr, xblock: int) -> str:
-    """A kernel with a tail's program count as its launch writes it (``wrapper._launch`` takes it
-    for the grid): one at least, so that over no rows at all the tail still writes its sums (0) and
-    what follows from them (a mean of nothing: NaN, as eager's)."""
-    n = sympy.sympify(xnumel)
-    return str(max(1, -(-int(n) // xblock))) if n.is_number else f"max(1, -(-{_operand(n)} // {xblock}))"
-
-
 def _cast(e: ir.Expr, dtype: torch.dtype) -> ir.Expr:
     return e if e.dtype == dtype else ir.Op("cast", (e,), dtype)
-
-
-def _cast_text(value: str, src: torch.dtype, dst: torch.dtype) -> str:
-    if src == dst:
-        return value
-    if _is_literal(value):
-        value = f"tl.full([1], {value}, {printer.TRITON_DTYPES[src]})"
-    if dst == torch.bool:
-        return f"({value} != 0)"
-    return f"{value}.to({printer.TRITON_DTYPES[dst]})"
-
-
-def _bf16_literal(text: str) -> str:
-    """A float literal rounded to bfloat16 (exact in float32), as source text."""
-    value = float(eval(text, {"float": float}))  # noqa: S307 - our own printer.literal output
-    return printer.literal(torch.tensor(value, dtype=torch.bfloat16).item())
-
-
-def _operand(e: sympy.Expr) -> str:
-    """A size as the right operand of ``//`` or ``%`` (``x // (s0 + 2)``, not ``x // s0 + 2``)."""
-    e = sympy.sympify(e)
-    text = printer.expr(e)
-    return text if e.is_Atom else f"({text})"
-
-
-def _is_literal(text: str) -> bool:
-    return text[:1].isdigit() or text.startswith(("-", "float(", "True", "False"))
-
-
-def _is_number(text: str) -> bool:
-    """Whether ``text`` is one literal as ``printer.literal`` writes it (``-1.5``, ``float("inf")``)."""
-    return text in ("True", "False", 'float("nan")', 'float("inf")', 'float("-inf")') or \
-        text.lstrip("-").replace(".", "", 1).replace("e-", "", 1).replace("e+", "", 1).isdigit()
-
-
-def _plus(offset: str, more: str) -> str:
-    """``offset + more``, without a ``0 + `` in front."""
-    return more if offset == "0" else f"{offset} + {more}"
 
 
 def write_kernel(kernel: Kernel, name: str, interpret: bool) -> KernelCode:

@@ -12,7 +12,7 @@ and two more that make a kernel's *tail* (``_Open.tail_of``): a loss's mean over
 row statistics (a cross-entropy: each row's log-sum-exp and picked logit, then their sum over every
 row divided by the count of counted rows). As its own kernel the mean is a launch of one program
 that reads the rows' values back; as a tail, each program adds its rows' share to a slot of its own
-and the last program to finish adds the slots in order (``kernel.py``, ``_emit_tail``):
+and the last program to finish adds the slots in order (``tail.py``):
 
 - ``tail``: a sum over every row of a row value (a step over the kept dimensions, all reduced),
 - ``final``: a pointwise step over one element that reads only tail members (the mean's division).

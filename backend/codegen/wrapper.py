@@ -16,9 +16,10 @@ import torch
 import torch.fx
 
 from cgtrees.codegen import extern_strides, ir, library_calls, printer
-from cgtrees.codegen.kernel import HELPERS, TAIL_BLOCK, KernelCode, write_kernel
+from cgtrees.codegen.kernel import HELPERS, KernelCode, write_kernel
 from cgtrees.codegen.naming import kernel_name, origin_comment
 from cgtrees.codegen.scheduler import Item, Kernel, reads
+from cgtrees.codegen.tail import TAIL_BLOCK
 from cgtrees.compiled import KernelLaunch
 
 # our own library ops, and the module a generated module imports to register each
@@ -182,7 +183,7 @@ def _blocks(code: KernelCode) -> str:
 
 
 def _workspace(code: KernelCode) -> list[str]:
-    """A tail's slots: one per program for each sum (``kernel._emit_tail``)."""
+    """A tail's slots: one per program for each sum (``tail.emit``)."""
     return [f"    {slots} = torch.empty(({code.args[-1]},), dtype={dtype}, device=DEVICE)"
             for slots, dtype in code.workspace]
 

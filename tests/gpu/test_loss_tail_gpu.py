@@ -1,9 +1,9 @@
-"""A loss's mean over every row as the row kernel's tail, on a real GPU (``codegen/kernel.py``,
-``_emit_tail``): each program writes its share to a slot, the last one to take the ticket adds the
-slots. Under the interpreter programs run one after another, so only a GPU runs them at once: the
-ticket's ordering, the volatile reads of the slots and the counter set back to 0 for the next launch
-are checked here, over many programs and many CUDA graph replays, each step's loss and gradient
-against eager's (float64 at the scale of the values)."""
+"""A loss's mean over every row as the row kernel's tail, on a real GPU (``codegen/tail.py``): each program
+writes its share to a slot, the last one to take the ticket adds the slots. Under the interpreter
+programs run one after another, so only a GPU runs them at once: the ticket's ordering, the volatile
+reads of the slots and the counter set back to 0 for the next launch are checked here, over many
+programs and many CUDA graph replays, each step's loss and gradient against eager's (float64 at the
+scale of the values)."""
 
 from __future__ import annotations
 
