@@ -12,8 +12,9 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -46,6 +47,9 @@ storage_use_count = _first("_storage_Use_Count")
 tensor_use_count = getattr(torch.Tensor, "_use_count", None)
 _ptrs_equal = _first("_tensors_data_ptrs_at_indices_equal")
 clear_cublas_workspaces = _first("_cuda_clearCublasWorkspaces")
+# A pool of its own for a warmup's eager allocations (public API; absent in an old torch: the default pool).
+_MemPool = getattr(torch.cuda, "MemPool", None)
+_use_mem_pool = getattr(torch.cuda, "use_mem_pool", None)
 # Whether the running backward keeps its graph (retain_graph; True outside a backward): then the
 # activations it reads are read again later, and a graph must not reuse their memory.
 keep_graph = getattr(getattr(_C, "_autograd", None), "_get_current_graph_task_keep_graph", None) or (lambda: True)
@@ -153,3 +157,17 @@ def outside_dispatch_modes() -> Any:
 
     disable = getattr(_python_dispatch, "_disable_current_modes", None)
     return disable() if disable is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def throwaway_pool(device: int) -> Iterator[None]:
+    """This thread's allocations on ``device`` come from a new pool of their own, for the duration.
+    Its free segments go back to the driver when the pool is dropped here, the rest as their blocks
+    are freed and the allocator empties its cache (``torch.cuda.graph`` does, before each capture):
+    a warmup's activations do not stay reserved in the default pool, where the optimizer's first
+    state would be cut from their segments and pin them."""
+    if _MemPool is None or _use_mem_pool is None:
+        yield
+        return
+    with _use_mem_pool(_MemPool(), device):
+        yield

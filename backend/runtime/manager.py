@@ -54,7 +54,6 @@ class TreeManager(Pool):
         self.last_kind: GraphKind | None = None  # of the last call (a backward after a forward skips the sweep)
         self.closed = False
         self.invalidated = 0
-        self.warmed_up = False  # a warmup ran eagerly since the default pool's cache was last released
 
     # ------------------------------------------------------------ each call
     def begin_call(self, kind: GraphKind) -> list[LiveOutput]:
@@ -110,18 +109,6 @@ class TreeManager(Pool):
             self.live = [e for e in self.live if e.key not in consumed]
 
     # ------------------------------------------------------------ recording
-    def release_eager_cache(self) -> None:
-        """Before the first recording after a warmup: hand the driver back the default pool's free
-        segments. The warmup ran eagerly, so its activations were cut from the default pool and
-        freed into its cache, where they stay reserved while the recording allocates the same
-        activations again in our pool (GPT-2 small training, H200: 1457 MiB of 2890 in the default
-        pool was such free cache). Segments in use stay; so do our pools' (torch releases a private
-        pool's only once no graph uses it)."""
-        if self.warmed_up:
-            self.warmed_up = False
-            with torch.cuda.device(self.device):
-                torch.cuda.empty_cache()
-
     def prepare_recording(self) -> list[LiveOutput]:
         """Make the allocator's book-keeping for the pool true again (R5); return the live outputs."""
         # Reused tensors (saved activations) are forgotten first: what someone else holds stays
