@@ -47,9 +47,12 @@ storage_use_count = _first("_storage_Use_Count")
 tensor_use_count = getattr(torch.Tensor, "_use_count", None)
 _ptrs_equal = _first("_tensors_data_ptrs_at_indices_equal")
 clear_cublas_workspaces = _first("_cuda_clearCublasWorkspaces")
-# A pool of its own for a warmup's eager allocations (public API; absent in an old torch: the default pool).
-_MemPool = getattr(torch.cuda, "MemPool", None)
-_use_mem_pool = getattr(torch.cuda, "use_mem_pool", None)
+# A pool of its own for a warmup's eager allocations: route this thread's allocations to a new pool
+# id, then release the id (torch frees its segments at its next emptying of the cache, once their
+# blocks are free). Absent in an old torch: the warmup allocates from the default pool.
+_begin_thread_to_pool = _first("_cuda_beginAllocateCurrentThreadToPool")
+_end_to_pool = _first("_cuda_endAllocateToPool")
+_release_pool = _first("_cuda_releasePool")
 # Whether the running backward keeps its graph (retain_graph; True outside a backward): then the
 # activations it reads are read again later, and a graph must not reuse their memory.
 keep_graph = getattr(getattr(_C, "_autograd", None), "_get_current_graph_task_keep_graph", None) or (lambda: True)
@@ -162,12 +165,19 @@ def outside_dispatch_modes() -> Any:
 @contextlib.contextmanager
 def throwaway_pool(device: int) -> Iterator[None]:
     """This thread's allocations on ``device`` come from a new pool of their own, for the duration.
-    Its free segments go back to the driver when the pool is dropped here, the rest as their blocks
-    are freed and the allocator empties its cache (``torch.cuda.graph`` does, before each capture):
-    a warmup's activations do not stay reserved in the default pool, where the optimizer's first
-    state would be cut from their segments and pin them."""
-    if _MemPool is None or _use_mem_pool is None:
+    The pool is released on the way out: what is free in it then, and every block freed later, is
+    handed back to the driver the next time the allocator empties its cache (``torch.cuda.graph``
+    does, before each capture). A warmup's activations so do not stay reserved in the default
+    pool, where the optimizer's first state would be cut from their segments and pin them. No
+    ``torch.cuda.MemPool``: its destructor empties the cache at once, which aborts the process
+    while another thread captures (seen on the H200)."""
+    if _begin_thread_to_pool is None or _end_to_pool is None or _release_pool is None:
         yield
         return
-    with _use_mem_pool(_MemPool(), device):
+    pool = torch.cuda.graph_pool_handle()
+    _begin_thread_to_pool(device, pool)
+    try:
         yield
+    finally:
+        _end_to_pool(device, pool)
+        _release_pool(device, pool)
