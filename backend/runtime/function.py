@@ -251,9 +251,13 @@ class GraphFunction:
         # first matmul on this thread; every later matmul of this graph runs inside a recording,
         # with its own, so the eager one would stay allocated for nothing (measured: 64 MiB of a
         # training step's peak, one workspace for the forward's thread and one for autograd's).
-        if compat.clear_cublas_workspaces is not None:
-            with recording_lock:  # not while another thread captures
+        # What the warmup's pool holds free now (its temporaries; a backward's, before the optimizer's
+        # first state is allocated) goes back to the driver: the pool was released, the cache is emptied.
+        with recording_lock:  # not while another thread captures
+            if compat.clear_cublas_workspaces is not None:
                 compat.clear_cublas_workspaces()
+            with torch.cuda.device(manager.device):
+                torch.cuda.empty_cache()
         return outs
 
     def _record(self, args: list[Any], manager: TreeManager, key: Any, nodes: list[GraphNode],
