@@ -169,8 +169,9 @@ def throwaway_pool(device: int) -> Iterator[None]:
     handed back to the driver the next time the allocator empties its cache (``torch.cuda.graph``
     does, before each capture). A warmup's activations so do not stay reserved in the default
     pool, where the optimizer's first state would be cut from their segments and pin them. No
-    ``torch.cuda.MemPool``: its destructor empties the cache at once, which aborts the process
-    while another thread captures (seen on the H200)."""
+    ``torch.cuda.MemPool``: its destructor empties the pool's cache on the spot, and in the GPU
+    suite it aborted four tests' processes (two threads recording; a capture that fails), which
+    ``benchmarks/probes/probe_mempool_abort.py`` does not reproduce in one thread."""
     if _begin_thread_to_pool is None or _end_to_pool is None or _release_pool is None:
         yield
         return

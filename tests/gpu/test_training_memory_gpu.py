@@ -5,7 +5,8 @@ from before the first step, each backend in a fresh process: the allocator's sta
 process). The full-size row (GPT-2 small, 8 x 1024) is the real-size benchmark's
 (``benchmarks/size_run.py``, ``docs/benchmarks.md``). The warmup runs in a throwaway pool
 (``runtime.compat.throwaway_pool``): in the default pool its activations' segments stayed reserved,
-pinned by the optimizer's state cut from them (H200: 2266 MiB against Inductor's 1978; now 1914)."""
+pinned by the optimizer's state cut from them (H200: 2266 MiB against Inductor's 1952-1978; now 1936
+against 1952)."""
 
 from __future__ import annotations
 
