@@ -5,6 +5,8 @@ On the GPU machine (a row of the 1.1B model takes ~0.5-1.5 min, most of it compi
     python benchmarks/serve_run.py --paths loop,hf --batches 1 --caches 160 --budget 540 --out-dir $OUT
     python benchmarks/serve_run.py --paths loop --batches 8,32 --caches 160 --budget 540 --out-dir $OUT
     python benchmarks/serve_run.py --paths loop --batches 1 --caches 4096 --budget 540 --out-dir $OUT
+    # Llama-3-8B's shape (16 GB of bf16 weights, made on the GPU): a row takes ~1-3 min
+    python benchmarks/serve_run.py --models llama_8b --paths loop --batches 1 --caches 160 --budget 540 --out-dir $OUT
 
 then, on any machine, with the files copied to ``benchmarks/results/serving/``:
 
@@ -29,12 +31,13 @@ from run import Budget, git_commit, launch_worker
 from size_run import worker_env
 
 HERE = Path(__file__).resolve().parent
-COLUMNS = ("path", "backend", "batch", "cache", "ms_token", "tokens_s", "hbm_fraction", "busy_ms", "ttft_ms",
+COLUMNS = ("model", "path", "backend", "batch", "cache", "ms_token", "tokens_s", "hbm_fraction", "busy_ms", "ttft_ms",
            "compile_s", "tokens_equal", "logits_rel_err")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="llama_1b", help="comma-separated: llama_1b, llama_8b")
     p.add_argument("--paths", default="loop,hf")
     p.add_argument("--backends", default="eager,reduce-overhead,cgtrees")
     p.add_argument("--batches", default="1")
@@ -55,17 +58,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def plan(a: argparse.Namespace) -> list[dict]:
-    return [{"path": path, "backend": b, "batch": int(batch), "cache": int(cache)}
-            for path in a.paths.split(",") for batch in a.batches.split(",") for cache in a.caches.split(",")
-            for b in a.backends.split(",")]
+    return [{"model": model, "path": path, "backend": b, "batch": int(batch), "cache": int(cache)}
+            for model in a.models.split(",") for path in a.paths.split(",")
+            for batch in a.batches.split(",") for cache in a.caches.split(",") for b in a.backends.split(",")]
 
 
 def run_row(spec: dict, a: argparse.Namespace, timeout: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="cgtrees-serve-") as tmp:
         result, log = Path(tmp) / "row.json", Path(tmp) / "log.txt"
-        cmd = [sys.executable, str(HERE / "serve_worker.py"), "--path", spec["path"], "--backend", spec["backend"],
-               "--batch", str(spec["batch"]), "--cache", str(spec["cache"]), "--new", str(a.new),
-               "--result", str(result)] + (["--smoke", "--repeats", "1"] if a.smoke else [])
+        cmd = [sys.executable, str(HERE / "serve_worker.py"), "--model", spec["model"], "--path", spec["path"],
+               "--backend", spec["backend"], "--batch", str(spec["batch"]), "--cache", str(spec["cache"]),
+               "--new", str(a.new), "--result", str(result)] + (["--smoke", "--repeats", "1"] if a.smoke else [])
         device = "cpu" if a.smoke else "cuda"
         rc, wall = launch_worker(cmd, worker_env({**spec, "device": device}, Path(tmp), ""), log, result, timeout)
         if result.exists():
@@ -105,14 +108,17 @@ def table(rows: list[dict], markdown: bool = False) -> str:
 
 
 def load(folder: Path) -> list[dict]:
-    """Every row of the folder's files, the newest file winning per (path, backend, batch, cache)."""
+    """Every row of the folder's files, the newest file winning per (model, path, backend, batch, cache);
+    rows from before ``--models`` existed are the 1.1B model's."""
     rows: dict[tuple, dict] = {}
     for path in sorted(folder.glob("serve-*.json"), key=lambda p: p.stat().st_mtime):
         data = json.loads(path.read_text())
         for row in data["rows"]:
-            rows[(row["path"], row["batch"], row["cache"], row["backend"])] = {**row, "commit": data["meta"]["commit"]}
+            row = {"model": "llama_1b", **row, "commit": data["meta"]["commit"]}
+            rows[(row["model"], row["path"], row["batch"], row["cache"], row["backend"])] = row
     order = {b: i for i, b in enumerate(("eager", "reduce-overhead", "cgtrees"))}
-    return sorted(rows.values(), key=lambda r: (r["path"], r["batch"], r["cache"], order.get(r["backend"], 9)))
+    return sorted(rows.values(),
+                  key=lambda r: (r["model"], r["path"], r["batch"], r["cache"], order.get(r["backend"], 9)))
 
 
 def write_markdown(path: Path, text: str) -> None:
@@ -135,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
             "command": "python benchmarks/serve_run.py " + " ".join(sys.argv[1:] if argv is None else argv),
             "commit": a.commit or git_commit(), "smoke": a.smoke}
-    name = f"serve-{a.paths.replace(',', '_')}-b{a.batches.replace(',', '_')}-c{a.caches.replace(',', '_')}"
+    models = "" if a.models == "llama_1b" else a.models.replace(",", "_") + "-"
+    name = f"serve-{models}{a.paths.replace(',', '_')}-b{a.batches.replace(',', '_')}-c{a.caches.replace(',', '_')}"
     out = Path(a.out_dir) / f"{name}{'-smoke' if a.smoke else ''}.json" if a.out_dir else None
     budget, rows = Budget(a.budget), []
     for spec in plan(a):

@@ -2,8 +2,10 @@
 
     python benchmarks/serve_worker.py --path loop --backend cgtrees --batch 1 --cache 160 --result row.json [--smoke]
 
-The model is a Llama of 1.1B parameters in bf16 with TinyLlama's shape (``LLAMA_DECODE``: hidden 2048,
-22 layers, 32 heads, 4 KV heads, intermediate 5632, vocab 32000), random weights. A row generates
+The model (``--model``) is a Llama in bf16 with random weights, made on the device (seconds, even for
+8B): ``llama_1b``, 1.1B parameters of TinyLlama's shape (``MODELS``: hidden 2048, 22 layers, 32 heads,
+4 KV heads, intermediate 5632, vocab 32000), or ``llama_8b``, Llama-3-8B's shape (hidden 4096, 32
+layers, 32 heads, 8 KV heads, intermediate 14336, vocab 128256, 16 GB of weights). A row generates
 ``--new`` tokens (default 128) greedily after a prompt that fills the cache to ``--cache`` tokens at
 the end (prompt = cache - new: a cache of 160 holds a 32-token prompt, one of 4096 a 3968-token one).
 
@@ -50,21 +52,35 @@ import torch
 
 import size_worker
 
-LLAMA_DECODE = dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-                    intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096)
+MODELS = {
+    "llama_1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                     intermediate_size=5632, vocab_size=32000, max_position_embeddings=4096),
+    "llama_8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
+                     rope_theta=500000.0),
+}
 SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=256, max_position_embeddings=512)
 PEAK_TBS = {"H100": 3.35, "H200": 4.8}
 BACKENDS = ("eager", "reduce-overhead", "cgtrees")
 
 
-def build(smoke: bool, device: torch.device, seed: int = 0) -> torch.nn.Module:
+def build(smoke: bool, device: torch.device, seed: int = 0, model: str = "llama_1b") -> torch.nn.Module:
+    """The model, its weights made where it runs and in the dtype it runs in (an 8B model made on the
+    host in float32 and then moved would take minutes and 32 GB of host memory)."""
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**(SMOKE if smoke else LLAMA_DECODE), tie_word_embeddings=False)
+    config = transformers.LlamaConfig(**(SMOKE if smoke else MODELS[model]), tie_word_embeddings=False)
     dtype = torch.float32 if smoke else torch.bfloat16
-    return transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            built = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
+    return built.to(device=device, dtype=dtype).eval()
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -220,7 +236,7 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
 def measure(spec: dict, phase: Callable[[str], None]) -> dict:
     device = torch.device(spec["device"])
     phase("build")
-    model = build(spec["smoke"], device)
+    model = build(spec["smoke"], device, model=spec["model"])
     make = {"loop": Loop, "hf": HF, "hf-forward": HFForward}[spec["path"]]
     batch, cache, new = spec["batch"], spec["cache"], spec["new"]
     prompt = torch.randint(0, model.config.vocab_size, (batch, cache - new), device=device,
@@ -265,7 +281,7 @@ def run(spec: dict) -> dict:
 
     def phase(name: str) -> None:
         where["phase"] = name
-        row_name = f"{spec['path']} {spec['backend']} b{spec['batch']} c{spec['cache']}"
+        row_name = f"{spec['model']} {spec['path']} {spec['backend']} b{spec['batch']} c{spec['cache']}"
         print(f"[{time.strftime('%H:%M:%S')}] {row_name}: {name}", flush=True)
 
     try:
@@ -279,6 +295,7 @@ def run(spec: dict) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--path", choices=("loop", "hf", "hf-forward"), required=True)
+    p.add_argument("--model", choices=tuple(MODELS), default="llama_1b")
     p.add_argument("--backend", choices=BACKENDS, required=True)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cache", type=int, default=160, help="cache length: the prompt fills it but --new tokens")
@@ -290,7 +307,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--result", required=True)
     a = p.parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
-    spec = {"path": a.path, "backend": a.backend, "batch": a.batch, "cache": a.cache, "new": a.new,
+    spec = {"model": a.model, "path": a.path, "backend": a.backend, "batch": a.batch, "cache": a.cache, "new": a.new,
             "repeats": a.repeats, "profiled": not a.no_profile, "smoke": a.smoke, "device": device}
     if device == "cpu" and a.backend == "reduce-overhead":
         row = {**spec, "status": "skipped", "ok": False, "error": "reduce-overhead needs CUDA"}
