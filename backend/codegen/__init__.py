@@ -187,7 +187,7 @@ def load(graph: CompiledGraph, ctx: GraphContext, fresh: bool = True) -> KernelM
     sys.modules[name] = module  # Triton looks kernels' globals up through their module
     from cgtrees.codegen import compat
 
-    with compat.real_tensors():  # tensors a module makes at import (a tail's ticket) are real under a trace
+    with compat.real_tensors():  # a tensor a module would make at import is real under a trace
         if not fresh and not ctx.config.interpret:
             from cgtrees.codegen.binaries import exec_deferred
 

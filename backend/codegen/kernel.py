@@ -49,7 +49,7 @@ class KernelCode:
     helpers: frozenset[str]
     libdevice: bool
     workspace: tuple[tuple[str, torch.dtype], ...] = ()  # a tail's slots (one per program) per sum
-    ticket: str | None = None  # the module's counter of a kernel with a tail (``tail.emit``)
+    ticket: str | None = None  # the launch's counter of a kernel with a tail (``tail.emit``)
 
 
 HELPERS = {

@@ -1,12 +1,12 @@
 """A kernel's tail (``scheduler``: a loss's sum over every row, and its mean), written at its end: each
 program writes its rows' share of each sum to its slot of a workspace (``<name>_parts``, one slot a
-program), then takes a ticket (an atomic add on a counter that the module keeps, zero between
-launches); the program whose ticket is the last adds the slots in program order (the same sum on
-every run, unlike atomic float adds), computes the final members, stores them and sets the counter
-back to 0. The ticket's acquire-release orders the slots' writes before the last program's reads,
-which are volatile (past L1), as in CUDA's threadfence reduction. The counter is one per module: two
-launches of the same kernel at once, on two streams, would share it (not guarded; not yet run on a GPU:
-``tests/gpu/test_loss_tail_gpu.py`` checks the ordering over many programs and replays).
+program), then takes a ticket (an atomic add on a counter); the program whose ticket is the last adds
+the slots in program order (the same sum on every run, unlike atomic float adds), computes the final
+members and stores them. The ticket's acquire-release orders the slots' writes before the last
+program's reads, which are volatile (past L1), as in CUDA's threadfence reduction. The workspace and
+the counter are the launch's own, made by ``call`` (the counter zeroed: one memset): two launches of
+the same kernel at once, on two streams or in two threads' CUDA graphs, never share them
+(``tests/gpu/test_loss_tail_gpu.py`` checks the ordering over many programs and replays on a GPU).
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ def emit(writer: Any, scope: Scope, bodies: dict, stores: dict) -> None:
             value = _block(writer, writer.value(bodies[m.name], last), bodies[m.name].dtype)
             writer.row_vars[m.name] = writer._var(last, cast_text(value, bodies[m.name].dtype, m.step.dtype))
             _store_one(writer, m, writer.row_vars[m.name], stores, last)
-    last.lines.append(f"tl.store({ticket}, 0)  # the next launch counts from 0 again")
     scope.lines += [last.indent[len(scope.indent):] + line for line in last.lines]
 
 def _block(writer: Any, value: str, dtype: torch.dtype) -> str:

@@ -64,7 +64,7 @@ def module_source(header: list[str], program: ir.Program, items: list[Item], int
     for h in helpers:
         out += ["", HELPERS[h]]
     for kernel, code in codes:
-        out += ["", *origin_comment(kernel, described), code.source, *_ticket(code)]
+        out += ["", *origin_comment(kernel, described), code.source]
     out += ["", *_call(program, items, dict((id(k), c) for k, c in codes), checks), "",
             "def run(*args):", '    """Call the graph with positional arguments (for experiments)."""',
             "    return call(list(args))", ""]
@@ -183,18 +183,11 @@ def _blocks(code: KernelCode) -> str:
 
 
 def _workspace(code: KernelCode) -> list[str]:
-    """A tail's slots: one per program for each sum (``tail.emit``)."""
+    """A tail's slots, one per program for each sum, and its ticket counter at 0 (``tail.emit``): the
+    launch's own, so launches at once on two streams never share them."""
     return [f"    {slots} = torch.empty(({code.args[-1]},), dtype={dtype}, device=DEVICE)"
-            for slots, dtype in code.workspace]
-
-
-def _ticket(code: KernelCode) -> list[str]:
-    """The counter of a kernel with a tail: made once, with the module (before any graph records),
-    and set back to 0 by each launch's last program."""
-    if code.ticket is None:
-        return []
-    return [f"{code.ticket} = torch.zeros((1,), dtype=torch.int32, device=DEVICE)  # {code.name}'s last program "
-            "finishes its tail", ""]
+            for slots, dtype in code.workspace] + \
+        [f"    {code.ticket} = torch.zeros((1,), dtype=torch.int32, device=DEVICE)  # the last program adds the slots"]
 
 
 def _allocate(step: ir.Compute, old: str | None) -> list[str]:

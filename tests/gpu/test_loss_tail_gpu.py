@@ -1,7 +1,7 @@
 """A loss's mean over every row as the row kernel's tail, on a real GPU (``codegen/tail.py``): each program
 writes its share to a slot, the last one to take the ticket adds the slots. Under the interpreter
 programs run one after another, so only a GPU runs them at once: the ticket's ordering, the volatile
-reads of the slots and the counter set back to 0 for the next launch are checked here, over many
+reads of the slots and each launch's own counter (made at 0 by ``call``) are checked here, over many
 programs and many CUDA graph replays, each step's loss and gradient against eager's (float64 at the
 scale of the values)."""
 
@@ -35,7 +35,7 @@ def test_loss_tail_matches_eager_on_every_replay(cgtrees_counters):
     torch.manual_seed(0)
     # fresh 393 MiB logits each step: graphs only with the copy limit off (max_copy_mb_per_launch=0)
     compiled = torch.compile(_loss, backend="cgtrees", options={"max_copy_mb_per_launch": 0})
-    for step in range(24):  # warmup, record, then replays: the ticket must start from 0 each launch
+    for step in range(24):  # warmup, record, then replays: each launch counts from 0
         logits = torch.randn(ROWS, VOCAB, device="cuda", dtype=torch.bfloat16) * 3
         labels = torch.randint(0, VOCAB, (ROWS,), device="cuda")
         labels[step % 7::7] = -100
