@@ -1,10 +1,13 @@
 """Where a training step's peak reserved memory is reached: reserved, allocated and their peaks after
 each of the first steps, and reserved bytes by pool (the default pool, each CUDA-graph pool).
 
-    python benchmarks/probes/probe_memory_timeline.py MODEL BACKEND [BACKEND ...]
+    python benchmarks/probes/probe_memory_timeline.py MODEL BACKEND [BACKEND ...] [--as-benchmark]
 
 Each backend runs in a process of its own (``--one``). Reads the peaks after each step, so a peak
-reached during compilation (timing GEMMs, autotuning) shows at step 1.
+reached during compilation (timing GEMMs, autotuning) shows at step 1. ``--as-benchmark`` does what
+``size_worker`` does around the steps: an eager reference step before compiling, the chosen
+gradients kept from the first step, the cache emptied after step 3; and after the last step lists
+the largest allocated blocks of each pool (what pins a pool's segments).
 """
 
 from __future__ import annotations
@@ -32,13 +35,18 @@ def reserved_by_pool() -> str:
     return " ".join(f"{k}={v / MB:.0f}" for k, v in sorted(pools.items()))
 
 
-def one(model: str, backend: str) -> None:
+def one(model: str, backend: str, as_benchmark: bool) -> None:
     device = torch.device("cuda")
     case = real_sizes.build(model, device)
+    chosen = size_worker.chosen_params(case.model) if as_benchmark else []
+    if as_benchmark:  # as size_worker.measure_row: an eager step first, then the mark before compiling
+        size_worker.reference(case, case.model, chosen)
+        if backend in ("cgtrees", "reduce-overhead"):
+            torch.compiler.cudagraph_mark_step_begin()
     fn, _ = size_worker.compile_model(case.model, backend)
     opt = case.optimizer(list(case.model.parameters())) if case.optimizer else None
     mark = backend in ("cgtrees", "reduce-overhead")
-    step = size_worker.make_step(case, fn, opt, mark, size_worker.Values(), [])
+    step = size_worker.make_step(case, fn, opt, mark, size_worker.Values(), chosen)
     size_worker.reset_memory(device)  # as the benchmark: peaks from before the first step
     for i in range(1, 9):
         step()
@@ -47,14 +55,34 @@ def one(model: str, backend: str) -> None:
               f"(peak {torch.cuda.max_memory_reserved() / MB:.0f}) allocated "
               f"{torch.cuda.memory_allocated() / MB:.0f} (peak {torch.cuda.max_memory_allocated() / MB:.0f}) "
               f"MiB; reserved by pool: {reserved_by_pool()}", flush=True)
+        if as_benchmark and i == 3:
+            size_worker.reset_memory(device)
+    if as_benchmark:
+        largest_blocks()
+
+
+def largest_blocks(n: int = 6) -> None:
+    """Per pool: its allocated MiB and its largest allocated blocks, with the frames that made them
+    where memory history was recorded."""
+    blocks: dict[str, list[int]] = {}
+    for segment in torch.cuda.memory_snapshot():
+        pool = tuple(segment.get("segment_pool_id") or (0, 0))
+        name = "default" if pool == (0, 0) else f"pool{pool}"
+        blocks.setdefault(name, []).extend(b["size"] for b in segment["blocks"] if b["state"] == "active_allocated")
+    for name, sizes in sorted(blocks.items()):
+        top = ", ".join(f"{s / MB:.1f}" for s in sorted(sizes, reverse=True)[:n])
+        print(f"  {name}: {sum(sizes) / MB:.0f} MiB allocated in {len(sizes)} blocks; largest (MiB): {top}", flush=True)
 
 
 def main() -> None:
-    if sys.argv[1] == "--one":
-        one(sys.argv[2], sys.argv[3])
+    args = [a for a in sys.argv[1:] if a != "--as-benchmark"]
+    as_benchmark = "--as-benchmark" in sys.argv
+    if args[0] == "--one":
+        one(args[1], args[2], as_benchmark)
         return
-    for backend in sys.argv[2:]:
-        subprocess.run([sys.executable, __file__, "--one", sys.argv[1], backend], check=False)
+    for backend in args[1:]:
+        subprocess.run([sys.executable, __file__, "--one", args[0], backend]
+                       + (["--as-benchmark"] if as_benchmark else []), check=False)
 
 
 if __name__ == "__main__":
