@@ -17,6 +17,7 @@ import torch
 import torch._dynamo
 
 VOCAB, BATCH, SEQ, TARGET_SEQ = 100, 2, 12, 8
+MELS = 8  # Whisper's feature channels
 
 
 @dataclass(frozen=True)
@@ -159,6 +160,76 @@ def _mixtral() -> torch.nn.Module:
     return transformers.MixtralForCausalLM(config)
 
 
+def _bloom() -> torch.nn.Module:
+    """ALiBi: a per-head linear bias on the attention logits (``baddbmm``, transformers' own attention),
+    a LayerNorm on the embeddings, q/k/v fused per head."""
+    import transformers
+
+    return transformers.BloomForCausalLM(transformers.BloomConfig(
+        vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, hidden_dropout=0.0, attention_dropout=0.0,
+        **_special()))
+
+
+def _falcon() -> torch.nn.Module:
+    """Falcon-7B's layout: multi-query attention (one key/value head), attention and MLP in parallel
+    on one LayerNorm, rotary positions, no biases."""
+    import transformers
+
+    return transformers.FalconForCausalLM(transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+        parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=False, max_position_embeddings=32,
+        hidden_dropout=0.0, attention_dropout=0.0, **_special()))
+
+
+def _deberta_v2() -> torch.nn.Module:
+    """Disentangled attention: content-to-position and position-to-content logits, gathered from
+    log-bucketed relative positions."""
+    import transformers
+
+    return transformers.DebertaV2ForMaskedLM(transformers.DebertaV2Config(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32, relative_attention=True, position_buckets=8, max_relative_positions=16,
+        pos_att_type=["p2c", "c2p"], hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0))
+
+
+def _whisper() -> torch.nn.Module:
+    """Two 1-d convolutions (the second strided) before the encoder, sinusoidal positions there."""
+    import transformers
+
+    return transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=MELS, d_model=32, encoder_layers=2, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_source_positions=SEQ, max_target_positions=32, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None,
+        **_special()))
+
+
+def _speech_inputs() -> dict[str, torch.Tensor]:
+    """Whisper's encoder takes 2 * max_source_positions frames of log-mel features (its conv halves them)."""
+    labels = _ids(BATCH, TARGET_SEQ)
+    labels[1, -2:] = -100
+    return {"input_features": torch.randn(BATCH, MELS, 2 * SEQ), "labels": labels}
+
+
+# More decoders, each for what it adds: attention and MLP in parallel, LayerNorm without a bias,
+# rotary embedding on interleaved pairs, q/k LayerNorm and a logit scale (Cohere); a whole-graph
+# mixture of experts: tokens sorted by expert, counted by ``histc``, transformers' grouped matmul, and a
+# shared expert behind a sigmoid gate (Qwen2-MoE); learned per-head attention sinks, YaRN rotary, experts
+# with biases and a clamped SwiGLU (GPT-OSS); multi-head latent attention (low-rank q and kv, rotary on
+# part of each head) and group-limited routing after a dense first layer (DeepSeek-V3)
+_cohere = _decoder("CohereForCausalLM", "CohereConfig", num_key_value_heads=2, use_qk_norm=True, logit_scale=0.5)
+_qwen2_moe = _decoder("Qwen2MoeForCausalLM", "Qwen2MoeConfig", num_key_value_heads=2, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32)
+_gpt_oss = _decoder("GptOssForCausalLM", "GptOssConfig", num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                    num_experts_per_tok=2, sliding_window=8, rope_parameters={
+                        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 1})
+_deepseek_v3 = _decoder("DeepseekV3ForCausalLM", "DeepseekV3Config", num_key_value_heads=4, n_routed_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=16, n_group=2, topk_group=1,
+                        first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                        qk_nope_head_dim=4, v_head_dim=8)
+
+
 CASES = {
     "gpt2": Case(_gpt2, _causal_lm_inputs),
     "llama": Case(_llama, _causal_lm_inputs),
@@ -172,6 +243,14 @@ CASES = {
     "qwen3": Case(_qwen3, _causal_lm_inputs),
     "gemma2": Case(_gemma2, _causal_lm_inputs),
     "gpt_neox": Case(_gpt_neox, _causal_lm_inputs),
+    "bloom": Case(_bloom, _causal_lm_inputs),
+    "falcon": Case(_falcon, _causal_lm_inputs),
+    "deberta_v2": Case(_deberta_v2, _masked_lm_inputs),
+    "cohere": Case(_cohere, _causal_lm_inputs),
+    "qwen2_moe": Case(_qwen2_moe, _causal_lm_inputs),
+    "gpt_oss": Case(_gpt_oss, _causal_lm_inputs),
+    "deepseek_v3": Case(_deepseek_v3, _causal_lm_inputs),
+    "whisper": Case(_whisper, _speech_inputs, seq2seq=True),
 }
 
 
