@@ -197,7 +197,7 @@ def _whisper() -> torch.nn.Module:
     import transformers
 
     return transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
-        vocab_size=VOCAB, num_mel_bins=MELS, d_model=32, encoder_layers=2, decoder_layers=2,
+        vocab_size=VOCAB, num_mel_bins=MELS, d_model=32, encoder_layers=1, decoder_layers=1,
         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
         max_source_positions=SEQ, max_target_positions=32, dropout=0.0, attention_dropout=0.0,
         activation_dropout=0.0, decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None,
