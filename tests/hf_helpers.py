@@ -224,6 +224,13 @@ _gpt_oss = _decoder("GptOssForCausalLM", "GptOssConfig", num_key_value_heads=2, 
                     num_experts_per_tok=2, sliding_window=8, rope_parameters={
                         "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 1})
+# Gated DeltaNet layers (a causal convolution and the chunked delta rule, transformers' PyTorch
+# reference of both) beside gated full attention, experts and a shared expert (Qwen3-Next)
+_qwen3_next = _decoder("Qwen3NextForCausalLM", "Qwen3NextConfig", num_key_value_heads=2, head_dim=8, num_experts=4,
+                       num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                       linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                       layer_types=["linear_attention", "full_attention"])
 _deepseek_v3 = _decoder("DeepseekV3ForCausalLM", "DeepseekV3Config", num_key_value_heads=4, n_routed_experts=4,
                         num_experts_per_tok=2, moe_intermediate_size=16, n_group=2, topk_group=1,
                         first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
@@ -251,6 +258,7 @@ CASES = {
     "gpt_oss": Case(_gpt_oss, _causal_lm_inputs),
     "deepseek_v3": Case(_deepseek_v3, _causal_lm_inputs),
     "whisper": Case(_whisper, _speech_inputs, seq2seq=True),
+    "qwen3_next": Case(_qwen3_next, _causal_lm_inputs),
 }
 
 
@@ -274,9 +282,13 @@ def tensors(value: Any, prefix: str = "out") -> Iterator[tuple[str, torch.Tensor
     elif hasattr(value, "self_attention_cache"):  # EncoderDecoderCache
         yield from tensors(value.self_attention_cache, f"{prefix}.self_attention")
         yield from tensors(value.cross_attention_cache, f"{prefix}.cross_attention")
-    elif hasattr(value, "layers"):  # DynamicCache
+    elif hasattr(value, "layers"):  # DynamicCache; a hybrid model's layers keep convolution and recurrent states
         for i, layer in enumerate(value.layers):
-            yield from tensors((layer.keys, layer.values), f"{prefix}.layers[{i}]")
+            if hasattr(layer, "keys"):
+                yield from tensors((layer.keys, layer.values), f"{prefix}.layers[{i}]")
+            if hasattr(layer, "conv_states"):  # a dict of tensors (None where unused) by state index
+                yield from tensors({"conv": layer.conv_states, "recurrent": layer.recurrent_states},
+                                   f"{prefix}.layers[{i}]")
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, noise: float = 0.0) -> None:

@@ -1,6 +1,6 @@
 """Tiny Hugging Face models (GPT-2, Llama with grouped-query attention, Qwen2, BERT, T5, BART, Mistral,
 Phi-3, Qwen3, Gemma 2, GPT-NeoX, BLOOM, Falcon, DeBERTa-v2, Cohere, Qwen2-MoE, GPT-OSS, DeepSeek-V3,
-Whisper) built from configs with random weights, compiled whole (``fullgraph``) with
+Whisper, Qwen3-Next) built from configs with random weights, compiled whole (``fullgraph``) with
 ``backend="cgtrees"``; and Mixtral with transformers' eager experts (a Python loop over ``nonzero()``),
 with its graph breaks. What each adds is in ``hf_helpers``, beside its builder.
 
@@ -22,6 +22,7 @@ ours was off by 3.4e-13 and eager by 7.5e-13, so it is the floor, not our kernel
 """
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (pip install -e '.[test]')")
 
@@ -51,7 +52,20 @@ def test_inference_matches_eager(name, cgtrees_counters):
     _assert_whole_graphs_compiled(cgtrees_counters, kernels=False, broken=broken)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+# Known failures, training only, each with its cause (strict: a fix shows up as XPASS)
+TRAINING_XFAIL = {
+    "qwen3_next": pytest.mark.xfail(
+        torch.__version__ >= (2, 13), strict=True, raises=RuntimeError,
+        reason="torch's meta (fake-tensor) kernel of aten.softplus_backward returns contiguous strides where the "
+               "CPU kernel follows grad_output's (transposed here: Gated DeltaNet's g = -exp(A_log) * "
+               "softplus(a + dt_bias)), so the traced backward views the gradient with strides it does not have: "
+               "'view size is not compatible with input tensor's size and stride'. AOTAutograd's own aot_eager "
+               "fails the same way; ours only where no kernel is generated (CPU, no interpreter: no "
+               "decomposition table, so softplus_backward stays one aten op)"),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=TRAINING_XFAIL.get(name, ())) for name in CASES])
 def test_training_matches_eager(name, cgtrees_counters):
     broken = check_training(name, {"interpret": False})
     _assert_whole_graphs_compiled(cgtrees_counters, kernels=False, broken=broken)
