@@ -18,7 +18,11 @@ so did BLOOM, Falcon, Cohere, Qwen2-MoE, GPT-OSS, DeepSeek-V3 and Whisper, and D
 gradient: not kept in CI for its time. DeBERTa-v2's ``pos_key_proj.bias`` gradient is zero in exact
 arithmetic (softmax ignores a shift shared by a row) and eager's own float32 noise on it is ~44 ulps
 of its module's largest gradient, above the 16-ulp floor of ``assert_grads_close``: against float64,
-ours was off by 3.4e-13 and eager by 7.5e-13, so it is the floor, not our kernels.)
+ours was off by 3.4e-13 and eager by 7.5e-13, so it is the floor, not our kernels. Qwen3-Next's
+training through the interpreter does not crash (softplus_backward is decomposed there) but its
+``A_log`` and ``dt_bias`` gradients (one element of four, 1.5e-3 relative) miss eager's: against float64
+ours are off by 2.0e-5 of their largest entry and eager by 3.0e-6, where every other parameter is within
+2x of eager's error. Not explained yet.)
 """
 
 import pytest
