@@ -58,3 +58,36 @@ def test_every_row_ignored_gives_eagers_nan_on_every_replay(cgtrees_counters):
         with torch.no_grad():
             assert torch.isnan(compiled(logits, labels)) and torch.isnan(_loss(logits, labels))
     assert cgtrees_counters["cudagraph_replayed"] >= 3, dict(cgtrees_counters)
+
+
+def test_two_streams_at_once_each_get_eagers_loss():
+    """Two threads launch the same loss kernel at once, each on a stream of its own: each launch has
+    its own ticket and slots (``tail.py``), so neither's last program adds the other's slots. Eager's
+    loss on the same stream is the reference, per launch (float64 scale as above)."""
+    import threading
+
+    compiled = torch.compile(_loss, backend="cgtrees", options={"cudagraphs": False})
+    with torch.no_grad():  # compiled once, here, before the threads
+        logits = torch.randn(ROWS, VOCAB, device="cuda", dtype=torch.bfloat16)
+        compiled(logits, torch.zeros(ROWS, dtype=torch.long, device="cuda"))
+    misses: list[tuple] = []
+
+    def work(seed: int) -> None:
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream), torch.no_grad():
+            for step in range(12):
+                logits = torch.randn(ROWS, VOCAB, device="cuda", dtype=torch.bfloat16, generator=gen) * 3
+                labels = torch.randint(0, VOCAB, (ROWS,), device="cuda", generator=gen)
+                got, eager = compiled(logits, labels), _loss(logits, labels)
+                exact = _loss(logits.double(), labels)
+                bound = 2 * (eager.double() - exact).abs().item() + 1e-6 * exact.abs().item()
+                if (got.double() - exact).abs().item() > bound:
+                    misses.append((seed, step, got.item(), exact.item()))
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not misses, misses
