@@ -80,7 +80,7 @@ def build(smoke: bool, device: torch.device, seed: int = 0, model: str = "llama_
             built = transformers.LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(default)
-    return built.to(device=device, dtype=dtype).eval()
+    return built.to(dtype=dtype).eval()  # float32 buffers (rotary frequencies) in dtype too, as before
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

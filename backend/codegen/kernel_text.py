@@ -24,18 +24,18 @@ class Scope:
     texts: dict[str, str] = field(default_factory=dict)
 
     def find(self, key: object) -> str | None:
-        scope: Scope | None = self
-        while scope is not None:
-            if key in scope.cache:
-                return scope.cache[key]
-            scope = scope.parent
-        return None
+        return self._up("cache", key)
 
     def find_text(self, text: str) -> str | None:
+        return self._up("texts", text)
+
+    def _up(self, table: str, key: object) -> str | None:
+        """``key`` in this scope's ``table`` or the nearest parent's that has it."""
         scope: Scope | None = self
         while scope is not None:
-            if text in scope.texts:
-                return scope.texts[text]
+            found = getattr(scope, table).get(key)
+            if found is not None:
+                return found
             scope = scope.parent
         return None
 

@@ -59,6 +59,7 @@ def emit(writer: Any, scope: Scope, bodies: dict, stores: dict) -> None:
             _store_one(writer, m, writer.row_vars[m.name], stores, last)
     scope.lines += [last.indent[len(scope.indent):] + line for line in last.lines]
 
+
 def _block(writer: Any, value: str, dtype: torch.dtype) -> str:
     """``value`` as a block: a literal becomes a one-element tensor of ``dtype``."""
     if not is_literal(value):
@@ -66,6 +67,7 @@ def _block(writer: Any, value: str, dtype: torch.dtype) -> str:
     if writer.interpret and dtype == torch.bfloat16:
         return f"tl.full([1], {bf16_literal(value)}, tl.float32).to(tl.bfloat16)"
     return f"tl.full([1], {value}, {printer.TRITON_DTYPES[dtype]})"
+
 
 def _store_one(writer: Any, m: Member, value: str, stores: dict, scope: Scope) -> None:
     """Store a tail's one-element value (shape ``[1]``) where ``m`` keeps it, if anything reads it."""

@@ -256,8 +256,7 @@ class GraphFunction:
         with recording_lock:  # not while another thread captures
             if compat.clear_cublas_workspaces is not None:
                 compat.clear_cublas_workspaces()
-            with torch.cuda.device(manager.device):
-                torch.cuda.empty_cache()
+            torch.cuda.empty_cache()  # every device's cache: one call
         return outs
 
     def _record(self, args: list[Any], manager: TreeManager, key: Any, nodes: list[GraphNode],

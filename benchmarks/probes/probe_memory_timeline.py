@@ -62,8 +62,7 @@ def one(model: str, backend: str, as_benchmark: bool) -> None:
 
 
 def largest_blocks(n: int = 6) -> None:
-    """Per pool: its allocated MiB and its largest allocated blocks, with the frames that made them
-    where memory history was recorded."""
+    """Per pool: its allocated MiB and the sizes of its largest allocated blocks."""
     blocks: dict[str, list[int]] = {}
     for segment in torch.cuda.memory_snapshot():
         pool = tuple(segment.get("segment_pool_id") or (0, 0))
