@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -162,23 +163,53 @@ def outside_dispatch_modes() -> Any:
     return disable() if disable is not None else contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def throwaway_pool(device: int) -> Iterator[None]:
-    """This thread's allocations on ``device`` come from a new pool of their own, for the duration.
-    The pool is released on the way out: what is free in it then, and every block freed later, is
-    handed back to the driver the next time the allocator empties its cache (``torch.cuda.graph``
-    does, before each capture). A warmup's activations so do not stay reserved in the default
-    pool, where the optimizer's first state would be cut from their segments and pin them. No
-    ``torch.cuda.MemPool``: its destructor empties the pool's cache on the spot, and in the GPU
-    suite it aborted four tests' processes (two threads recording; a capture that fails), which
-    ``benchmarks/probes/probe_mempool_abort.py`` does not reproduce in one thread."""
-    if _begin_thread_to_pool is None or _end_to_pool is None or _release_pool is None:
-        yield
-        return
-    pool = torch.cuda.graph_pool_handle()
-    _begin_thread_to_pool(device, pool)
-    try:
-        yield
-    finally:
-        _end_to_pool(device, pool)
-        _release_pool(device, pool)
+class WarmupPool:
+    """A pool that a tree's warmups allocate from (eagerly, outside any capture) until the tree
+    releases it. A forward's warmup and its backward's share its segments, as their recordings
+    share the tree's pool: in pools of their own, the backward could not reuse what the forward
+    freed (GPT-2 small training, H200: 6042 MiB of warmup pools at step 1 against the tree's 4680).
+    Not the default pool either: there the optimizer's first state is cut from the warmup's freed
+    segments and pins them (1457 MiB). Released, what is free in it, and every block freed later,
+    goes back to the driver the next time the allocator empties its cache (``torch.cuda.graph``
+    does, before each capture). No ``torch.cuda.MemPool``: its destructor empties the pool's cache
+    on the spot, and in the GPU suite it aborted four tests' processes (two threads recording; a
+    capture that fails), which ``benchmarks/probes/probe_mempool_abort.py`` does not reproduce in
+    one thread.
+
+    Gradients a backward's warmup made live in it: kept across steps (``zero_grad(set_to_none=False)``,
+    or none), they keep their segments reserved; copied out to a pool of their own, the gradient of a
+    graph's input (GPT-2's logits, 786 MiB) pinned that pool through the next backward (H200: 7472 MiB
+    at step 1 against 6256 steady), and copied to the default pool, the optimizer's state was cut
+    between them (+554 MiB steady). So they stay.
+
+    One warmup at a time (``_lock``, held across it): the allocator ends a thread's allocation to
+    a pool by the pool's id alone, so two threads in one pool at once could end each other's."""
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self.id = torch.cuda.graph_pool_handle()
+        self._lock = threading.RLock()
+        self._open = _begin_thread_to_pool is not None and _end_to_pool is not None and _release_pool is not None
+        if self._open:  # made, holding one reference: ours, until release()
+            _begin_thread_to_pool(device, self.id)
+            _end_to_pool(device, self.id)
+
+    @contextlib.contextmanager
+    def allocating(self) -> Iterator[None]:
+        """This thread's allocations on the device come from the pool, for the duration."""
+        with self._lock:
+            if not self._open:  # released (or no such API): the default pool
+                yield
+                return
+            _begin_thread_to_pool(self.device, self.id)  # a reference of its own
+            try:
+                yield
+            finally:
+                _end_to_pool(self.device, self.id)
+                _release_pool(self.device, self.id)
+
+    def release(self) -> None:
+        with self._lock:
+            if self._open:
+                self._open = False
+                _release_pool(self.device, self.id)

@@ -242,21 +242,12 @@ class GraphFunction:
         self.warmed.add((manager, key))
         counters.bump("cudagraph_warmup")
         self.warm_ptrs[key] = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else 0 for a in args)
-        # Eagerly, in a pool of its own: its activations are freed before the recording makes them
-        # again in the tree's pool, and their segments go back to the driver, not to the default pool
-        # (GPT-2 small training, H200: there they kept 1457 MiB reserved, the optimizer's state cut from them).
-        with compat.throwaway_pool(manager.device):
+        _give_back_cached_memory()  # what compiling left cached: the warmup's pool could not reuse it
+        # Eagerly, in the tree's warmup pool (``compat.WarmupPool``): a forward's and its backward's
+        # warmups share its segments, and they go back to the driver before the recording.
+        with manager.warmup_pool().allocating():
             outs = self.call(args)
-        # cuBLAS keeps a workspace (32 MiB on an H100) per handle and stream, made by the warmup's
-        # first matmul on this thread; every later matmul of this graph runs inside a recording,
-        # with its own, so the eager one would stay allocated for nothing (measured: 64 MiB of a
-        # training step's peak, one workspace for the forward's thread and one for autograd's).
-        # What the warmup's pool holds free now (its temporaries; a backward's, before the optimizer's
-        # first state is allocated) goes back to the driver: the pool was released, the cache is emptied.
-        with recording_lock:  # not while another thread captures
-            if compat.clear_cublas_workspaces is not None:
-                compat.clear_cublas_workspaces()
-            torch.cuda.empty_cache()  # every device's cache: one call
+        _give_back_cached_memory()  # before the optimizer's first state is allocated, after a backward's warmup
         return outs
 
     def _record(self, args: list[Any], manager: TreeManager, key: Any, nodes: list[GraphNode],
@@ -348,3 +339,16 @@ def _changing_dims(keys: list[tuple]) -> str:
         elif len(set(map(repr, column))) > 1:
             found.append(f"input {i} (a size argument)")
     return ", ".join(found) or "the input shapes"
+
+
+def _give_back_cached_memory() -> None:
+    """Hand the default pool's free segments back to the driver, and the eager cuBLAS workspaces:
+    cuBLAS keeps one (32 MiB on an H100) per handle and stream, made by a warmup's first matmul on
+    its thread; every later matmul of the graph runs inside a recording, with its own, so the eager
+    one would stay allocated for nothing (measured: 64 MiB of a training step's peak, one workspace
+    for the forward's thread and one for autograd's)."""
+    with recording_lock:  # not while another thread captures
+        if compat.clear_cublas_workspaces is not None:
+            compat.clear_cublas_workspaces()
+        torch.cuda.empty_cache()  # every device's cache: one call
+

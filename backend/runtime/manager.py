@@ -54,6 +54,8 @@ class TreeManager(Pool):
         self.last_kind: GraphKind | None = None  # of the last call (a backward after a forward skips the sweep)
         self.closed = False
         self.invalidated = 0
+        self._warmup_pool: compat.WarmupPool | None = None
+        self._warmup_pool_lock = threading.Lock()
 
     # ------------------------------------------------------------ each call
     def begin_call(self, kind: GraphKind) -> list[LiveOutput]:
@@ -97,6 +99,7 @@ class TreeManager(Pool):
         self.invalidated += invalidated
         self.generation += 1
         self.backward_ran = False
+        self.release_warmup_pool()
 
     def after_replay(self, node: GraphNode) -> None:
         """Before ``node`` replays. The storages it consumes (a backward's saved activations, held
@@ -108,9 +111,24 @@ class TreeManager(Pool):
         if consumed:
             self.live = [e for e in self.live if e.key not in consumed]
 
+    # ------------------------------------------------------------ warmup
+    def warmup_pool(self) -> compat.WarmupPool:
+        """The pool this tree's warmups allocate from until the next recording or generation."""
+        with self._warmup_pool_lock:
+            if self._warmup_pool is None:
+                self._warmup_pool = compat.WarmupPool(self.device)
+            return self._warmup_pool
+
+    def release_warmup_pool(self) -> None:
+        with self._warmup_pool_lock:
+            pool, self._warmup_pool = self._warmup_pool, None
+        if pool is not None:
+            pool.release()
+
     # ------------------------------------------------------------ recording
     def prepare_recording(self) -> list[LiveOutput]:
         """Make the allocator's book-keeping for the pool true again (R5); return the live outputs."""
+        self.release_warmup_pool()  # the capture empties the cache: its free segments go back
         # Reused tensors (saved activations) are forgotten first: what someone else holds stays
         # live as an ordinary output, which the checkpoint below may give a deleter.
         for node in self.alive_nodes():
@@ -144,6 +162,7 @@ class TreeManager(Pool):
         """Invalidate what is live (copying out gradients), drop every graph (the pool goes with them)."""
         live, self.live = self.live, []
         liveness.release_all(live, "cgtrees reset()")
+        self.release_warmup_pool()
         self.last_node = None
         for node in self.alive_nodes():
             node.release(keep_graph=False)
