@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from cgtrees import logs
@@ -58,20 +59,49 @@ def test_cache_info_on_a_read_only_directory_says_it_first_and_compiles_nothing(
     assert cli.info(Config(cache=False, cache_dir=str(tmp_path))).startswith("cgtrees cache: off")
 
 
-def test_a_write_into_a_read_only_cache_names_the_fix(tmp_path, monkeypatch, caplog):
+def _permission_denied(path, *args, **kwargs):
+    raise OSError(errno.EACCES, "Permission denied", str(path))
+
+
+@pytest.mark.parametrize("refusal", [_read_only, _permission_denied])
+def test_a_write_into_a_read_only_cache_names_the_fix(tmp_path, monkeypatch, caplog, refusal):
     from cgtrees.cache import store as store_module
 
     store = store_module.Store.open(Config(cache_dir=str(tmp_path)))
     assert store.write("module", "a1", {"source": "x"})  # a cache with entries, then made read-only
     logs.forget()
-    monkeypatch.setattr(store_module, "_atomic_write", _read_only)
+    monkeypatch.setattr(store_module, "_atomic_write", refusal)
     with caplog.at_level(logging.WARNING, logger="cgtrees.cache"):
         assert not store.write("module", "b2", {"source": "y"})
     assert store.read("module", "a1") is not None  # what is there is still read
     said = caplog.records[0].getMessage()
-    assert "could not write cache entry" in said and "Read-only file system" in said, said
-    assert f"Fix: make {store.root} writable (chmod -R u+w {store.root})" in said, said
+    assert "could not write cache entry" in said and "not stored" in said, said
+    if refusal is _read_only:  # a mount: no file mode helps
+        assert "Read-only file system" in said and f"Fix: {store.root} is on a read-only file system" in said, said
+        assert "chmod" not in said, said
+    else:
+        assert f"Fix: make {store.root} writable (chmod -R u+w {store.root})" in said, said
     assert "CGTREES_CACHE_DIR" in said and "continuing uncached" not in said, said
+
+
+@pytest.mark.parametrize("read_only_mount", [True, False])
+def test_cache_info_on_a_cache_it_can_read_but_not_write_says_so(tmp_path, monkeypatch, read_only_mount):
+    """Entries there still load; the first line says new ones are not stored, and the fix that fits."""
+    import os as os_module
+
+    from cgtrees.cache import cli
+    from cgtrees.cache import store as store_module
+
+    config = Config(cache_dir=str(tmp_path))
+    assert store_module.Store.open(config).write("module", "a1", {"source": "x"})
+    monkeypatch.setattr(store_module.os, "access", lambda path, mode: mode != os_module.W_OK)
+    if read_only_mount:
+        monkeypatch.setattr(store_module, "_mount_errno", lambda root: errno.EROFS)
+    first, *rest = cli.info(config).splitlines()
+    assert first.startswith("cgtrees cache: on, read-only: its entries are loaded, new ones are not stored"), first
+    assert ("is on a read-only file system" in first) == read_only_mount, first
+    assert ("chmod -R u+w" in first) != read_only_mount, first
+    assert any(line.startswith("entries: 1 ") for line in rest), rest
 
 
 WARM = """

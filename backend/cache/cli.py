@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from cgtrees import counters
-from cgtrees.cache.store import Store, base_dir
+from cgtrees.cache.store import Store, base_dir, write_fix
 from cgtrees.config import Config
 
 
@@ -25,8 +25,7 @@ def main(action: str, config: Config | None = None) -> int:
         except OSError as e:
             left = len(store.entry_paths())
             print(f"cgtrees cache: could not clear {store.root}: {e.strerror or e} ({e.filename or store.root}); "
-                  f"removed {before - left} of {before} entries. Make the directory writable "
-                  f"(chmod -R u+w {store.root}), or point CGTREES_CACHE_DIR at another directory.")
+                  f"removed {before - left} of {before} entries. Fix: {write_fix(store.root, e)}")
             return 1
         return 0
     print(f"cgtrees cache: unknown action {action!r}; use info or clear")
@@ -65,6 +64,9 @@ def info(config: Config) -> str:
     elif store is None:
         reason = "; ".join(m.removeprefix("cgtrees: ") for m in why) or "it cannot be created"
         lines = [f"cgtrees cache: on, but {base_dir(config)} is not usable, so compiles run uncached: {reason}"]
+    elif not store.writable():
+        lines = [f"cgtrees cache: on, read-only: its entries are loaded, new ones are not stored. "
+                 f"Fix: {write_fix(store.root)}"]
     else:
         lines = ["cgtrees cache: on"]
     if store is None:

@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -45,6 +46,22 @@ log = logging.getLogger("cgtrees.cache")
 
 class CorruptEntry(Exception):
     """An entry that is truncated, garbled, fails its checksum, or belongs to another key."""
+
+
+def write_fix(root: Path, exc: BaseException | None = None) -> str:
+    """What to do about a cache directory that refused a write (``exc``) or would."""
+    if (getattr(exc, "errno", None) if exc is not None else _mount_errno(root)) == errno.EROFS:
+        return (f"{root} is on a read-only file system: set CGTREES_CACHE_DIR to a directory on a writable one "
+                "(CGTREES_CACHE=0: no cache)")
+    return (f"make {root} writable (chmod -R u+w {root}), or set CGTREES_CACHE_DIR to a writable directory "
+            "(CGTREES_CACHE=0: no cache)")
+
+
+def _mount_errno(root: Path) -> int | None:
+    try:
+        return errno.EROFS if os.statvfs(root).f_flag & os.ST_RDONLY else None
+    except OSError:
+        return None
 
 
 def base_dir(config: Config, environ: Mapping[str, str] | None = None) -> Path:
@@ -182,9 +199,12 @@ class Store:
         except (OSError, Timeout) as exc:
             log_once(log, f"write:{type(exc).__name__}:{getattr(exc, 'errno', '')}",
                      "cgtrees: could not write cache entry %s (%s): not stored, a new process compiles it again. "
-                     "Fix: make %s writable (chmod -R u+w %s), or set CGTREES_CACHE_DIR to a writable directory "
-                     "(CGTREES_CACHE=0: no cache)", path, exc, self.root, self.root)
+                     "Fix: %s", path, exc, write_fix(self.root, exc))
             return False
+
+    def writable(self) -> bool:
+        """Whether this process may create entries here (a read-only mount says no, even to root)."""
+        return os.access(self.root, os.W_OK)
 
     def evict(self, cap_bytes: int) -> int:
         """Remove least recently used entries until the store is under ``cap_bytes``."""
