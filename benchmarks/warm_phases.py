@@ -87,11 +87,23 @@ def report():
         PHASES.pop("work:" + w, None)
     print("PHASES " + json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in PHASES.items()}),
           file=sys.stderr, flush=True)
-sys.argv = ["worker.py", *sys.argv[1:]]
+sys.argv = [SCRIPT, *sys.argv[1:]]
 sys.path.insert(0, HERE)
 import runpy
-runpy.run_path(HERE + "/worker.py", run_name="__main__")
+runpy.run_path(HERE + "/" + SCRIPT, run_name="__main__")
 '''
+
+
+def shimmed(script: str) -> str:
+    """Python source that runs ``script`` (a file beside this one) with our phases timed."""
+    return f"HERE = {str(HERE)!r}\nSCRIPT = {script!r}\n" + SHIM
+
+
+def phases_of(stderr: str) -> dict | None:
+    for line in stderr.splitlines():
+        if line.startswith("PHASES "):
+            return json.loads(line[len("PHASES "):])
+    return None
 
 
 def start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
@@ -109,7 +121,7 @@ def start_server(tmp: Path) -> tuple[subprocess.Popen, str]:
 
 
 def run(args: argparse.Namespace, backend: str, label: str, env: dict[str, str]) -> dict:
-    cmd = [sys.executable, "-c", f"HERE = {str(HERE)!r}\n" + SHIM, "--workload", args.workload,
+    cmd = [sys.executable, "-c", shimmed("worker.py"), "--workload", args.workload,
            "--backend", backend, "--mode", args.mode, "--phase", label]
     if args.smoke:
         cmd.append("--smoke")
@@ -123,9 +135,7 @@ def run(args: argparse.Namespace, backend: str, label: str, env: dict[str, str])
             row.update({k: found.get(k) for k in ("first_s", "first3_s", "compile_call_s", "ok", "error",
                                                     "max_err", "device_name", "environment", "counters")})
             break
-    for line in proc.stderr.splitlines():
-        if line.startswith("PHASES "):
-            row["phases"] = json.loads(line[len("PHASES "):])
+    row["phases"] = phases_of(proc.stderr)
     row["warnings"] = [ln for ln in proc.stderr.splitlines() if "cgtrees" in ln and "WARNING" in ln.upper()][:5]
     if proc.returncode != 0:
         row["stderr_tail"] = proc.stderr[-1500:]

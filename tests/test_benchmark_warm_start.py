@@ -186,3 +186,22 @@ def test_cgtrees_pc_cold_then_warm_process_skips_the_trace_and_matches_eager(tmp
     assert warm["graphs_compiled"] == 0 and warm["precompile_loaded"] == 1, warm["counters"]
     assert warm["counters"]["cgtrees"]["kernels_generated"] == 0
     assert "bytecode_tracing" not in warm["compile_phases"] and warm["counters"]["unique_graphs"] == 0
+
+
+def test_warm_real_sizes_table_puts_each_warm_start_against_the_best_inductor_warm_one(monkeypatch):
+    """benchmarks/warm_real.py (issue 53, item 2): each backend's caches are its own and nothing of
+    the caller's cgtrees or cache settings leaks in; its table divides each warm start by the best
+    warm start of Inductor's backends in the same call, cold processes aside."""
+    real = bench("warm_real")
+    monkeypatch.setenv("CGTREES_PRECOMPILE_CACHE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    plain, pc = real.environment("cgtrees", Path("/c1")), real.environment("cgtrees-pc", Path("/c2"))
+    assert "CGTREES_PRECOMPILE_CACHE" not in plain and pc["CGTREES_PRECOMPILE_CACHE"] == "1"
+    assert plain["CGTREES_CACHE_DIR"] == "/c1/cgtrees" and plain["TORCHINDUCTOR_CACHE_DIR"] == "/c1/inductor"
+    rows = [{"model": "llama_1b", "backend": b, "label": label, "first_s": s, "phases": {"dynamo": 0.5}}
+            for b, label, s in (("cgtrees", "cold", 25.0), ("cgtrees", "warm-1", 3.0), ("cgtrees", "warm-2", 2.8),
+                                ("reduce-overhead", "cold", 30.0), ("reduce-overhead", "warm-1", 7.0),
+                                ("inductor", "cold", 1.0), ("inductor", "warm-1", 5.6))]
+    lines = {line.split()[1]: line.split() for line in real.table(rows).splitlines()[1:]}
+    assert lines["cgtrees"][2:5] == ["25.00", "2.80", "0.50x"], lines  # the best warm sample, over 5.6
+    assert lines["reduce-overhead"][4] == "1.25x" and lines["inductor"][4] == "1.00x", lines

@@ -1,0 +1,194 @@
+"""Warm starts at real sizes (issue 53, item 2): a fresh process's time to its first outputs, cold
+and warm, by phase, cgtrees beside Inductor's backends in the same call.
+
+    python benchmarks/warm_real.py --models llama_1b,gpt2_small --out-dir $OUT [--smoke]
+
+Rows (the issue's table):
+- ``llama_1b``: serving's plain decode loop (``serve_worker.Loop``: Llama 1.1B, bf16, a StaticCache
+  of 160), an eager prefill and 8 tokens, each a compiled decode step; first outputs: the 8th token.
+- ``gpt2_small``: the real-size GPT-2 small training step (8 x 1024, bf16 autocast, fused AdamW,
+  ``size_worker.make_step``); first outputs: the end of the third step.
+
+Per model and backend (``--backends``; default cgtrees, cgtrees-pc, reduce-overhead, inductor), a
+cold process on empty cache directories, then ``--warm`` warm ones on the same directories. Each
+process builds its model first (not timed: weights made on the device), then times from before the
+first compiled call to its first outputs, synchronised (``first_s``). Our phases come from
+``warm_phases``' shim (Dynamo's trace, level-1 load, module import, kernel binaries, warmup,
+recording, first replay; the work a warm start should not do). One JSON line per process in
+OUT/warm_real.jsonl and a table at the end: each warm start against Inductor's backends' warm ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import warm_phases  # noqa: E402
+
+MODELS = ("llama_1b", "gpt2_small")
+BACKENDS = ("cgtrees", "cgtrees-pc", "reduce-overhead", "inductor")
+TOKENS = 8  # the decode loop's first outputs
+STEPS = 3  # the training step's
+
+
+# --- one process ------------------------------------------------------------------------------------
+
+def first_decode(smoke: bool, backend: str, device: torch.device) -> float:
+    import serve_worker
+
+    loop = serve_worker.Loop(serve_worker.build(smoke, device), _compiled(backend), batch=1, cache=160, new=TOKENS)
+    prompt = torch.randint(0, loop.model.config.vocab_size, (1, loop.prompt_len), device=device)
+    _sync(device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        loop.generate(prompt)
+    loop.tokens.cpu()  # the 8th token on the host
+    return time.perf_counter() - start
+
+
+def first_steps(smoke: bool, backend: str, device: torch.device) -> float:
+    import real_sizes
+    import size_worker
+
+    case = real_sizes.build("gpt2_small", device, smoke=smoke)
+    opt = case.optimizer(list(case.model.parameters())) if case.optimizer else None
+    fn, _ = size_worker.compile_model(case.model, _compiled(backend))
+    step = size_worker.make_step(case, fn, opt, backend != "inductor", size_worker.Values(), [])
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        step()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def _compiled(backend: str) -> str:
+    return "cgtrees" if backend == "cgtrees-pc" else backend  # the environment says precompile
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def one(model: str, backend: str, smoke: bool) -> None:
+    from torch._dynamo.utils import counters
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    first = (first_decode if model == "llama_1b" else first_steps)(smoke, backend, device)
+    print(json.dumps({"first_s": round(first, 3), "counters": dict(counters["cgtrees"]),
+                      "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                      "torch": torch.__version__}), flush=True)
+
+
+# --- the call ---------------------------------------------------------------------------------------
+
+def environment(backend: str, caches: Path) -> dict[str, str]:
+    """A process's environment: its backend's cache directories under ``caches``, nothing inherited."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE", "TORCHINDUCTOR"))}
+    env.update(TRITON_CACHE_DIR=str(caches / "triton"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
+               CGTREES_CACHE_DIR=str(caches / "cgtrees"), PYTHONUNBUFFERED="1")
+    if backend == "cgtrees-pc":
+        env["CGTREES_PRECOMPILE_CACHE"] = "1"
+    return env
+
+
+def run(model: str, backend: str, label: str, env: dict[str, str], args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, "-c", warm_phases.shimmed("warm_real.py"), "--one", model, backend]
+    cmd += ["--smoke"] if args.smoke else []
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"model": model, "backend": backend, "label": label, "rc": "timeout", "wall_s": args.timeout}
+    row = {"model": model, "backend": backend, "label": label, "rc": proc.returncode,
+           "wall_s": round(time.perf_counter() - start, 2)}
+    found = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    row.update(found[-1] if found else {})
+    phases = warm_phases.phases_of(proc.stderr)
+    if phases and backend.startswith("cgtrees"):
+        row["phases"] = phases
+    elif phases:
+        row["phases"] = {k: phases[k] for k in ("dynamo", "backend") if k in phases}
+    warned = [ln for ln in proc.stderr.splitlines() if "warn" in ln.lower()]
+    row["warning_lines"] = len(warned)
+    if warned:
+        row["warnings"] = warned[:3]
+    if proc.returncode != 0:
+        row["stderr_tail"] = proc.stderr[-1500:]
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    """Per model: each backend's cold and warm first outputs, and each warm start over the best
+    Inductor warm start of the same call."""
+    lines = [f"{'model':12} {'backend':16} {'cold s':>8} {'warm s':>8} {'x best ind. warm':>17}  warm phases (s)"]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        warm = {b: min((r["first_s"] for r in mine if r["backend"] == b and r["label"] != "cold" and "first_s" in r),
+                       default=None) for b in dict.fromkeys(r["backend"] for r in mine)}
+        best = min((s for b, s in warm.items() if not b.startswith("cgtrees") and s is not None), default=None)
+        for backend, w in warm.items():
+            cold = next((r.get("first_s") for r in mine if r["backend"] == backend and r["label"] == "cold"), None)
+            ratio = f"{w / best:.2f}x" if w is not None and best else "-"
+            phases = next((r.get("phases", {}) for r in mine if r["backend"] == backend and r["label"] != "cold"), {})
+            shown = " ".join(f"{k}={v:.2f}" for k, v in phases.items() if isinstance(v, float) and v >= 0.05)
+            lines.append(f"{model:12} {backend:16} {_s(cold):>8} {_s(w):>8} {ratio:>17}  {shown}")
+    return "\n".join(lines)
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    p.add_argument("--warm", type=int, default=1, help="warm processes after each cold one")
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds a process may take")
+    p.add_argument("--smoke", action="store_true", help="tiny configs, CPU where there is no GPU")
+    p.add_argument("--out-dir", default=".")
+    p.add_argument("--one", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.one:
+        one(*args.one, args.smoke)
+        return 0
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model in args.models.split(","):
+        for backend in args.backends.split(","):
+            caches = Path(tempfile.mkdtemp(prefix=f"warm-real-{model}-{backend}-"))
+            try:
+                for label in ["cold", *(f"warm-{i + 1}" for i in range(args.warm))]:
+                    row = run(model, backend, label, environment(backend, caches), args)
+                    rows.append(row)
+                    with open(out / "warm_real.jsonl", "a") as f:
+                        f.write(json.dumps(row, default=str) + "\n")
+                    print(f"{model:12} {backend:16} {label:8} first={row.get('first_s')} rc={row['rc']} "
+                          f"warnings={row['warning_lines']}", flush=True)
+            finally:
+                shutil.rmtree(caches, ignore_errors=True)
+    print(table(rows))
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
