@@ -14,7 +14,8 @@ cold process on empty cache directories, then ``--warm`` warm ones on the same d
 process builds its model first (not timed: weights made on the device), then times from before the
 first compiled call to its first outputs, synchronised (``first_s``). Our phases come from
 ``warm_phases``' shim (Dynamo's trace, level-1 load, module import, kernel binaries, warmup,
-recording, first replay; the work a warm start should not do). One JSON line per process in
+recording, first replay; the work a warm start should not do; ``--cprofile``: where the rest goes).
+One JSON line per process in
 OUT/warm_real.jsonl and a table at the end: each warm start against Inductor's backends' warm ones.
 """
 
@@ -83,11 +84,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def one(model: str, backend: str, smoke: bool) -> None:
+def one(model: str, backend: str, smoke: bool, profile: str | None) -> None:
     from torch._dynamo.utils import counters
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    first = (first_decode if model == "llama_1b" else first_steps)(smoke, backend, device)
+    run_it = first_decode if model == "llama_1b" else first_steps
+    if profile:  # the model build too: the window is generate's cumulative time (or step's)
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        first = profiler.runcall(run_it, smoke, backend, device)
+        with open(profile, "w") as f:
+            pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(60)
+    else:
+        first = run_it(smoke, backend, device)
     print(json.dumps({"first_s": round(first, 3), "counters": dict(counters["cgtrees"]),
                       "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       "torch": torch.__version__}), flush=True)
@@ -108,6 +119,8 @@ def environment(backend: str, caches: Path) -> dict[str, str]:
 def run(model: str, backend: str, label: str, env: dict[str, str], args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-c", warm_phases.shimmed("warm_real.py"), "--one", model, backend]
     cmd += ["--smoke"] if args.smoke else []
+    if args.cprofile and label != "cold":
+        cmd += ["--cprofile-file", str(Path(args.out_dir) / f"cprofile-{model}-{backend}-{label}.txt")]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -161,14 +174,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=240.0, help="seconds a process may take")
     p.add_argument("--smoke", action="store_true", help="tiny configs, CPU where there is no GPU")
     p.add_argument("--out-dir", default=".")
+    p.add_argument("--cprofile", action="store_true", help="each warm process's first outputs under cProfile: "
+                   "OUT/cprofile-MODEL-BACKEND-LABEL.txt, 60 functions by cumulative time")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
+    p.add_argument("--cprofile-file", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.one:
-        one(*args.one, args.smoke)
+        one(*args.one, args.smoke, args.cprofile_file)
         return 0
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
