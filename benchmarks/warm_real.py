@@ -106,9 +106,11 @@ def one(model: str, backend: str, smoke: bool, profile: str | None) -> None:
 
 # --- the call ---------------------------------------------------------------------------------------
 
-def environment(backend: str, caches: Path) -> dict[str, str]:
-    """A process's environment: its backend's cache directories under ``caches``, nothing inherited."""
+def environment(backend: str, caches: Path, extra: tuple[str, ...] = ()) -> dict[str, str]:
+    """A process's environment: its backend's cache directories under ``caches``, nothing inherited,
+    and ``extra`` (``NAME=VALUE``: ``--env``)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CGTREES_", "TRITON_CACHE", "TORCHINDUCTOR"))}
+    env.update(item.split("=", 1) for item in extra)
     env.update(TRITON_CACHE_DIR=str(caches / "triton"), TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
                CGTREES_CACHE_DIR=str(caches / "cgtrees"), PYTHONUNBUFFERED="1")
     if backend == "cgtrees-pc":
@@ -176,6 +178,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out-dir", default=".")
     p.add_argument("--cprofile", action="store_true", help="each warm process's first outputs under cProfile: "
                    "OUT/cprofile-MODEL-BACKEND-LABEL.txt, 60 functions by cumulative time")
+    p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                   help="set in every process (repeatable), e.g. CGTREES_WARM_FIRST_CALLS=0")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
     p.add_argument("--cprofile-file", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -194,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             caches = Path(tempfile.mkdtemp(prefix=f"warm-real-{model}-{backend}-"))
             try:
                 for label in ["cold", *(f"warm-{i + 1}" for i in range(args.warm))]:
-                    row = run(model, backend, label, environment(backend, caches), args)
+                    row = run(model, backend, label, environment(backend, caches, tuple(args.env)), args)
                     rows.append(row)
                     with open(out / "warm_real.jsonl", "a") as f:
                         f.write(json.dumps(row, default=str) + "\n")

@@ -198,6 +198,7 @@ def test_warm_real_sizes_table_puts_each_warm_start_against_the_best_inductor_wa
     plain, pc = real.environment("cgtrees", Path("/c1")), real.environment("cgtrees-pc", Path("/c2"))
     assert "CGTREES_PRECOMPILE_CACHE" not in plain and pc["CGTREES_PRECOMPILE_CACHE"] == "1"
     assert plain["CGTREES_CACHE_DIR"] == "/c1/cgtrees" and plain["TORCHINDUCTOR_CACHE_DIR"] == "/c1/inductor"
+    assert real.environment("cgtrees", Path("/c1"), ("CGTREES_WARM_FIRST_CALLS=0",))["CGTREES_WARM_FIRST_CALLS"] == "0"
     rows = [{"model": "llama_1b", "backend": b, "label": label, "first_s": s, "phases": {"dynamo": 0.5}}
             for b, label, s in (("cgtrees", "cold", 25.0), ("cgtrees", "warm-1", 3.0), ("cgtrees", "warm-2", 2.8),
                                 ("reduce-overhead", "cold", 30.0), ("reduce-overhead", "warm-1", 7.0),
