@@ -187,6 +187,7 @@ def _run(calls: list[dict[str, Any]], driver: Callable[[], Any] | None) -> None:
 def _make_all(calls: list[dict[str, Any]]) -> int:
     """Make ``calls`` in this thread, each failure logged and left to the real call; how many were made."""
     made, devices = 0, set()
+    _bind_contexts({spec["device"] for spec in calls})
     with torch.no_grad():
         for spec in calls:
             try:
@@ -205,6 +206,19 @@ def _make_all(calls: list[dict[str, Any]]) -> int:
         # device thread lives on, and its real backward may run on another stream than these calls
         compat.clear_cublas_workspaces()
     return made
+
+
+def _bind_contexts(devices: set[str]) -> None:
+    """Make each device's primary context current in this new thread before its first library call:
+    ``torch.cuda.device`` sets no device that already looks current (device 0 in a new thread), its
+    empty tensors may come from the allocator's cache without a CUDA call, and cuBLAS would then warn
+    "Attempting to run cuBLAS, but there was no current CUDA context!" (a warm Llama start on an
+    H200). A query that needs the context binds it."""
+    for device in devices:
+        try:
+            torch.cuda.mem_get_info(torch.device(device))
+        except Exception as exc:  # noqa: BLE001 - cuBLAS binds it itself, with its warning
+            log.debug("cgtrees runtime: no CUDA context for %s beforehand (%s)", device, exc)
 
 
 class _InBackward(torch.autograd.Function):
