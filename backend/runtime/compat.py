@@ -176,11 +176,11 @@ class WarmupPool:
     capture that fails), which ``benchmarks/probes/probe_mempool_abort.py`` does not reproduce in
     one thread.
 
-    Gradients a backward's warmup made live in it: kept across steps (``zero_grad(set_to_none=False)``,
-    or none), they keep their segments reserved; copied out to a pool of their own, the gradient of a
-    graph's input (GPT-2's logits, 786 MiB) pinned that pool through the next backward (H200: 7472 MiB
-    at step 1 against 6256 steady), and copied to the default pool, the optimizer's state was cut
-    between them (+554 MiB steady). So they stay.
+    The gradients a backward's warmup makes stay in it: kept across steps (no ``zero_grad``, or
+    ``set_to_none=False``), they keep their segments reserved. Copying them out was measured worse:
+    to a pool of their own, the gradient of a graph's input (GPT-2's logits, 786 MiB) pinned that
+    pool through the next backward (H200: 7472 MiB at step 1 against 6256 steady); to the default
+    pool, the optimizer's state was cut between them (+554 MiB steady).
 
     One warmup at a time (``_lock``, held across it): the allocator ends a thread's allocation to
     a pool by the pool's id alone, so two threads in one pool at once could end each other's."""

@@ -351,4 +351,3 @@ def _give_back_cached_memory() -> None:
         if compat.clear_cublas_workspaces is not None:
             compat.clear_cublas_workspaces()
         torch.cuda.empty_cache()  # every device's cache: one call
-
