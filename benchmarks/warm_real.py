@@ -36,6 +36,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import size_worker  # noqa: E402
 import warm_phases  # noqa: E402
 
 MODELS = ("llama_1b", "gpt2_small")
@@ -51,7 +52,7 @@ def first_decode(smoke: bool, backend: str, device: torch.device) -> float:
 
     loop = serve_worker.Loop(serve_worker.build(smoke, device), _compiled(backend), batch=1, cache=160, new=TOKENS)
     prompt = torch.randint(0, loop.model.config.vocab_size, (1, loop.prompt_len), device=device)
-    _sync(device)
+    size_worker.sync(device)
     start = time.perf_counter()
     with torch.no_grad():
         loop.generate(prompt)
@@ -61,27 +62,21 @@ def first_decode(smoke: bool, backend: str, device: torch.device) -> float:
 
 def first_steps(smoke: bool, backend: str, device: torch.device) -> float:
     import real_sizes
-    import size_worker
 
     case = real_sizes.build("gpt2_small", device, smoke=smoke)
     opt = case.optimizer(list(case.model.parameters())) if case.optimizer else None
     fn, _ = size_worker.compile_model(case.model, _compiled(backend))
     step = size_worker.make_step(case, fn, opt, backend != "inductor", size_worker.Values(), [])
-    _sync(device)
+    size_worker.sync(device)
     start = time.perf_counter()
     for _ in range(STEPS):
         step()
-    _sync(device)
+    size_worker.sync(device)
     return time.perf_counter() - start
 
 
 def _compiled(backend: str) -> str:
     return "cgtrees" if backend == "cgtrees-pc" else backend  # the environment says precompile
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def one(model: str, backend: str, smoke: bool, profile: str | None) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 
 _done = False
 
@@ -62,10 +63,14 @@ def _patch_once_a_launch(interpreter) -> None:
     anywhere else, as Triton does it."""
     grid_call, device_call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
     patched: list[frozenset[int]] = [frozenset()]  # the language modules the running launch patched
+    wanted = (id(interpreter.tl), id(interpreter.tl.core))
+    known: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a function's language modules
 
     def langs(fn) -> frozenset[int]:
-        wanted = (id(interpreter.tl), id(interpreter.tl.core))
-        return frozenset(id(v) for v in fn.__globals__.values() if id(v) in wanted)
+        found = known.get(fn)
+        if found is None:
+            found = known[fn] = frozenset(id(v) for v in fn.__globals__.values() if id(v) in wanted)
+        return found
 
     def launch(self, *args, **kwargs):
         patched[0] = langs(self.fn)

@@ -120,6 +120,8 @@ class TreeManager(Pool):
             return self._warmup_pool
 
     def release_warmup_pool(self) -> None:
+        if self._warmup_pool is None:  # every step's generation end: no lock taken for nothing
+            return
         with self._warmup_pool_lock:
             pool, self._warmup_pool = self._warmup_pool, None
         if pool is not None:
