@@ -147,16 +147,29 @@ def table(rows: list[dict]) -> str:
     lines = [f"{'model':12} {'backend':16} {'cold s':>8} {'warm s':>8} {'x best ind. warm':>17}  warm phases (s)"]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
-        warm = {b: min((r["first_s"] for r in mine if r["backend"] == b and r["label"] != "cold" and "first_s" in r),
+        plain = [r for r in mine if r["label"] == "cold" or r["label"][5:].isdigit()]
+        warm = {b: min((r["first_s"] for r in plain if r["backend"] == b and r["label"] != "cold" and "first_s" in r),
                        default=None) for b in dict.fromkeys(r["backend"] for r in mine)}
         best = min((s for b, s in warm.items() if not b.startswith("cgtrees") and s is not None), default=None)
         for backend, w in warm.items():
             cold = next((r.get("first_s") for r in mine if r["backend"] == backend and r["label"] == "cold"), None)
             ratio = f"{w / best:.2f}x" if w is not None and best else "-"
-            phases = next((r.get("phases", {}) for r in mine if r["backend"] == backend and r["label"] != "cold"), {})
-            shown = " ".join(f"{k}={v:.2f}" for k, v in phases.items() if isinstance(v, float) and v >= 0.05)
-            lines.append(f"{model:12} {backend:16} {_s(cold):>8} {_s(w):>8} {ratio:>17}  {shown}")
+            phases = next((r.get("phases", {}) for r in plain if r["backend"] == backend and r["label"] != "cold"), {})
+            lines.append(f"{model:12} {backend:16} {_s(cold):>8} {_s(w):>8} {ratio:>17}  {_shown(phases)}")
+        for r in (r for r in mine if r not in plain):
+            ratio = f"{r['first_s'] / best:.2f}x" if best and "first_s" in r else "-"
+            lines.append(f"{model:12} {r['backend']:16} {'':>8} {_s(r.get('first_s')):>8} {ratio:>17}  "
+                         f"{_shown(r.get('phases', {}))}  [{r['label']}]")
     return "\n".join(lines)
+
+
+def _shown(phases: dict) -> str:
+    return " ".join(f"{k}={v:.2f}" for k, v in phases.items() if isinstance(v, float) and v >= 0.05)
+
+
+def _slug(setting: str) -> str:
+    """``CGTREES_X=0`` -> ``CGTREES_X_0``: a label that is also a file name."""
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in setting)
 
 
 def _s(value: float | None) -> str:
@@ -175,6 +188,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "OUT/cprofile-MODEL-BACKEND-LABEL.txt, 60 functions by cumulative time")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set in every process (repeatable), e.g. CGTREES_WARM_FIRST_CALLS=0")
+    p.add_argument("--warm-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="one more warm process per backend with this set (repeatable: one process each)")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
     p.add_argument("--cprofile-file", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -192,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         for backend in args.backends.split(","):
             caches = Path(tempfile.mkdtemp(prefix=f"warm-real-{model}-{backend}-"))
             try:
-                for label in ["cold", *(f"warm-{i + 1}" for i in range(args.warm))]:
-                    row = run(model, backend, label, environment(backend, caches, tuple(args.env)), args)
+                runs = [("cold", ()), *((f"warm-{i + 1}", ()) for i in range(args.warm)),
+                        *((f"warm-{_slug(extra)}", (extra,)) for extra in args.warm_env)]
+                for label, extra in runs:
+                    row = run(model, backend, label, environment(backend, caches, (*args.env, *extra)), args)
                     rows.append(row)
                     with open(out / "warm_real.jsonl", "a") as f:
                         f.write(json.dumps(row, default=str) + "\n")
