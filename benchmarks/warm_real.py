@@ -22,6 +22,7 @@ OUT/warm_real.jsonl and a table at the end: each warm start against Inductor's b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -47,20 +48,20 @@ STEPS = 3  # the training step's
 
 # --- one process ------------------------------------------------------------------------------------
 
-def first_decode(smoke: bool, backend: str, device: torch.device) -> float:
+def first_decode(smoke: bool, backend: str, device: torch.device, window=contextlib.nullcontext) -> float:
     import serve_worker
 
     loop = serve_worker.Loop(serve_worker.build(smoke, device), _compiled(backend), batch=1, cache=160, new=TOKENS)
     prompt = torch.randint(0, loop.model.config.vocab_size, (1, loop.prompt_len), device=device)
     size_worker.sync(device)
     start = time.perf_counter()
-    with torch.no_grad():
+    with window(), torch.no_grad():
         loop.generate(prompt)
-    loop.tokens.cpu()  # the 8th token on the host
+        loop.tokens.cpu()  # the 8th token on the host
     return time.perf_counter() - start
 
 
-def first_steps(smoke: bool, backend: str, device: torch.device) -> float:
+def first_steps(smoke: bool, backend: str, device: torch.device, window=contextlib.nullcontext) -> float:
     import real_sizes
 
     case = real_sizes.build("gpt2_small", device, smoke=smoke)
@@ -69,9 +70,10 @@ def first_steps(smoke: bool, backend: str, device: torch.device) -> float:
     step = size_worker.make_step(case, fn, opt, backend != "inductor", size_worker.Values(), [])
     size_worker.sync(device)
     start = time.perf_counter()
-    for _ in range(STEPS):
-        step()
-    size_worker.sync(device)
+    with window():
+        for _ in range(STEPS):
+            step()
+        size_worker.sync(device)
     return time.perf_counter() - start
 
 
@@ -84,19 +86,46 @@ def one(model: str, backend: str, smoke: bool, profile: str | None) -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     run_it = first_decode if model == "llama_1b" else first_steps
-    if profile:  # the model build too: the window is generate's cumulative time (or step's)
+    if profile:  # the timed window only (not the model's build)
         import cProfile
-        import pstats
 
         profiler = cProfile.Profile()
-        first = profiler.runcall(run_it, smoke, backend, device)
-        with open(profile, "w") as f:
-            pstats.Stats(profiler, stream=f).sort_stats("cumulative").print_stats(60)
+        first = run_it(smoke, backend, device, window=lambda: profiler)
+        write_profile(profiler, profile)
     else:
         first = run_it(smoke, backend, device)
     print(json.dumps({"first_s": round(first, 3), "counters": dict(counters["cgtrees"]),
                       "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       "torch": torch.__version__}), flush=True)
+
+
+# Where a window's time goes, by whose code runs (own time, first match wins).
+AREAS = (("cgtrees", ("/backend/", "/cgtrees/")), ("dynamo", ("torch/_dynamo/",)),
+         ("inductor", ("torch/_inductor/",)), ("fake tensors", ("torch/_subclasses/",)),
+         ("fx, sympy", ("torch/fx/", "sympy/", "torch/utils/_sympy/")),
+         ("transformers", ("transformers/",)), ("triton", ("triton/",)),
+         ("imports", ("<frozen importlib", "builtins.compile", "builtins.exec", "marshal")),
+         ("other torch", ("torch/",)))
+
+
+def areas(stats: dict) -> dict[str, float]:
+    """Own time (s) by area, from ``pstats.Stats(...).stats``."""
+    out: dict[str, float] = {}
+    for (file, _line, name), (_cc, _nc, own, _cum, _callers) in stats.items():
+        where = f"{file}:{name}"
+        area = next((a for a, marks in AREAS if any(m in where for m in marks)), "other")
+        out[area] = out.get(area, 0.0) + own
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def write_profile(profiler, path: str) -> None:
+    import pstats
+
+    with open(path, "w") as f:
+        stats = pstats.Stats(profiler, stream=f)
+        f.write("own time by area (s): " + ", ".join(f"{a} {t:.2f}" for a, t in areas(stats.stats).items()) + "\n\n")
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(30)
 
 
 # --- the call ---------------------------------------------------------------------------------------
