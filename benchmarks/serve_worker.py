@@ -113,7 +113,11 @@ class Loop:
         params = {**inspect.signature(model.forward).parameters, **inspect.signature(model.model.forward).parameters}
         self.kwargs_pos = "cache_position" in inspect.signature(model.model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
-        self.mark = backend in ("reduce-overhead", "cgtrees")
+        # torch documents the mark for CUDA-graph backends; a cgtrees inference loop needs none (a
+        # generation ends when none of its outputs is alive): SERVE_CGTREES_MARK=0 leaves it out, which
+        # saves the first mark's import of Inductor's compile_fx (about 1 s of a warm start)
+        self.mark = backend == "reduce-overhead" or (
+            backend == "cgtrees" and os.environ.get("SERVE_CGTREES_MARK") != "0")
         self.step = self.decode if backend == "eager" else torch.compile(
             self.decode, fullgraph=True, **({"mode": "reduce-overhead"} if backend == "reduce-overhead"
                                             else {"backend": "cgtrees"}))
