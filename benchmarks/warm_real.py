@@ -53,12 +53,31 @@ def first_decode(smoke: bool, backend: str, device: torch.device, window=context
 
     loop = serve_worker.Loop(serve_worker.build(smoke, device), _compiled(backend), batch=1, cache=160, new=TOKENS)
     prompt = torch.randint(0, loop.model.config.vocab_size, (1, loop.prompt_len), device=device)
+    loop.prefill, loop.step = _clocked(loop.prefill, "prefill"), _clocked(loop.step, "steps")
+    mark = torch.compiler.cudagraph_mark_step_begin
+    torch.compiler.cudagraph_mark_step_begin = _clocked(mark, "marks")
     size_worker.sync(device)
     start = time.perf_counter()
-    with window(), torch.no_grad():
-        loop.generate(prompt)
-        loop.tokens.cpu()  # the 8th token on the host
+    try:
+        with window(), torch.no_grad():
+            loop.generate(prompt)
+            loop.tokens.cpu()  # the 8th token on the host
+    finally:
+        torch.compiler.cudagraph_mark_step_begin = mark
     return time.perf_counter() - start
+
+
+HOST: dict[str, list[float]] = {}  # host seconds of each call in the window, by part (not synchronised)
+
+
+def _clocked(fn, part: str):
+    def call(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            HOST.setdefault(part, []).append(round(time.perf_counter() - start, 4))
+    return call
 
 
 def first_steps(smoke: bool, backend: str, device: torch.device, window=contextlib.nullcontext) -> float:
@@ -94,7 +113,7 @@ def one(model: str, backend: str, smoke: bool, profile: str | None) -> None:
         write_profile(profiler, profile)
     else:
         first = run_it(smoke, backend, device)
-    print(json.dumps({"first_s": round(first, 3), "counters": dict(counters["cgtrees"]),
+    print(json.dumps({"first_s": round(first, 3), "host": HOST, "counters": dict(counters["cgtrees"]),
                       "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       "torch": torch.__version__}), flush=True)
 
@@ -183,17 +202,29 @@ def table(rows: list[dict]) -> str:
         for backend, w in warm.items():
             cold = next((r.get("first_s") for r in mine if r["backend"] == backend and r["label"] == "cold"), None)
             ratio = f"{w / best:.2f}x" if w is not None and best else "-"
-            phases = next((r.get("phases", {}) for r in plain if r["backend"] == backend and r["label"] != "cold"), {})
-            lines.append(f"{model:12} {backend:16} {_s(cold):>8} {_s(w):>8} {ratio:>17}  {_shown(phases)}")
+            faster = next((r for r in plain if r["backend"] == backend and r["label"] != "cold"
+                           and r.get("first_s") == w), {})
+            lines.append(f"{model:12} {backend:16} {_s(cold):>8} {_s(w):>8} {ratio:>17}  "
+                         f"{_shown(faster.get('phases', {}))}{_host(faster.get('host'))}")
         for r in (r for r in mine if r not in plain):
             ratio = f"{r['first_s'] / best:.2f}x" if best and "first_s" in r else "-"
             lines.append(f"{model:12} {r['backend']:16} {'':>8} {_s(r.get('first_s')):>8} {ratio:>17}  "
-                         f"{_shown(r.get('phases', {}))}  [{r['label']}]")
+                         f"{_shown(r.get('phases', {}))}{_host(r.get('host'))}  [{r['label']}]")
     return "\n".join(lines)
 
 
 def _shown(phases: dict) -> str:
     return " ".join(f"{k}={v:.2f}" for k, v in phases.items() if isinstance(v, float) and v >= 0.05)
+
+
+def _host(host: dict | None) -> str:
+    """The decode window's host time: prefill, the marks, the first two steps, the rest."""
+    if not host:
+        return ""
+    steps = host.get("steps", [])
+    parts = [f"prefill={sum(host.get('prefill', [])):.2f}", f"marks={sum(host.get('marks', [])):.2f}",
+             *(f"step{i + 1}={t:.2f}" for i, t in enumerate(steps[:2])), f"later steps={sum(steps[2:]):.2f}"]
+    return "  host: " + " ".join(parts)
 
 
 def _slug(setting: str) -> str:

@@ -206,3 +206,12 @@ def test_warm_real_sizes_table_puts_each_warm_start_against_the_best_inductor_wa
     lines = {line.split()[1]: line.split() for line in real.table(rows).splitlines()[1:]}
     assert lines["cgtrees"][2:5] == ["25.00", "2.80", "0.50x"], lines  # the best warm sample, over 5.6
     assert lines["reduce-overhead"][4] == "1.25x" and lines["inductor"][4] == "1.00x", lines
+    # a --warm-env process has its own line, out of the best-warm figures; the decode window's host parts
+    rows += [{"model": "llama_1b", "backend": "cgtrees", "label": "warm-SERVE_CGTREES_MARK_0", "first_s": 1.4,
+              "host": {"prefill": [0.1], "marks": [], "steps": [0.3, 0.1, 0.01, 0.01]}}]
+    rows[2]["host"] = {"prefill": [0.1], "marks": [1.1, 0.0], "steps": [0.4, 0.1, 0.01]}
+    text = real.table(rows)
+    best = next(line for line in text.splitlines() if " cgtrees " in line and "[" not in line)
+    assert "2.80" in best and "marks=1.10 step1=0.40 step2=0.10 later steps=0.01" in best, text
+    extra = next(line for line in text.splitlines() if "[warm-SERVE_CGTREES_MARK_0]" in line)
+    assert "1.40" in extra and "0.25x" in extra and "marks=0.00" in extra, text
