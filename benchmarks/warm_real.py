@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,13 +181,19 @@ def run(model: str, backend: str, label: str, env: dict[str, str], args: argpars
         row["phases"] = phases
     elif phases:
         row["phases"] = {k: phases[k] for k in ("dynamo", "backend") if k in phases}
-    warned = [ln for ln in proc.stderr.splitlines() if "warn" in ln.lower()]
+    warned = warning_lines(proc.stderr)
     row["warning_lines"] = len(warned)
     if warned:
         row["warnings"] = warned[:3]
     if proc.returncode != 0:
         row["stderr_tail"] = proc.stderr[-1500:]
     return row
+
+
+def warning_lines(stderr: str) -> list[str]:
+    """Lines a user reads as warnings: Python's (``...Warning: ...``), torch's logging (``W1128 ...``,
+    ``E1128 ...``) and ours (``cgtrees...: ...``, printed at warning level when logging is not set up)."""
+    return [ln for ln in stderr.splitlines() if "warn" in ln.lower() or re.match(r"[WE]\d{4} |cgtrees[\w .]*: ", ln)]
 
 
 def table(rows: list[dict]) -> str:

@@ -215,3 +215,15 @@ def test_warm_real_sizes_table_puts_each_warm_start_against_the_best_inductor_wa
     assert "2.80" in best and "marks=1.10 step1=0.40 step2=0.10 later steps=0.01" in best, text
     extra = next(line for line in text.splitlines() if "[warm-SERVE_CGTREES_MARK_0]" in line)
     assert "1.40" in extra and "0.25x" in extra and "marks=0.00" in extra, text
+
+
+def test_warm_real_counts_torchs_and_our_warning_lines():
+    """A warning line as a user sees one: Python's, torch's logging (``W1128 ...``, which says no
+    "warn") and ours; the phase shim's line and a JSON line are not."""
+    stderr = ("W1128 21:48:42.290000 708 torch/_dynamo/guards.py:4418] [0/0] ID_MATCH guard on G['all'] is dropped\n"
+              "PHASES {\"dynamo\": 1.0}\n"
+              "/x.py:3: UserWarning: TensorFloat32 tensor cores\n"
+              "cgtrees: CGTREES_PRECOMPILE_CACHE=1: Dynamo drops the guards it cannot save\n"
+              "cgtrees codegen: k: its stored binaries could not be installed\n"
+              "{\"first_s\": 1.0}\n")
+    assert len(bench("warm_real").warning_lines(stderr)) == 4

@@ -497,10 +497,37 @@ def test_precompile_cache_says_once_what_dropped_guards_mean(tmp_path):
     script = tmp_path / "two.py"
     script.write_text("import torch\n"
                       "for k in (2, 3):\n"
-                      "    torch.compile(lambda x: x.sin() * k, backend='cgtrees')(torch.randn(4))\n")
+                      "    f = lambda x: x.sin() * k * len(x.shape) if all(s > 0 for s in x.shape) else x\n"
+                      "    torch.compile(f, backend='cgtrees')(torch.randn(4))\n")  # all, len: dropped guards
     env = {**clean_env(), "CGTREES_PRECOMPILE_CACHE": "1", "CGTREES_CACHE_DIR": str(tmp_path / "cache"),
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("CGTREES_PRECOMPILE_CACHE=1: Dynamo drops the guards it cannot save") == 1, done.stderr
     assert "runs the old graph without an error" in done.stderr
+    assert "is dropped with caching_precompile" not in done.stderr  # torch's line per guard: ours says it once
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_torchs_dropped_guard_lines_show_when_its_guard_log_is_verbose():
+    """The filter hides torch's per-guard warning only: other warnings of that logger pass, and with
+    the logger at debug (``TORCH_LOGS=+dynamo``) the per-guard lines pass too."""
+    import logging
+
+    from cgtrees.precompile.compat import _GUARDS_LOG, _DroppedGuardLines
+
+    logger, keep = logging.getLogger(_GUARDS_LOG), _DroppedGuardLines()
+
+    def record(msg: str, *args: object) -> logging.LogRecord:
+        return logger.makeRecord(_GUARDS_LOG, logging.WARNING, __file__, 1, msg, args, None)
+
+    dropped = record("%s guard on %s is dropped with caching_precompile=True.", "ID_MATCH", "G['f']")
+    level = logger.level
+    try:
+        logger.setLevel(logging.WARNING)
+        assert not keep.filter(dropped)
+        assert keep.filter(record("another guard warning"))
+        logger.setLevel(logging.DEBUG)
+        assert keep.filter(dropped)
+    finally:
+        logger.setLevel(level)

@@ -69,14 +69,15 @@ def use_dynamo_cache() -> None:
     reason = compat.enable_caching_precompile() if wanted else None
     if reason is not None:
         log.warning("cgtrees: precompile_cache has no effect: %s", reason)
-    elif wanted:  # torch names each guard it drops; say once what that means for the program
+    elif wanted:  # torch's line per dropped guard is hidden (compat); say once what dropping means
         from cgtrees.logs import log_once
 
         log_once(log, "precompile_cache:guards",
                  "cgtrees: CGTREES_PRECOMPILE_CACHE=1: Dynamo drops the guards it cannot save (object identity, "
                  "closures, dict versions), so a program that swaps a global function, the function a closure "
                  "holds or a module attribute runs the old graph without an error; unset it for such a program "
-                 "(README: why the precompile cache is not the default)")
+                 "(README: why the precompile cache is not the default; TORCH_LOGS=+dynamo lists each "
+                 "dropped guard)")
 
 
 @contextlib.contextmanager

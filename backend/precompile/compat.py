@@ -107,7 +107,28 @@ def enable_caching_precompile() -> str | None:
         return f"torch {torch.__version__} has no caching precompile"
     torch._dynamo.config.caching_precompile = True
     _mend_dynamo_cache_loading()
+    _quiet_dropped_guard_lines()
     return None
+
+
+_GUARDS_LOG = "torch._dynamo.guards"  # where Dynamo names each guard its caching precompile drops
+
+
+class _DroppedGuardLines(logging.Filter):
+    """Hides torch's warning line per guard that caching precompile drops (115 for a 2-layer Llama's
+    decode step; our one line says what dropping them means), unless that logger shows debug
+    records (``TORCH_LOGS=+dynamo``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING or "is dropped with caching_precompile" not in str(record.msg):
+            return True
+        return logging.getLogger(_GUARDS_LOG).isEnabledFor(logging.DEBUG)
+
+
+def _quiet_dropped_guard_lines() -> None:
+    logger = logging.getLogger(_GUARDS_LOG)
+    if not any(isinstance(f, _DroppedGuardLines) for f in logger.filters):
+        logger.addFilter(_DroppedGuardLines())
 
 
 def _mend_dynamo_cache_loading() -> None:
