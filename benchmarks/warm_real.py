@@ -252,7 +252,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny configs, CPU where there is no GPU")
     p.add_argument("--out-dir", default=".")
     p.add_argument("--cprofile", action="store_true", help="each warm process's first outputs under cProfile: "
-                   "OUT/cprofile-MODEL-BACKEND-LABEL.txt, 60 functions by cumulative time")
+                   "OUT/cprofile-MODEL-BACKEND-LABEL.txt: own time by area, 60 functions by cumulative time, "
+                   "30 by own time (the timed window only)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set in every process (repeatable), e.g. CGTREES_WARM_FIRST_CALLS=0")
     p.add_argument("--warm-env", action="append", default=[], metavar="NAME=VALUE",

@@ -516,7 +516,8 @@ def test_torchs_dropped_guard_lines_show_when_its_guard_log_is_verbose():
 
     from cgtrees.precompile.compat import _GUARDS_LOG, _DroppedGuardLines
 
-    logger, keep = logging.getLogger(_GUARDS_LOG), _DroppedGuardLines()
+    logger = logging.getLogger(_GUARDS_LOG)
+    keep = _DroppedGuardLines(logger)
 
     def record(msg: str, *args: object) -> logging.LogRecord:
         return logger.makeRecord(_GUARDS_LOG, logging.WARNING, __file__, 1, msg, args, None)

@@ -119,16 +119,20 @@ class _DroppedGuardLines(logging.Filter):
     decode step; our one line says what dropping them means), unless that logger shows debug
     records (``TORCH_LOGS=+dynamo``)."""
 
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self.logger = logger
+
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno != logging.WARNING or "is dropped with caching_precompile" not in str(record.msg):
             return True
-        return logging.getLogger(_GUARDS_LOG).isEnabledFor(logging.DEBUG)
+        return self.logger.isEnabledFor(logging.DEBUG)
 
 
 def _quiet_dropped_guard_lines() -> None:
     logger = logging.getLogger(_GUARDS_LOG)
     if not any(isinstance(f, _DroppedGuardLines) for f in logger.filters):
-        logger.addFilter(_DroppedGuardLines())
+        logger.addFilter(_DroppedGuardLines(logger))
 
 
 def _mend_dynamo_cache_loading() -> None:
