@@ -62,7 +62,9 @@ MODELS = {
 SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=256, max_position_embeddings=512)
 PEAK_TBS = {"H100": 3.35, "H200": 4.8}
-BACKENDS = ("eager", "reduce-overhead", "cgtrees")
+# cgtrees-nopdl: cgtrees with its GEMVs launched the plain way (codegen/pdl.py), to measure what the
+# early launch gives in the same call
+BACKENDS = ("eager", "reduce-overhead", "cgtrees", "cgtrees-nopdl")
 
 
 def build(smoke: bool, device: torch.device, seed: int = 0, model: str = "llama_1b") -> torch.nn.Module:
@@ -250,7 +252,12 @@ def measure(spec: dict, phase: Callable[[str], None]) -> dict:
     ref = make(model, "eager", batch, cache, new)
     ref_logits = ref.generate(prompt, keep_logits=True)
     ref_tokens = ref.tokens.clone()
-    runner = ref if spec["backend"] == "eager" else make(model, spec["backend"], batch, cache, new)
+    backend = spec["backend"]
+    if backend == "cgtrees-nopdl":
+        from cgtrees.codegen import pdl
+
+        pdl.ENABLED, backend = False, "cgtrees"
+    runner = ref if backend == "eager" else make(model, backend, batch, cache, new)
     phase("first generation")
     first_s = timed(lambda: runner.generate(prompt), device)
     phase("errors")

@@ -77,6 +77,21 @@ def test_what_does_not_qualify_stays_as_traced():
         _close(module.call(list(args))[0], fn(*args))
 
 
+def test_a_weight_the_graph_writes_does_not_qualify():
+    """Our GEMVs load their weights before waiting for the kernel before them (``codegen/pdl.py``):
+    a weight the graph writes back (AOTAutograd's ``copy_`` into a mutated input) stays with aten."""
+    from cgtrees.codegen.shared_input_gemms import weight
+
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    x.meta["val"], w.meta["val"] = torch.empty(1, 48), torch.empty(40, 48)
+    mm = graph.call_function(aten.mm.default, (x, graph.call_function(aten.t.default, (w,))))
+    assert weight(mm) is w
+    graph.call_function(aten.copy_.default, (w, graph.call_function(aten.mul.Tensor, (w, 2))))
+    assert weight(mm) is None
+
+
 @pytest.mark.parametrize("dtype, rows", [(torch.float32, 1), (torch.float32, 7), (torch.float16, 5),
                                          (torch.bfloat16, 3)])
 @pytest.mark.parametrize("widths", [(37,), (37, 5), (37, 5, 130)])

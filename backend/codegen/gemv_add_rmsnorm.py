@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from cgtrees.codegen import interp
+from cgtrees.codegen import interp, pdl
 
 MAX_WEIGHTS = 3
 MAX_HIDDEN = 8192  # the row is one block of registers
@@ -51,10 +51,11 @@ def launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Te
     ws += [ws[-1]] * (MAX_WEIGHTS - len(ws))
     ys += [ys[-1]] * (MAX_WEIGHTS - len(ys))
     grid = (sum(triton.cdiv(n, block_n) for n in ns),)
-    add = residual is not None
+    add, early = residual is not None, pdl.on(x.device)
     _kernels().add_rmsnorm_gemv_row_kernel[grid](
         x, residual if add else x, norm_weight, *ws, *ys, h if add else ys[0], *ns, eps, K=k, BLOCK_N=block_n,
-        BLOCK_K=triton.next_power_of_2(k), ADD=add, INTERPRET=interp.active(), num_warps=warps)
+        BLOCK_K=triton.next_power_of_2(k), ADD=add, PDL=early, INTERPRET=interp.active(), num_warps=warps,
+        launch_pdl=early)
 
 
 def launch_silu_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -63,10 +64,11 @@ def launch_silu_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     """``h = x + residual`` (where given), ``n = rmsnorm(h) * norm_weight`` and
     ``out = silu(n @ w_gate.t()) * (n @ w_up.t())``: rows as ``launch``'s, the weights [N, K]."""
     k, n = x.numel(), w_gate.shape[0]
-    add = residual is not None
+    add, early = residual is not None, pdl.on(x.device)
     _kernels().add_rmsnorm_gemv_silu_mul_row_kernel[(triton.cdiv(n, block_n),)](
         x, residual if add else x, norm_weight, w_gate, w_up, out, h if add else out, n, eps, K=k, BLOCK_N=block_n,
-        BLOCK_K=triton.next_power_of_2(k), ADD=add, INTERPRET=interp.active(), num_warps=warps)
+        BLOCK_K=triton.next_power_of_2(k), ADD=add, PDL=early, INTERPRET=interp.active(), num_warps=warps,
+        launch_pdl=early)
 
 
 def launch_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

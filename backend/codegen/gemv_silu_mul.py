@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from cgtrees.codegen import interp
+from cgtrees.codegen import interp, pdl
 
 POINTWISE_BLOCK = 1024  # silu_mul_kernel's elements a program
 
@@ -48,8 +48,10 @@ def launch(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, out: torch
     n = w_gate.shape[0]
     grid = (triton.cdiv(n, block_n),)
     if m == 1:
+        early = pdl.on(x.device)
         _kernels().gemv_row_silu_mul_kernel[grid](x, w_gate, w_up, out, n, K=k, BLOCK_N=block_n, BLOCK_K=block_k,
-                                                  INTERPRET=interp.active(), num_warps=warps)
+                                                  PDL=early, INTERPRET=interp.active(), num_warps=warps,
+                                                  launch_pdl=early)
         return
     # float32 through tl.dot would round to tf32; the interpreter computes a bfloat16 tl.dot wrongly
     dot = x.dtype != torch.float32 and not (interp.active() and x.dtype == torch.bfloat16)

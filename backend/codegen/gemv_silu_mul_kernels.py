@@ -7,6 +7,9 @@ epilogue, pointwise code on the float32 sums.
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from cgtrees.codegen.grouped_gemv_kernels import weight_block
 
 
 @triton.jit
@@ -33,21 +36,24 @@ def silu_mul(gate, up, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def gemv_row_silu_mul_kernel(x_ptr, wg_ptr, wu_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+                             BLOCK_K: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
+    if PDL:  # the next GEMV may start now: it waits for this one's writes (codegen/pdl.py)
+        gdc_launch_dependents()
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_n = rn < N
+    wg = weight_block(wg_ptr, rn, in_n, 0, K, BLOCK_K)  # the graph writes no weight
+    wu = weight_block(wu_ptr, rn, in_n, 0, K, BLOCK_K)
+    if PDL:  # x is the previous kernel's: wait for it
+        gdc_wait()
     gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):  # a block of weights ahead
         rk = k0 + tl.arange(0, BLOCK_K)
-        if K % BLOCK_K == 0:  # every block is inside K: a mask of rows only keeps loads wide
-            in_k = tl.arange(0, BLOCK_K) >= 0
-        else:
-            in_k = rk < K
-        mask = in_n[:, None] & in_k[None, :]
-        x = tl.load(x_ptr + rk, mask=in_k, other=0.0).to(tl.float32)[None, :]
-        gate += tl.load(wg_ptr + rn[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32) * x
-        up += tl.load(wu_ptr + rn[:, None] * K + rk[None, :], mask=mask, other=0.0).to(tl.float32) * x
+        x = tl.load(x_ptr + rk, mask=rk < K, other=0.0).to(tl.float32)[None, :]
+        gate += wg.to(tl.float32) * x
+        up += wu.to(tl.float32) * x
+        wg = weight_block(wg_ptr, rn, in_n, k0 + BLOCK_K, K, BLOCK_K)
+        wu = weight_block(wu_ptr, rn, in_n, k0 + BLOCK_K, K, BLOCK_K)
     y = silu_mul(tl.sum(gate, axis=1), tl.sum(up, axis=1), y_ptr.dtype.element_ty, INTERPRET)
     tl.store(y_ptr + rn, y, mask=in_n)
 

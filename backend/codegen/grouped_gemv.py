@@ -22,100 +22,20 @@ Generated modules that call it import this module, which registers the op.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
-import triton.language as tl
 
-from cgtrees.codegen import interp
+from cgtrees.codegen import interp, pdl
 
 MAX_WEIGHTS = 3
 SUM_BLOCK = 1024  # split_sum_kernel's elements a program
 
 
-@functools.cache
-def _kernel():
-    """The kernel, decorated at its first launch: Triton decides interpreted or compiled when a
-    function is decorated, and a CPU process turns its interpreter on after codegen imported this
-    module (``interp.enable``)."""
+def _kernels():
+    """The kernels' module, imported at the first launch (``grouped_gemv_kernels``)."""
+    from cgtrees.codegen import grouped_gemv_kernels
 
-    @triton.jit
-    def grouped_gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, N0, N1, N2,
-                            M: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-        pid = tl.program_id(0)
-        blocks0 = tl.cdiv(N0, BLOCK_N)
-        blocks1 = tl.cdiv(N1, BLOCK_N)
-        w_ptr, y_ptr, n, block = w0_ptr, y0_ptr, N0, pid  # which weight this program's rows are of
-        if pid >= blocks0 + blocks1:
-            w_ptr, y_ptr, n, block = w2_ptr, y2_ptr, N2, pid - blocks0 - blocks1
-        elif pid >= blocks0:
-            w_ptr, y_ptr, n, block = w1_ptr, y1_ptr, N1, pid - blocks0
-        rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.arange(0, BLOCK_M)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < n) & (rk[None, :] < K), other=0.0)
-            x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-            if DOT:
-                acc += tl.dot(x, tl.trans(w))
-            else:
-                acc += tl.sum(x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32), axis=2)
-        tl.store(y_ptr + rm[:, None] * n + rn[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < n))
-
-    return grouped_gemv_kernel
-
-
-@functools.cache
-def _row_kernels():
-    """``gemv_row_kernel`` and ``split_sum_kernel``, decorated at their first launch (as ``_kernel``)."""
-
-    @triton.jit
-    def gemv_row_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, part_ptr, N0, N1, N2,
-                        K: tl.constexpr, K_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr):
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        blocks0 = tl.cdiv(N0, BLOCK_N)
-        blocks1 = tl.cdiv(N1, BLOCK_N)
-        w_ptr, y_ptr, n, block, first = w0_ptr, y0_ptr, N0, pid, 0  # which weight this program's rows are of
-        if pid >= blocks0 + blocks1:
-            w_ptr, y_ptr, n, block, first = w2_ptr, y2_ptr, N2, pid - blocks0 - blocks1, N0 + N1
-        elif pid >= blocks0:
-            w_ptr, y_ptr, n, block, first = w1_ptr, y1_ptr, N1, pid - blocks0, N0
-        rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for step in range(0, K_SPLIT, BLOCK_K):  # this program's slice of K
-            k0 = split * K_SPLIT + step
-            rk = k0 + tl.arange(0, BLOCK_K)
-            if K % BLOCK_K == 0:  # a block is in K or past it: a mask of one value keeps loads wide
-                in_k = (k0 < K) & (tl.arange(0, BLOCK_K) >= 0)
-            else:
-                in_k = rk < K
-            w = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=(rn[:, None] < n) & in_k[None, :], other=0.0)
-            x = tl.load(x_ptr + rk, mask=in_k, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)
-        if SPLIT_K == 1:
-            tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=rn < n)
-        else:  # the workspace holds [SPLIT_K, N0 + N1 + N2] sums: the weights' rows one after another
-            tl.store(part_ptr + split * (N0 + N1 + N2) + first + rn, y, mask=rn < n)
-
-    @triton.jit
-    def split_sum_kernel(part_ptr, y0_ptr, y1_ptr, y2_ptr, N0, N1, N2, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        total = N0 + N1 + N2
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for split in range(SPLIT_K):
-            acc += tl.load(part_ptr + split * total + offs, mask=offs < total, other=0.0)
-        tl.store(y0_ptr + offs, acc.to(y0_ptr.dtype.element_ty), mask=offs < N0)
-        tl.store(y1_ptr + (offs - N0), acc.to(y1_ptr.dtype.element_ty), mask=(offs >= N0) & (offs < N0 + N1))
-        tl.store(y2_ptr + (offs - N0 - N1), acc.to(y2_ptr.dtype.element_ty), mask=(offs >= N0 + N1) & (offs < total))
-
-    return gemv_row_kernel, split_sum_kernel
+    return grouped_gemv_kernels
 
 
 def launch(x: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tensor], block_n: int, block_k: int,
@@ -137,8 +57,8 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], outs: list[torch.Tensor
     # wrongly (numpy has no bfloat16), so it takes the other path there
     dot = x.dtype != torch.float32 and not (interp.active() and x.dtype == torch.bfloat16)
     block_m = max(16, triton.next_power_of_2(m)) if dot else triton.next_power_of_2(m)
-    _kernel()[(blocks,)](x, *ws, *ys, *ns, M=m, K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT=dot,
-                         num_warps=warps)
+    _kernels().grouped_gemv_kernel[(blocks,)](x, *ws, *ys, *ns, M=m, K=k, BLOCK_M=block_m, BLOCK_N=block_n,
+                                              BLOCK_K=block_k, DOT=dot, num_warps=warps)
 
 
 def _launch_row(x: torch.Tensor, ws: list[torch.Tensor], ys: list[torch.Tensor], ns: list[int], blocks: int,
@@ -147,10 +67,11 @@ def _launch_row(x: torch.Tensor, ws: list[torch.Tensor], ys: list[torch.Tensor],
     split_k = max(1, min(split_k, triton.cdiv(k, block_k)))  # no slice without a block of K
     k_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k  # a slice: whole blocks of K
     split_k = triton.cdiv(k, k_split)
-    row, split_sum = _row_kernels()
+    row, split_sum = _kernels().gemv_row_kernel, _kernels().split_sum_kernel
     part = torch.empty((split_k, sum(ns)), dtype=torch.float32, device=x.device) if split_k > 1 else ys[0]
+    early = pdl.on(x.device)
     row[(blocks, split_k)](x, *ws, *ys, part, *ns, K=k, K_SPLIT=k_split, BLOCK_N=block_n, BLOCK_K=block_k,
-                           SPLIT_K=split_k, num_warps=warps)
+                           SPLIT_K=split_k, PDL=early, num_warps=warps, launch_pdl=early)
     if split_k > 1:
         split_sum[(triton.cdiv(sum(ns), SUM_BLOCK),)](part, *ys, *ns, SPLIT_K=split_k, BLOCK=SUM_BLOCK, num_warps=4)
 

@@ -57,7 +57,9 @@ def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan") -> torch.fx.GraphModul
 
 # ------------------------------------------------------------------------------------------ finding
 def weight(mm: torch.fx.Node) -> torch.fx.Node | None:
-    """The graph input w of ``mm(x, w.t())``, where it qualifies, else None."""
+    """The graph input w of ``mm(x, w.t())``, where it qualifies, else None. The graph must not write w
+    (``aten.copy_(w, ...)``): our GEMVs read their weights before waiting for the kernel before them
+    (``codegen/pdl.py``)."""
     t = mm.args[1]
     if not isinstance(t, torch.fx.Node) or not (
             (t.target is aten.permute.default and list(t.args[1]) == [1, 0]) or t.target is aten.t.default):
@@ -65,6 +67,8 @@ def weight(mm: torch.fx.Node) -> torch.fx.Node | None:
     w = t.args[0]
     val = w.meta.get("val") if isinstance(w, torch.fx.Node) else None
     if w.op != "placeholder" or val is None or val.dim() != 2 or val.stride() != (val.shape[1], 1):
+        return None
+    if any(u.target is aten.copy_.default and u.args[0] is w for u in w.users):
         return None
     return w
 
