@@ -1,7 +1,8 @@
 """SDPA over grouped KV heads (``backend/codegen/grouped_attention.py``) on CPU, through Triton's
-interpreter: ``gemm_decisions=rewrite`` takes the form the GPU would time, and the module then
-calls ``enable_gqa`` on the cache as it is, with no copy of K or V; values as eager's. The timing
-itself needs a GPU (``tests/gpu/test_grouped_attention_gpu.py``)."""
+interpreter: ``gemm_decisions=rewrite`` takes a form the GPU would time, and the module then calls
+our ``decode_attention`` (a decode step's few query rows) or ``enable_gqa`` (more rows than it
+takes) on the cache as it is, with no copy of K or V; values as eager's. The timing itself needs a
+GPU (``tests/gpu/test_grouped_attention_gpu.py``)."""
 
 from __future__ import annotations
 
@@ -47,16 +48,32 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=16 * eps, atol=16 * eps * max(want.abs().max().item(), 1.0))
 
 
-def test_rewrite_calls_enable_gqa_on_the_cache_as_it_is():
+def test_rewrite_calls_decode_attention_on_the_cache_as_it_is():
     inputs = _inputs()
     module = compile_fn(decode_attention, *inputs, cfg=config(gemm_decisions="rewrite"))
-    assert "enable_gqa=True" in module.source, module.source
+    assert "torch.ops.cgtrees.decode_attention.default(" in module.source, module.source
     assert "aten.clone" not in module.source and "pw_fused_clone" not in module.source, module.source
     (choice,) = [c for c in module.graph.gemm_choices if "attention" in c]
     assert choice.endswith(f"attention q [{B}, {HEADS}, 1, {DIM}] kv [{B}, {KV_HEADS}, {CACHE}, {DIM}] x3 float32: "
-                           "enable_gqa (gemm_decisions=rewrite)"), choice
+                           "decode_attention 32/4 (gemm_decisions=rewrite)"), choice
     for got, want in zip(module.call(list(inputs)), decode_attention(*inputs)):
         _close(got, want)
+
+
+def test_rewrite_calls_enable_gqa_where_a_program_would_hold_too_many_query_rows():
+    """30 query positions x 3 heads a KV head: 90 rows, more than ``decode_attention`` takes."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, HEADS, 30, DIM, generator=g)
+    k, v = (torch.randn(B, KV_HEADS, CACHE, DIM, generator=g) for _ in range(2))
+
+    def prefill(q, k, v):
+        return F.scaled_dot_product_attention(q, repeat_kv(k, 3), repeat_kv(v, 3))
+
+    module = compile_fn(prefill, q, k, v, cfg=config(gemm_decisions="rewrite"))
+    assert "enable_gqa=True" in module.source and "decode_attention" not in module.source, module.source
+    (choice,) = [c for c in module.graph.gemm_choices if "attention" in c]
+    assert choice.endswith("x3 float32: enable_gqa (gemm_decisions=rewrite)"), choice
+    _close(module.call([q, k, v])[0], prefill(q, k, v))
 
 
 @pytest.mark.parametrize("mode", ["keep", "measure"])
@@ -115,7 +132,8 @@ def test_a_llama_decode_step_with_grouped_heads_generates_eager_tokens(monkeypat
         got = _greedy(model, step, ids, 6)
     assert torch.equal(got, want[:, ids.shape[1]:]), (got, want)
     sources = [p.read_text() for p in tmp_path.glob("*.py")]
-    assert sources and all(s.count("enable_gqa=True") == 2 and "repeat_kv" not in s for s in sources)
+    assert sources and all(s.count("cgtrees.decode_attention.default(") == 2 and "repeat_kv" not in s
+                           for s in sources)
 
 
 def _greedy(model, step, ids, new: int) -> torch.Tensor:
@@ -140,8 +158,8 @@ def test_a_float_mask_made_from_a_boolean_one_is_given_as_the_boolean():
     inputs = _inputs()
     module = compile_fn(decode_attention, *inputs, cfg=config(gemm_decisions="rewrite"))
     call = module.source.split("\ndef call(")[1]
-    (line,) = [x for x in call.splitlines() if "scaled_dot_product_attention.default(" in x]
-    assert "attn_mask=mask_1," in line, line  # the boolean input itself, not a float ``where`` of it
+    (line,) = [x for x in call.splitlines() if "decode_attention.default(" in x]
+    assert ", mask_1," in line, line  # the boolean input itself, not a float ``where`` of it
     assert "-inf" not in module.source, call
     for got, want in zip(module.call(list(inputs)), decode_attention(*inputs)):
         _close(got, want)

@@ -129,8 +129,8 @@ def _check_warm(run: dict, cold: dict, graphs: int) -> None:
 def test_generate_with_compile_config_matches_eager_in_one_graph_and_warm_starts(snapshot, tmp_path, decisions):
     """Path 1: one Dynamo graph, the decode step (generate runs the prefill eagerly), for all 10 tokens.
     ``rewrite`` takes the decode forms a GPU chooses by timing (nothing is timed on a CPU): q, k and v
-    in one ``cgtrees.grouped_mm`` launch, SDPA with ``enable_gqa``; a warm process loads modules that
-    call our op."""
+    in one ``cgtrees.grouped_mm`` launch, attention over the grouped cache by ``cgtrees.decode_attention``;
+    a warm process loads modules that call our ops."""
     from transformers.generation import CompileConfig
 
     if not hasattr(CompileConfig, "_compile_all_devices"):
@@ -143,7 +143,8 @@ def test_generate_with_compile_config_matches_eager_in_one_graph_and_warm_starts
         _check_cold(first, graphs=1)
         _check_warm(second, first, graphs=1)
     modules = [p.read_text() for p in (tmp_path / "modules").glob("*.py")]
-    rewritten = {("torch.ops.cgtrees.grouped_mm.default(" in m, "enable_gqa=True" in m) for m in modules}
+    rewritten = {("torch.ops.cgtrees.grouped_mm.default(" in m, "torch.ops.cgtrees.decode_attention.default(" in m)
+                 for m in modules}
     assert rewritten == {(True, True) if decisions == "rewrite" else (False, False)}, rewritten
 
 

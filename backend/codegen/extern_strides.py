@@ -41,6 +41,7 @@ TRUSTED = frozenset({
     "cgtrees::mm_silu_mul",  # a fresh contiguous product (codegen/gemv_silu_mul.py)
     "cgtrees::add_rmsnorm_grouped_mm",  # fresh contiguous products and row (codegen/gemv_add_rmsnorm.py)
     "cgtrees::add_rmsnorm_mm_silu_mul",  # a fresh contiguous product and row (codegen/gemv_add_rmsnorm.py)
+    "cgtrees::decode_attention",  # a fresh output with the traced call's strides (codegen/decode_attention.py)
     "aten::rand", "aten::randn", "aten::randint", "aten::randperm",  # fresh contiguous factories
 })
 

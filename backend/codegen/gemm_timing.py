@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from cgtrees.capture import recording_lock
+from cgtrees.codegen import pdl
 
 _TARGET_US = 2000.0  # a batch's GPU time: long enough that a replay's launch is noise
 _MAX_REPS = 100
@@ -45,7 +46,7 @@ def time_us(key: str, device: torch.device, build: Callable[[], Callable[[], Non
     with torch.cuda.device(device):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), pdl.timing():
             candidate()  # loads the kernel; cuBLAS may also allocate its workspace here
             reps = _reps(_once_us(candidate))
             graph = torch.cuda.CUDAGraph()

@@ -36,6 +36,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
+from cgtrees.codegen import decode_attention
 from cgtrees.codegen.gemm_choice import MARGIN, random_like, span_bytes
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ _MASK_ARG = {  # the name each op gives its mask, where it takes one
     aten._scaled_dot_product_flash_attention_for_cpu.default: "attn_mask",
 }
 _VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+TRACED, GQA = "as traced", "enable_gqa"
+_DECODE_CONFIGS = ((32, 4), (64, 4), (128, 4))  # decode_attention's (BLOCK_L, warps), timed
 
 
 @dataclass(frozen=True)
@@ -75,18 +78,18 @@ class Grouped:
 
 
 def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan") -> torch.fx.GraphModule:
-    """``gm``, or a copy of it where the grouped form was chosen for some SDPA call."""
+    """``gm``, or a copy of it where a grouped form was chosen for some SDPA call."""
     calls = [n for op in SDPA_OPS for n in gm.graph.find_nodes(op="call_function", target=op)]
     found = [g for g in map(_grouped, calls) if g is not None]
-    taken = [g.node.name for g in found if _choose(g, plan)]
+    taken = [(g.node.name, form) for g in found if (form := _choose(g, plan)) != TRACED]
     if not taken:
         return gm
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
     graph.output(graph.graph_copy(gm.graph, env))
     copied = {new.name: new for new in env.values()}
-    for name in taken:
-        _rewrite(graph, _grouped(copied[name]))
+    for name, form in taken:
+        _rewrite(graph, _grouped(copied[name]), form)
     graph.lint()
     return torch.fx.GraphModule(gm, graph)
 
@@ -156,22 +159,27 @@ def _unexpanded(node: torch.fx.Node) -> tuple[torch.fx.Node | None, int]:
 
 
 # ------------------------------------------------------------------------------------------ choosing
-def _choose(g: Grouped, plan: "GemmPlan") -> bool:
+def _choose(g: Grouped, plan: "GemmPlan") -> str:
+    """The form taken: ``TRACED``, ``GQA`` or a ``decode_attention`` configuration's name."""
+    decode = [_decode_name(c) for c in _DECODE_CONFIGS] if _decode_fits(g) else []
     how, why = plan.other_choice()
     if how != "time":
-        plan.note(g.node.name, g.text(), "enable_gqa" if how == "rewrite" else "as traced", (), why)
-        return how == "rewrite"
+        taken = (decode or [GQA])[0] if how == "rewrite" else TRACED
+        plan.note(g.node.name, g.text(), taken, (), why)
+        return taken
     if not _static(g):
-        plan.note(g.node.name, g.text(), "as traced", (), "symbolic sizes")
-        return False
-    timings = plan.time_forms({"as traced": _form(g, plan.device, grouped=False),
-                               "enable_gqa": _form(g, plan.device, grouped=True)})
+        plan.note(g.node.name, g.text(), TRACED, (), "symbolic sizes")
+        return TRACED
+    forms = {TRACED: _form(g, plan.device, grouped=False), GQA: _form(g, plan.device, grouped=True)}
+    forms.update({name: _decode_form(g, plan.device, c) for name, c in zip(decode, _DECODE_CONFIGS)})
+    timings = plan.time_forms(forms)
     if timings is None:
-        plan.note(g.node.name, g.text(), "as traced", (), "too large to time")
-        return False
-    faster = timings["enable_gqa"] < timings["as traced"] * (1 - MARGIN)
-    plan.note(g.node.name, g.text(), "enable_gqa" if faster else "as traced", tuple(timings.items()))
-    return faster
+        plan.note(g.node.name, g.text(), TRACED, (), "too large to time")
+        return TRACED
+    best = min(timings, key=timings.get)
+    taken = best if timings[best] < timings[TRACED] * (1 - MARGIN) else TRACED
+    plan.note(g.node.name, g.text(), taken, tuple(timings.items()))
+    return taken
 
 
 def _static(g: Grouped) -> bool:
@@ -209,19 +217,61 @@ def _form(g: Grouped, device: torch.device, grouped: bool) -> tuple[str, Callabl
     return key, build, span_bytes(q, k, v, mask) + copies
 
 
+def _decode_fits(g: Grouped) -> bool:
+    """Whether ``decode_attention`` computes this call: no causal flag, static sizes, shapes it takes."""
+    q, k, v = (n.meta["val"] for n in (g.q, g.k, g.v))
+    return not g.is_causal and _static(g) and decode_attention.fits(q, k, v)
+
+
+def _decode_name(config: tuple[int, int]) -> str:
+    return "decode_attention {}/{}".format(*config)
+
+
+def _decode_form(g: Grouped, device: torch.device, config: tuple[int, int]) -> tuple[str, Callable, int]:
+    """Our kernel on the traced layouts, the boolean mask where the float one was made of it."""
+    q, k, v = (n.meta["val"] for n in (g.q, g.k, g.v))
+    mask_node = g.keep if g.keep is not None else g.mask
+    mask = mask_node.meta["val"] if mask_node is not None else None
+    key = (f"decode_attention q {_layout(q)} k {_layout(k)} v {_layout(v)} "
+           f"mask {_layout(mask) if mask is not None else None} {mask.dtype if mask is not None else None} "
+           f"{config} {q.dtype} {device}")
+
+    def build() -> Callable[[], None]:
+        tq, tk, tv = (random_like(x, device) for x in (q, k, v))
+        tmask = random_like(mask, device) if mask is not None else None
+        if tmask is not None and tmask.dtype == torch.bool:
+            tmask.fill_(True)
+        stride = list(_output(g).stride())
+        return lambda: torch.ops.cgtrees.decode_attention(tq, tk, tv, tmask, g.scale, stride, *config)
+
+    return key, build, span_bytes(q, k, v, mask)
+
+
+def _output(g: Grouped) -> torch.Tensor:
+    """The traced attention output's value (the SDPA call's first result)."""
+    return next(u for u in g.node.users if u.args[1] == 0).meta["val"]
+
+
 def _layout(t: torch.Tensor) -> str:
     return f"{list(t.shape)}/{list(t.stride())}"
 
 
 # ------------------------------------------------------------------------------------------ rewriting
-def _rewrite(graph: torch.fx.Graph, g: Grouped) -> None:
-    """Call ``aten.scaled_dot_product_attention(..., enable_gqa=True)`` on the unexpanded K and V in
-    place of ``g.node`` and its output; the expansions go where nothing else reads them."""
+def _rewrite(graph: torch.fx.Graph, g: Grouped, form: str) -> None:
+    """Call ``aten.scaled_dot_product_attention(..., enable_gqa=True)`` (``GQA``) or our
+    ``decode_attention`` on the unexpanded K and V in place of ``g.node`` and its output; the
+    expansions go where nothing else reads them."""
     out = next(u for u in g.node.users if u.args[1] == 0)
     mask = g.keep if g.keep is not None else g.mask
-    kwargs = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": g.is_causal, "scale": g.scale, "enable_gqa": True}
     with graph.inserting_before(g.node):
-        call = graph.call_function(aten.scaled_dot_product_attention.default, (g.q, g.k, g.v), kwargs)
+        if form == GQA:
+            kwargs = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": g.is_causal, "scale": g.scale,
+                      "enable_gqa": True}
+            call = graph.call_function(aten.scaled_dot_product_attention.default, (g.q, g.k, g.v), kwargs)
+        else:
+            config = _DECODE_CONFIGS[[_decode_name(c) for c in _DECODE_CONFIGS].index(form)]
+            call = graph.call_function(torch.ops.cgtrees.decode_attention.default,
+                                       (g.q, g.k, g.v, mask, g.scale, list(out.meta["val"].stride()), *config))
     call.meta.update(out.meta)
     call.meta.setdefault("stack_trace", g.node.meta.get("stack_trace"))
     expansions = [g.node.kwargs.get("key"), g.node.kwargs.get("value"), *g.node.args[1:3]]

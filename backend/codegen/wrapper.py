@@ -26,7 +26,8 @@ from cgtrees.compiled import KernelLaunch
 OUR_OPS = {"torch.ops.cgtrees.grouped_mm": "cgtrees.codegen.grouped_gemv",
            "torch.ops.cgtrees.mm_silu_mul": "cgtrees.codegen.gemv_silu_mul",
            "torch.ops.cgtrees.add_rmsnorm_grouped_mm": "cgtrees.codegen.gemv_add_rmsnorm",
-           "torch.ops.cgtrees.add_rmsnorm_mm_silu_mul": "cgtrees.codegen.gemv_add_rmsnorm"}
+           "torch.ops.cgtrees.add_rmsnorm_mm_silu_mul": "cgtrees.codegen.gemv_add_rmsnorm",
+           "torch.ops.cgtrees.decode_attention": "cgtrees.codegen.decode_attention"}
 
 
 # ------------------------------------------------------------------------------------------ module

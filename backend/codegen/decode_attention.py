@@ -1,0 +1,83 @@
+"""``torch.ops.cgtrees.decode_attention``: attention of a few query positions over grouped K and V
+(``scaled_dot_product_attention(..., enable_gqa=True)``), one Triton launch.
+
+A decode step's attention is small: a 1.1B Llama at batch 1 has one query position, 32 query heads
+over 4 KV heads and a cache of a few hundred positions, 160 KB of K and V a layer. cuDNN's kernel
+for it takes 6.3 us on an H200 (``benchmarks/results/serving/``), most of it its launch and ramp.
+Here one program owns a batch row's KV head and all the query rows that read it (its R query heads
+times the query positions), walks the cache in blocks of ``BLOCK_L`` keys, and keeps an online
+softmax (a running maximum, a running sum, the weighted values rescaled when the maximum grows):
+each key and value is read once for the R heads that share it. ``grouped_attention`` times it
+against SDPA on the device and calls it where it is faster.
+
+The scores and the softmax are float32; the probabilities are rounded to the values' dtype before
+they weight the values (``tl.dot`` on bf16, as flash attention does), the sum stays float32. A
+boolean mask keeps where it is true; a float mask is added to the scores.
+
+Generated modules that call the op import this module, which registers it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from cgtrees.codegen import interp, pdl
+
+MAX_ROWS = 64  # query rows a program: R query heads x the query positions
+
+
+def _kernels():
+    """The kernel's module, imported at the first launch (``decode_attention_kernels``)."""
+    from cgtrees.codegen import decode_attention_kernels
+
+    return decode_attention_kernels
+
+
+def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the op takes these shapes: [B, H, Lq, D] queries over [B, Hkv, L, D] keys with H a
+    multiple of Hkv, at most ``MAX_ROWS`` query rows a KV head, heads of at most 256."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3]:
+        return False
+    heads, kv_heads = q.shape[1], k.shape[1]
+    return kv_heads > 0 and heads % kv_heads == 0 and (heads // kv_heads) * q.shape[2] <= MAX_ROWS and \
+        q.shape[3] == k.shape[3] and q.shape[3] <= 256 and v.shape[3] <= 256
+
+
+def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+           out: torch.Tensor, block_l: int, warps: int) -> None:
+    """``out = softmax(q @ k.T * scale + mask) @ v`` with each KV head shared by H / Hkv query heads."""
+    b, heads, lq, d = q.shape
+    kv_heads, length, dv = k.shape[1], k.shape[2], v.shape[3]
+    groups = heads // kv_heads
+    # float32 through tl.dot would round to tf32; the interpreter computes a bfloat16 tl.dot wrongly
+    dot = q.dtype != torch.float32 and not interp.active()
+    kind = 0 if mask is None else 1 if mask.dtype == torch.bool else 2
+    mask = mask.expand(b, heads, lq, length) if mask is not None else q
+    minimum = 16 if dot else 1
+    early = pdl.on(q.device)
+    _kernels().decode_attention_kernel[(b * kv_heads,)](
+        q, k, v, mask, out, scale, *q.stride(), *k.stride(), *v.stride(), *mask.stride(), *out.stride(),
+        L=length, HKV=kv_heads, R=groups, LQ=lq, D=d, DV=dv, BLOCK_M=max(minimum, triton.next_power_of_2(groups * lq)),
+        BLOCK_L=block_l, BLOCK_D=max(minimum, triton.next_power_of_2(d)),
+        BLOCK_DV=max(minimum, triton.next_power_of_2(dv)), MASK=kind, DOT=dot, PDL=early, num_warps=warps,
+        launch_pdl=early)
+
+
+@torch.library.custom_op("cgtrees::decode_attention", mutates_args=())
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float | None, out_stride: list[int], block_l: int, warps: int) -> torch.Tensor:
+    """``scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)`` of
+    [B, H, Lq, D] queries over [B, Hkv, L, D] keys and values, written with strides ``out_stride``
+    (the traced call's)."""
+    out = torch.empty_strided((*q.shape[:3], v.shape[3]), out_stride, dtype=q.dtype, device=q.device)
+    launch(q, k, v, mask, scale if scale is not None else 1 / math.sqrt(q.shape[3]), out, block_l, warps)
+    return out
+
+
+@decode_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
+      out_stride: list[int], block_l: int, warps: int) -> torch.Tensor:
+    return torch.empty_strided((*q.shape[:3], v.shape[3]), out_stride, dtype=q.dtype, device=q.device)

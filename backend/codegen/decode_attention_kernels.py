@@ -1,0 +1,74 @@
+"""The Triton kernel of ``decode_attention`` (which see), in a module of its own: Triton decides
+interpreted or compiled when a function is decorated, and a CPU process turns its interpreter on
+(``interp.enable``) after codegen imported ``decode_attention``, so this module is imported at the
+first launch. The kernel reads pid -> its query rows -> a walk over the cache (scores, mask, an
+online softmax, the weighted values) -> one store.
+"""
+
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def _product(a, b, DOT: tl.constexpr):
+    """``a @ b`` of [M, K] and [K, N] in float32: ``tl.dot`` where ``DOT``, else summed products."""
+    if DOT:
+        out = tl.dot(a, b)
+    else:
+        out = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+    return out
+
+
+@triton.jit
+def decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, scale,
+                            sq_b, sq_h, sq_l, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d,
+                            sm_b, sm_h, sm_l, sm_k, so_b, so_h, so_l, so_d,
+                            L: tl.constexpr, HKV: tl.constexpr, R: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr,
+                            DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_DV: tl.constexpr, MASK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+    """One program a (batch, KV head): its R query heads x LQ positions are the rows (row = r * LQ + lq),
+    every one of them attends over the same L cached keys and values. ``MASK``: 0 none, 1 a boolean
+    keep-mask, 2 a float mask added to the scores."""
+    if PDL:  # the next kernel may start now; the cache is the previous kernel's: wait for it
+        gdc_launch_dependents()
+        gdc_wait()
+    pid = tl.program_id(0)
+    b = pid // HKV
+    g = pid % HKV
+    rm = tl.arange(0, BLOCK_M)
+    in_m = rm < R * LQ
+    h = g * R + rm // LQ
+    lq = rm % LQ
+    rd = tl.arange(0, BLOCK_D)
+    rdv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + lq[:, None] * sq_l + rd[None, :] * sq_d,
+                mask=in_m[:, None] & (rd[None, :] < D), other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for l0 in range(0, L, BLOCK_L):
+        rl = l0 + tl.arange(0, BLOCK_L)
+        in_l = rl < L
+        kt = tl.load(k_ptr + b * sk_b + g * sk_h + rl[None, :] * sk_l + rd[:, None] * sk_d,
+                     mask=in_l[None, :] & (rd[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_L]: K transposed
+        s = _product(q, kt, DOT) * scale
+        keep = in_m[:, None] & in_l[None, :]
+        m_offs = b * sm_b + h[:, None] * sm_h + lq[:, None] * sm_l + rl[None, :] * sm_k
+        if MASK == 1:
+            keep = keep & (tl.load(mask_ptr + m_offs, mask=keep, other=0) != 0)
+        if MASK == 2:
+            s += tl.load(mask_ptr + m_offs, mask=keep, other=0.0).to(tl.float32)
+        s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key kept yet: nothing to rescale
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + b * sv_b + g * sv_h + rl[:, None] * sv_l + rdv[None, :] * sv_d,
+                    mask=in_l[:, None] & (rdv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + _product(p.to(v.dtype), v, DOT)
+        m_i = m_new
+    out = acc / l_i[:, None]  # a row with no key kept: 0 / 0, as eager's softmax over -inf gives NaN
+    tl.store(o_ptr + b * so_b + h[:, None] * so_h + lq[:, None] * so_l + rdv[None, :] * so_d,
+             out.to(o_ptr.dtype.element_ty), mask=in_m[:, None] & (rdv[None, :] < DV))
