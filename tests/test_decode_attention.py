@@ -3,7 +3,8 @@ launch (``backend/codegen/decode_attention.py``) on CPU, through Triton's interp
 SDPA with ``enable_gqa``: one query position and a few, R query heads a KV head from 1 to 8, head
 sizes that are not powers of two, a cache length that is not a multiple of the block, no mask, a
 boolean keep-mask (the static cache's: positions past the current one dropped) and a float mask,
-queries transposed as a projection's view leaves them, float32 and bfloat16. The GPU times it
+queries transposed as a projection's view leaves them, float32 and bfloat16; the cache whole in a
+program or split into slices (the last one partial, one wholly masked) added up by a second launch. The GPU times it
 against SDPA (``tests/gpu/test_decode_attention_gpu.py``)."""
 
 from __future__ import annotations
@@ -50,16 +51,17 @@ def test_the_op_matches_eager_sdpa(dtype, b, heads, kv_heads, lq, length, d, mas
 
     interp.enable()  # as codegen does before it loads a module that calls the op (on a CPU)
     q, k, v = _inputs(b, heads, kv_heads, lq, length, d, dtype)
-    keep = torch.arange(length) < length - 5  # the cache's last positions are not written yet
+    keep = torch.arange(length) < length - 17  # the cache's last positions are not written yet
     keep = keep.view(1, 1, 1, length).expand(b, 1, lq, length)
     mask = {"none": None, "bool": keep,
             "float": torch.where(keep, 0.0, float("-inf")).to(dtype) + 0.25 * torch.rand(b, 1, lq, length).to(dtype)}
     mask = mask[mask_kind]
     want = _eager(q, k, v, mask, 0.3)
     stride = list(want.transpose(1, 2).contiguous().transpose(1, 2).stride())  # cuDNN's layout: [B, Lq, H, D]
-    got = torch.ops.cgtrees.decode_attention(q, k, v, mask, 0.3, stride, 16, 4)
-    assert got.stride() == tuple(stride)
-    _close(got, want)
+    for split_l in (0, 16, 32):
+        got = torch.ops.cgtrees.decode_attention(q, k, v, mask, 0.3, stride, 16, 4, split_l)
+        assert got.stride() == tuple(stride)
+        _close(got, want)
 
 
 def test_the_default_scale_is_one_over_the_root_of_the_head_size():
@@ -68,4 +70,4 @@ def test_the_default_scale_is_one_over_the_root_of_the_head_size():
     interp.enable()
     q, k, v = _inputs(1, 4, 2, 1, 40, 16, torch.float32)
     want = _eager(q, k, v, None, None)
-    _close(torch.ops.cgtrees.decode_attention(q, k, v, None, None, list(want.stride()), 32, 4), want)
+    _close(torch.ops.cgtrees.decode_attention(q, k, v, None, None, list(want.stride()), 32, 4, 0), want)

@@ -7,8 +7,10 @@ for it takes 6.3 us on an H200 (``benchmarks/results/serving/``), most of it its
 Here one program owns a batch row's KV head and all the query rows that read it (its R query heads
 times the query positions), walks the cache in blocks of ``BLOCK_L`` keys, and keeps an online
 softmax (a running maximum, a running sum, the weighted values rescaled when the maximum grows):
-each key and value is read once for the R heads that share it. ``grouped_attention`` times it
-against SDPA on the device and calls it where it is faster.
+each key and value is read once for the R heads that share it. A long cache leaves too few programs
+to keep the memory busy (4 at batch 1): there the cache is split into slices of ``split_l``
+positions, a program a slice, and a second launch adds the slices' partial softmaxes up (flash
+decoding). ``grouped_attention`` times its forms against SDPA on the device and calls the fastest.
 
 The scores and the softmax are float32; the probabilities are rounded to the values' dtype before
 they weight the values (``tl.dot`` on bf16, as flash attention does), the sum stays float32. A
@@ -47,8 +49,10 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           out: torch.Tensor, block_l: int, warps: int) -> None:
-    """``out = softmax(q @ k.T * scale + mask) @ v`` with each KV head shared by H / Hkv query heads."""
+           out: torch.Tensor, block_l: int, warps: int, split_l: int) -> None:
+    """``out = softmax(q @ k.T * scale + mask) @ v`` with each KV head shared by H / Hkv query heads;
+    ``split_l`` > 0 gives each program that many cached positions (whole blocks of ``block_l``) and
+    adds the slices up in a second launch."""
     b, heads, lq, d = q.shape
     kv_heads, length, dv = k.shape[1], k.shape[2], v.shape[3]
     groups = heads // kv_heads
@@ -57,27 +61,37 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     kind = 0 if mask is None else 1 if mask.dtype == torch.bool else 2
     mask = mask.expand(b, heads, lq, length) if mask is not None else q
     minimum = 16 if dot else 1
+    block_m, block_dv = max(minimum, triton.next_power_of_2(groups * lq)), max(minimum, triton.next_power_of_2(dv))
+    l_split = triton.cdiv(max(split_l, 1), block_l) * block_l if split_l > 0 else triton.cdiv(length, block_l) * block_l
+    splits = triton.cdiv(length, l_split)
+    part = torch.empty((b * kv_heads, splits, block_m, 2 + block_dv), dtype=torch.float32, device=q.device) \
+        if splits > 1 else out
     early = pdl.on(q.device)
-    _kernels().decode_attention_kernel[(b * kv_heads,)](
-        q, k, v, mask, out, scale, *q.stride(), *k.stride(), *v.stride(), *mask.stride(), *out.stride(),
-        L=length, HKV=kv_heads, R=groups, LQ=lq, D=d, DV=dv, BLOCK_M=max(minimum, triton.next_power_of_2(groups * lq)),
-        BLOCK_L=block_l, BLOCK_D=max(minimum, triton.next_power_of_2(d)),
-        BLOCK_DV=max(minimum, triton.next_power_of_2(dv)), MASK=kind, DOT=dot, PDL=early, num_warps=warps,
-        launch_pdl=early)
+    kernels = _kernels()
+    kernels.decode_attention_kernel[(b * kv_heads, splits)](
+        q, k, v, mask, out, part, scale, *q.stride(), *k.stride(), *v.stride(), *mask.stride(), *out.stride(),
+        L=length, L_SPLIT=l_split, SPLITS=splits, HKV=kv_heads, R=groups, LQ=lq, D=d, DV=dv, BLOCK_M=block_m,
+        BLOCK_L=block_l, BLOCK_D=max(minimum, triton.next_power_of_2(d)), BLOCK_DV=block_dv, MASK=kind, DOT=dot,
+        PDL=early, num_warps=warps, launch_pdl=early)
+    if splits > 1:
+        kernels.combine_kernel[(b * kv_heads,)](part, out, *out.stride(), HKV=kv_heads, R=groups, LQ=lq, DV=dv,
+                                                SPLITS=splits, BLOCK_M=block_m, BLOCK_DV=block_dv, PDL=early,
+                                                num_warps=4, launch_pdl=early)
 
 
 @torch.library.custom_op("cgtrees::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float | None, out_stride: list[int], block_l: int, warps: int) -> torch.Tensor:
+                     scale: float | None, out_stride: list[int], block_l: int, warps: int,
+                     split_l: int) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)`` of
     [B, H, Lq, D] queries over [B, Hkv, L, D] keys and values, written with strides ``out_stride``
-    (the traced call's)."""
+    (the traced call's); ``split_l`` > 0 splits the cache into slices of that many positions."""
     out = torch.empty_strided((*q.shape[:3], v.shape[3]), out_stride, dtype=q.dtype, device=q.device)
-    launch(q, k, v, mask, scale if scale is not None else 1 / math.sqrt(q.shape[3]), out, block_l, warps)
+    launch(q, k, v, mask, scale if scale is not None else 1 / math.sqrt(q.shape[3]), out, block_l, warps, split_l)
     return out
 
 
 @decode_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
-      out_stride: list[int], block_l: int, warps: int) -> torch.Tensor:
+      out_stride: list[int], block_l: int, warps: int, split_l: int) -> torch.Tensor:
     return torch.empty_strided((*q.shape[:3], v.shape[3]), out_stride, dtype=q.dtype, device=q.device)

@@ -1,8 +1,9 @@
 """The Triton kernel of ``decode_attention`` (which see), in a module of its own: Triton decides
 interpreted or compiled when a function is decorated, and a CPU process turns its interpreter on
 (``interp.enable``) after codegen imported ``decode_attention``, so this module is imported at the
-first launch. The kernel reads pid -> its query rows -> a walk over the cache (scores, mask, an
-online softmax, the weighted values) -> one store.
+first launch. ``decode_attention_kernel`` reads pid -> its query rows -> a walk over its slice of the
+cache (scores, mask, an online softmax, the weighted values) -> one store; ``combine_kernel`` adds the
+slices up where the cache is split.
 """
 
 import triton
@@ -21,19 +22,24 @@ def _product(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, scale,
+def decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, part_ptr, scale,
                             sq_b, sq_h, sq_l, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d,
                             sm_b, sm_h, sm_l, sm_k, so_b, so_h, so_l, so_d,
-                            L: tl.constexpr, HKV: tl.constexpr, R: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr,
-                            DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+                            L: tl.constexpr, L_SPLIT: tl.constexpr, SPLITS: tl.constexpr, HKV: tl.constexpr,
+                            R: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
                             BLOCK_DV: tl.constexpr, MASK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
-    """One program a (batch, KV head): its R query heads x LQ positions are the rows (row = r * LQ + lq),
-    every one of them attends over the same L cached keys and values. ``MASK``: 0 none, 1 a boolean
-    keep-mask, 2 a float mask added to the scores."""
+    """One program a (batch, KV head) and slice of ``L_SPLIT`` cached positions: its R query heads x
+    LQ positions are the rows (row = r * LQ + lq), every one of them attends over the same keys and
+    values. ``MASK``: 0 none, 1 a boolean keep-mask, 2 a float mask added to the scores. With one
+    slice the program writes the output; with more, its running maximum, sum and weighted values go
+    to the workspace (``part_ptr``: [programs, SPLITS, BLOCK_M, 2 + BLOCK_DV] float32) for
+    ``combine_kernel``."""
     if PDL:  # the next kernel may start now; the cache is the previous kernel's: wait for it
         gdc_launch_dependents()
         gdc_wait()
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     b = pid // HKV
     g = pid % HKV
     rm = tl.arange(0, BLOCK_M)
@@ -47,8 +53,8 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, scale,
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for l0 in range(0, L, BLOCK_L):
-        rl = l0 + tl.arange(0, BLOCK_L)
+    for step in range(0, L_SPLIT, BLOCK_L):
+        rl = split * L_SPLIT + step + tl.arange(0, BLOCK_L)
         in_l = rl < L
         kt = tl.load(k_ptr + b * sk_b + g * sk_h + rl[None, :] * sk_l + rd[:, None] * sk_d,
                      mask=in_l[None, :] & (rd[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_L]: K transposed
@@ -69,6 +75,45 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, scale,
                     mask=in_l[:, None] & (rdv[None, :] < DV), other=0.0)
         acc = acc * alpha[:, None] + _product(p.to(v.dtype), v, DOT)
         m_i = m_new
-    out = acc / l_i[:, None]  # a row with no key kept: 0 / 0, as eager's softmax over -inf gives NaN
+    if SPLITS == 1:
+        out = acc / l_i[:, None]  # a row with no key kept: 0 / 0, as eager's softmax over -inf gives NaN
+        tl.store(o_ptr + b * so_b + h[:, None] * so_h + lq[:, None] * so_l + rdv[None, :] * so_d,
+                 out.to(o_ptr.dtype.element_ty), mask=in_m[:, None] & (rdv[None, :] < DV))
+    else:
+        part = part_ptr + ((pid * SPLITS + split) * BLOCK_M + rm) * (2 + BLOCK_DV)
+        tl.store(part, m_i)
+        tl.store(part + 1, l_i)
+        tl.store(part[:, None] + 2 + rdv[None, :], acc)
+
+
+@triton.jit
+def combine_kernel(part_ptr, o_ptr, so_b, so_h, so_l, so_d, HKV: tl.constexpr, R: tl.constexpr,
+                   LQ: tl.constexpr, DV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, PDL: tl.constexpr):
+    """The slices' partial softmaxes of one (batch, KV head) as one: each rescaled to the largest
+    running maximum, their weighted values and sums added, the one divided by the other."""
+    if PDL:  # the slices are the previous kernel's: wait for them
+        gdc_launch_dependents()
+        gdc_wait()
+    pid = tl.program_id(0)
+    b = pid // HKV
+    rm = tl.arange(0, BLOCK_M)
+    in_m = rm < R * LQ
+    h = (pid % HKV) * R + rm // LQ
+    lq = rm % LQ
+    rdv = tl.arange(0, BLOCK_DV)
+    first = part_ptr + pid * SPLITS * BLOCK_M * (2 + BLOCK_DV) + rm * (2 + BLOCK_DV)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for split in range(SPLITS):
+        m = tl.maximum(m, tl.load(first + split * BLOCK_M * (2 + BLOCK_DV)))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for split in range(SPLITS):
+        part = first + split * BLOCK_M * (2 + BLOCK_DV)
+        weight = tl.exp(tl.load(part) - m_safe)
+        total += tl.load(part + 1) * weight
+        acc += tl.load(part[:, None] + 2 + rdv[None, :]) * weight[:, None]
+    out = acc / total[:, None]
     tl.store(o_ptr + b * so_b + h[:, None] * so_h + lq[:, None] * so_l + rdv[None, :] * so_d,
              out.to(o_ptr.dtype.element_ty), mask=in_m[:, None] & (rdv[None, :] < DV))

@@ -55,7 +55,9 @@ _MASK_ARG = {  # the name each op gives its mask, where it takes one
 }
 _VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
 TRACED, GQA = "as traced", "enable_gqa"
-_DECODE_CONFIGS = ((32, 4), (64, 4), (128, 4))  # decode_attention's (BLOCK_L, warps), timed
+# decode_attention's (BLOCK_L, warps, positions a program or 0: the whole cache), timed; a split
+# only where the cache is longer than its slice
+_DECODE_CONFIGS = ((32, 4, 0), (64, 4, 0), (128, 4, 0), (64, 4, 256), (64, 4, 512), (128, 8, 1024))
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,8 @@ def _unexpanded(node: torch.fx.Node) -> tuple[torch.fx.Node | None, int]:
 # ------------------------------------------------------------------------------------------ choosing
 def _choose(g: Grouped, plan: "GemmPlan") -> str:
     """The form taken: ``TRACED``, ``GQA`` or a ``decode_attention`` configuration's name."""
-    decode = [_decode_name(c) for c in _DECODE_CONFIGS] if _decode_fits(g) else []
+    configs = _decode_configs(g)
+    decode = [_decode_name(c) for c in configs]
     how, why = plan.other_choice()
     if how != "time":
         taken = (decode or [GQA])[0] if how == "rewrite" else TRACED
@@ -171,7 +174,7 @@ def _choose(g: Grouped, plan: "GemmPlan") -> str:
         plan.note(g.node.name, g.text(), TRACED, (), "symbolic sizes")
         return TRACED
     forms = {TRACED: _form(g, plan.device, grouped=False), GQA: _form(g, plan.device, grouped=True)}
-    forms.update({name: _decode_form(g, plan.device, c) for name, c in zip(decode, _DECODE_CONFIGS)})
+    forms.update({name: _decode_form(g, plan.device, c) for name, c in zip(decode, configs)})
     timings = plan.time_forms(forms)
     if timings is None:
         plan.note(g.node.name, g.text(), TRACED, (), "too large to time")
@@ -217,17 +220,21 @@ def _form(g: Grouped, device: torch.device, grouped: bool) -> tuple[str, Callabl
     return key, build, span_bytes(q, k, v, mask) + copies
 
 
-def _decode_fits(g: Grouped) -> bool:
-    """Whether ``decode_attention`` computes this call: no causal flag, static sizes, shapes it takes."""
+def _decode_configs(g: Grouped) -> list[tuple[int, int, int]]:
+    """``decode_attention``'s configurations for this call: none where it does not compute it (a causal
+    flag, symbolic sizes, shapes it does not take), a split only where the cache is longer than a slice."""
     q, k, v = (n.meta["val"] for n in (g.q, g.k, g.v))
-    return not g.is_causal and _static(g) and decode_attention.fits(q, k, v)
+    if g.is_causal or not _static(g) or not decode_attention.fits(q, k, v):
+        return []
+    return [c for c in _DECODE_CONFIGS if c[2] < k.shape[2]]
 
 
-def _decode_name(config: tuple[int, int]) -> str:
-    return "decode_attention {}/{}".format(*config)
+def _decode_name(config: tuple[int, int, int]) -> str:
+    block_l, warps, split_l = config
+    return f"decode_attention {block_l}/{warps}" + (f" split {split_l}" if split_l else "")
 
 
-def _decode_form(g: Grouped, device: torch.device, config: tuple[int, int]) -> tuple[str, Callable, int]:
+def _decode_form(g: Grouped, device: torch.device, config: tuple[int, int, int]) -> tuple[str, Callable, int]:
     """Our kernel on the traced layouts, the boolean mask where the float one was made of it."""
     q, k, v = (n.meta["val"] for n in (g.q, g.k, g.v))
     mask_node = g.keep if g.keep is not None else g.mask
@@ -269,7 +276,7 @@ def _rewrite(graph: torch.fx.Graph, g: Grouped, form: str) -> None:
                       "enable_gqa": True}
             call = graph.call_function(aten.scaled_dot_product_attention.default, (g.q, g.k, g.v), kwargs)
         else:
-            config = _DECODE_CONFIGS[[_decode_name(c) for c in _DECODE_CONFIGS].index(form)]
+            config = next(c for c in _DECODE_CONFIGS if _decode_name(c) == form)
             call = graph.call_function(torch.ops.cgtrees.decode_attention.default,
                                        (g.q, g.k, g.v, mask, g.scale, list(out.meta["val"].stride()), *config))
     call.meta.update(out.meta)

@@ -1,7 +1,8 @@
 """``cgtrees.decode_attention`` compiled on the GPU (``backend/codegen/decode_attention.py``) at a
 1.1B Llama's decode shapes (bf16, 32 query heads on 4 KV heads of 64, one query position, a static
-cache of 160 and 4096 positions with its boolean mask, batch 1 and 8), eagerly and captured in a CUDA
-graph (launched early there, ``codegen/pdl.py``), against SDPA with ``enable_gqa``."""
+cache of 160 and 4096 positions with its boolean mask, batch 1 and 8; whole or split over the
+cache), eagerly and captured in a CUDA graph (launched early there, ``codegen/pdl.py``), against
+SDPA with ``enable_gqa``."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("batch, cache", [(1, 160), (8, 160), (1, 4096)])
-@pytest.mark.parametrize("block_l", [32, 128])
-def test_matches_sdpa_eagerly_and_captured(batch, cache, block_l):
+@pytest.mark.parametrize("block_l, split_l", [(32, 0), (128, 0), (64, 256), (128, 1024)])
+def test_matches_sdpa_eagerly_and_captured(batch, cache, block_l, split_l):
     from cgtrees.codegen import decode_attention  # noqa: F401 (registers the op)
 
     g = torch.Generator("cuda").manual_seed(0)
@@ -35,15 +36,15 @@ def test_matches_sdpa_eagerly_and_captured(batch, cache, block_l):
     keep = (torch.arange(cache, device="cuda") <= cache - 9)[None, None, None, :].expand(batch, 1, 1, cache)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
     stride = [32 * 64, 64, 32 * 64, 1]  # [B, Lq, H, D] laid out, as cuDNN returns it
-    _close(torch.ops.cgtrees.decode_attention(q, k, v, keep, None, stride, block_l, 4), want)
+    _close(torch.ops.cgtrees.decode_attention(q, k, v, keep, None, stride, block_l, 4, split_l), want)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        torch.ops.cgtrees.decode_attention(q, k, v, keep, None, stride, block_l, 4)
+        torch.ops.cgtrees.decode_attention(q, k, v, keep, None, stride, block_l, 4, split_l)
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
-        out = torch.ops.cgtrees.decode_attention(q, k, v, keep, None, stride, block_l, 4)
+        out = torch.ops.cgtrees.decode_attention(q, k, v, keep, None, stride, block_l, 4, split_l)
     k.copy_(torch.randn(k.shape, **kw))
     graph.replay()
     _close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True))
