@@ -57,7 +57,8 @@ _VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.d
 TRACED, GQA = "as traced", "enable_gqa"
 # decode_attention's (BLOCK_L, warps, positions a program or 0: the whole cache), timed; a split
 # only where the cache is longer than its slice
-_DECODE_CONFIGS = ((32, 4, 0), (64, 4, 0), (128, 4, 0), (64, 4, 256), (64, 4, 512), (128, 8, 1024))
+_DECODE_CONFIGS = ((32, 4, 0), (64, 4, 0), (128, 4, 0), (32, 4, 64), (64, 4, 128), (64, 4, 256), (64, 4, 512),
+                   (128, 8, 1024))
 
 
 @dataclass(frozen=True)
