@@ -1,5 +1,5 @@
 """``torch.ops.cgtrees.decode_attention``: attention of a few query positions over grouped K and V
-(``scaled_dot_product_attention(..., enable_gqa=True)``), one Triton launch.
+(``scaled_dot_product_attention(..., enable_gqa=True)``), one Triton launch (two over a split cache).
 
 A decode step's attention is small: a 1.1B Llama at batch 1 has one query position, 32 query heads
 over 4 KV heads and a cache of a few hundred positions, 160 KB of K and V a layer. cuDNN's kernel
@@ -9,8 +9,9 @@ times the query positions), walks the cache in blocks of ``BLOCK_L`` keys, and k
 softmax (a running maximum, a running sum, the weighted values rescaled when the maximum grows):
 each key and value is read once for the R heads that share it. A long cache leaves too few programs
 to keep the memory busy (4 at batch 1): there the cache is split into slices of ``split_l``
-positions, a program a slice, and a second launch adds the slices' partial softmaxes up (flash
-decoding). ``grouped_attention`` times its forms against SDPA on the device and calls the fastest.
+positions, a program a slice, and a second launch adds the slices' partial softmaxes up, a program
+a query row (flash decoding). ``grouped_attention`` times its forms against SDPA on the device and
+calls the fastest.
 
 The scores and the softmax are float32; the probabilities are rounded to the values' dtype before
 they weight the values (``tl.dot`` on bf16, as flash attention does), the sum stays float32. A
@@ -74,9 +75,10 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         BLOCK_L=block_l, BLOCK_D=max(minimum, triton.next_power_of_2(d)), BLOCK_DV=block_dv, MASK=kind, DOT=dot,
         PDL=early, num_warps=warps, launch_pdl=early)
     if splits > 1:
-        kernels.combine_kernel[(b * kv_heads,)](part, out, *out.stride(), HKV=kv_heads, R=groups, LQ=lq, DV=dv,
-                                                SPLITS=splits, BLOCK_M=block_m, BLOCK_DV=block_dv, PDL=early,
-                                                num_warps=4, launch_pdl=early)
+        kernels.combine_kernel[(b * kv_heads, groups * lq)](
+            part, out, *out.stride(), HKV=kv_heads, R=groups, LQ=lq, DV=dv, SPLITS=splits,
+            BLOCK_S=triton.next_power_of_2(splits), BLOCK_M=block_m, BLOCK_DV=block_dv, PDL=early, num_warps=4,
+            launch_pdl=early)
 
 
 @torch.library.custom_op("cgtrees::decode_attention", mutates_args=())

@@ -58,6 +58,8 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, part_ptr, scal
         in_l = rl < L
         kt = tl.load(k_ptr + b * sk_b + g * sk_h + rl[None, :] * sk_l + rd[:, None] * sk_d,
                      mask=in_l[None, :] & (rd[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_L]: K transposed
+        v = tl.load(v_ptr + b * sv_b + g * sv_h + rl[:, None] * sv_l + rdv[None, :] * sv_d,
+                    mask=in_l[:, None] & (rdv[None, :] < DV), other=0.0)  # with K: both reads in flight
         s = _product(q, kt, DOT) * scale
         keep = in_m[:, None] & in_l[None, :]
         m_offs = b * sm_b + h[:, None] * sm_h + lq[:, None] * sm_l + rl[None, :] * sm_k
@@ -71,8 +73,6 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, part_ptr, scal
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + b * sv_b + g * sv_h + rl[:, None] * sv_l + rdv[None, :] * sv_d,
-                    mask=in_l[:, None] & (rdv[None, :] < DV), other=0.0)
         acc = acc * alpha[:, None] + _product(p.to(v.dtype), v, DOT)
         m_i = m_new
     if SPLITS == 1:
@@ -88,32 +88,27 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, part_ptr, scal
 
 @triton.jit
 def combine_kernel(part_ptr, o_ptr, so_b, so_h, so_l, so_d, HKV: tl.constexpr, R: tl.constexpr,
-                   LQ: tl.constexpr, DV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_DV: tl.constexpr, PDL: tl.constexpr):
-    """The slices' partial softmaxes of one (batch, KV head) as one: each rescaled to the largest
-    running maximum, their weighted values and sums added, the one divided by the other."""
+                   LQ: tl.constexpr, DV: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr):
+    """One query row's partial softmaxes, every slice's at once: each rescaled to the largest running
+    maximum, their weighted values and sums added, the one divided by the other."""
     if PDL:  # the slices are the previous kernel's: wait for them
         gdc_launch_dependents()
         gdc_wait()
     pid = tl.program_id(0)
-    b = pid // HKV
-    rm = tl.arange(0, BLOCK_M)
-    in_m = rm < R * LQ
-    h = (pid % HKV) * R + rm // LQ
-    lq = rm % LQ
-    rdv = tl.arange(0, BLOCK_DV)
-    first = part_ptr + pid * SPLITS * BLOCK_M * (2 + BLOCK_DV) + rm * (2 + BLOCK_DV)
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for split in range(SPLITS):
-        m = tl.maximum(m, tl.load(first + split * BLOCK_M * (2 + BLOCK_DV)))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for split in range(SPLITS):
-        part = first + split * BLOCK_M * (2 + BLOCK_DV)
-        weight = tl.exp(tl.load(part) - m_safe)
-        total += tl.load(part + 1) * weight
-        acc += tl.load(part[:, None] + 2 + rdv[None, :]) * weight[:, None]
-    out = acc / total[:, None]
-    tl.store(o_ptr + b * so_b + h[:, None] * so_h + lq[:, None] * so_l + rdv[None, :] * so_d,
-             out.to(o_ptr.dtype.element_ty), mask=in_m[:, None] & (rdv[None, :] < DV))
+    row = tl.program_id(1)
+    if row < R * LQ:
+        b = pid // HKV
+        h = (pid % HKV) * R + row // LQ
+        lq = row % LQ
+        rs = tl.arange(0, BLOCK_S)
+        in_s = rs < SPLITS
+        rdv = tl.arange(0, BLOCK_DV)
+        part = part_ptr + ((pid * SPLITS + rs) * BLOCK_M + row) * (2 + BLOCK_DV)  # [BLOCK_S] slices
+        m = tl.load(part, mask=in_s, other=float("-inf"))
+        top = tl.max(m, axis=0)
+        weight = tl.exp(m - tl.where(top == float("-inf"), 0.0, top))
+        total = tl.sum(tl.load(part + 1, mask=in_s, other=0.0) * weight, axis=0)
+        acc = tl.load(part[:, None] + 2 + rdv[None, :], mask=in_s[:, None], other=0.0)
+        out = tl.sum(acc * weight[:, None], axis=0) / total
+        tl.store(o_ptr + b * so_b + h * so_h + lq * so_l + rdv * so_d, out.to(o_ptr.dtype.element_ty), mask=rdv < DV)
