@@ -111,8 +111,9 @@ def load(folder: Path) -> list[dict]:
     """Every row of the folder's files, the newest file winning per (model, path, backend, batch, cache);
     rows from before ``--models`` existed are the 1.1B model's."""
     rows: dict[tuple, dict] = {}
-    for path in sorted(folder.glob("serve-*.json"), key=lambda p: p.stat().st_mtime):
-        data = json.loads(path.read_text())
+    files = [(json.loads(path.read_text()), path.name) for path in folder.glob("serve-*.json")]
+    # newest last by the date each file records (a fresh clone gives every file the same mtime)
+    for data, _ in sorted(files, key=lambda f: (f[0]["meta"].get("date", ""), f[1])):
         for row in data["rows"]:
             row = {"model": "llama_1b", **row, "commit": data["meta"]["commit"]}
             rows[(row["model"], row["path"], row["batch"], row["cache"], row["backend"])] = row
