@@ -194,17 +194,12 @@ def _static(g: Grouped) -> bool:
 def _form(g: Grouped, device: torch.device, grouped: bool) -> tuple[str, Callable[[], Callable[[], None]], int]:
     """The traced form (K and V expanded into copies, then SDPA) or the grouped one, on the traced
     layouts; SDPA picks its backend at run time the way the traced call's backend was picked."""
-    q, k, v = (n.meta["val"] for n in (g.q, g.k, g.v))
-    mask_node = g.keep if grouped and g.keep is not None else g.mask
-    mask = mask_node.meta["val"] if mask_node is not None else None
+    q, k, v, mask = _operands(g, boolean=grouped)
     key = (f"sdpa {'gqa' if grouped else 'expanded'} q {_layout(q)} k {_layout(k)} v {_layout(v)} "
            f"mask {_layout(mask) if mask is not None else None} x{g.groups} causal {g.is_causal} {q.dtype} {device}")
 
     def build() -> Callable[[], None]:
-        tq, tk, tv = (random_like(x, device) for x in (q, k, v))
-        tmask = random_like(mask, device) if mask is not None else None
-        if tmask is not None and tmask.dtype == torch.bool:
-            tmask.fill_(True)
+        tq, tk, tv, tmask = _random(device, q, k, v, mask)
         if grouped:
             return lambda: F.scaled_dot_product_attention(tq, tk, tv, attn_mask=tmask, is_causal=g.is_causal,
                                                           scale=g.scale, enable_gqa=True)
@@ -237,18 +232,13 @@ def _decode_name(config: tuple[int, int, int]) -> str:
 
 def _decode_form(g: Grouped, device: torch.device, config: tuple[int, int, int]) -> tuple[str, Callable, int]:
     """Our kernel on the traced layouts, the boolean mask where the float one was made of it."""
-    q, k, v = (n.meta["val"] for n in (g.q, g.k, g.v))
-    mask_node = g.keep if g.keep is not None else g.mask
-    mask = mask_node.meta["val"] if mask_node is not None else None
+    q, k, v, mask = _operands(g, boolean=True)
     key = (f"decode_attention q {_layout(q)} k {_layout(k)} v {_layout(v)} "
            f"mask {_layout(mask) if mask is not None else None} {mask.dtype if mask is not None else None} "
            f"{config} {q.dtype} {device}")
 
     def build() -> Callable[[], None]:
-        tq, tk, tv = (random_like(x, device) for x in (q, k, v))
-        tmask = random_like(mask, device) if mask is not None else None
-        if tmask is not None and tmask.dtype == torch.bool:
-            tmask.fill_(True)
+        tq, tk, tv, tmask = _random(device, q, k, v, mask)
         stride = list(_output(g).stride())
         return lambda: torch.ops.cgtrees.decode_attention(tq, tk, tv, tmask, g.scale, stride, *config)
 
@@ -258,6 +248,21 @@ def _decode_form(g: Grouped, device: torch.device, config: tuple[int, int, int])
 def _output(g: Grouped) -> torch.Tensor:
     """The traced attention output's value (the SDPA call's first result)."""
     return next(u for u in g.node.users if u.args[1] == 0).meta["val"]
+
+
+def _operands(g: Grouped, boolean: bool) -> tuple[torch.Tensor, ...]:
+    """The traced q, k, v and mask values (the boolean mask a float one was made of, where ``boolean``)."""
+    mask_node = g.keep if boolean and g.keep is not None else g.mask
+    return (*(n.meta["val"] for n in (g.q, g.k, g.v)), mask_node.meta["val"] if mask_node is not None else None)
+
+
+def _random(device: torch.device, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            mask: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Tensors laid out as the traced ones, random; a boolean mask keeps everything."""
+    tmask = random_like(mask, device) if mask is not None else None
+    if tmask is not None and tmask.dtype == torch.bool:
+        tmask.fill_(True)
+    return (*(random_like(x, device) for x in (q, k, v)), tmask)
 
 
 def _layout(t: torch.Tensor) -> str:
