@@ -17,12 +17,14 @@ log-sum-exp stays as traced), and without dropout. A float mask that is SDPA's o
 boolean one (``where(keep, 0, -inf)``, traced into the graph) is given as ``keep``: the same
 attention, and ``enable_gqa`` with a float mask may fall back to the math kernel (transformers says
 so; an H200 probe with a boolean mask ran 9.7 us where the expanded form took 14.9: not yet timed
-with a float one). Whether to call ``enable_gqa`` instead is a
-timed choice, as a GEMM's form is (``gemm_choice``): both forms run on the device at compile time,
-the traced one with its copies, and the grouped one is taken only where it is faster by more than
-``gemm_choice.MARGIN``; ``gemm_decisions=rewrite`` always takes it (tests), ``keep`` never. Each
-choice is a line of the module's header. The caller's graph is left as it is (the cache records
-it): a rewrite works on a copy.
+with a float one). Two grouped forms can replace the call: ``enable_gqa``, and our
+``decode_attention`` (``codegen/decode_attention.py``: a few query rows a KV head, the cache whole or
+split into slices) in each configuration of ``_DECODE_CONFIGS``. Which is a timed choice, as a GEMM's
+form is (``gemm_choice``): every form runs on the device at compile time, the traced one with its
+copies, and the fastest grouped one is taken where it beats the traced one by more than
+``gemm_choice.MARGIN``; ``gemm_decisions=rewrite`` always takes a grouped one (``decode_attention``
+where it takes the shapes: tests), ``keep`` never. Each choice is a line of the module's header.
+The caller's graph is left as it is (the cache records it): a rewrite works on a copy.
 """
 
 from __future__ import annotations
