@@ -13,8 +13,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 @triton.jit
 def _product(a, b, DOT: tl.constexpr):
-    """``a @ b`` of [M, K] and [K, N] in float32: ``tl.dot`` where ``DOT``, else summed products."""
-    if DOT:
+    """``a @ b`` of [M, K] and [K, N] in float32: ``tl.dot`` where ``DOT`` (float32 operands in full
+    precision, not rounded to tf32), else summed products (the interpreter's form)."""
+    if DOT and a.dtype == tl.float32:
+        out = tl.dot(a, b, input_precision="ieee")
+    elif DOT:
         out = tl.dot(a, b)
     else:
         out = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
