@@ -71,3 +71,22 @@ def test_the_default_scale_is_one_over_the_root_of_the_head_size():
     q, k, v = _inputs(1, 4, 2, 1, 40, 16, torch.float32)
     want = _eager(q, k, v, None, None)
     _close(torch.ops.cgtrees.decode_attention(q, k, v, None, None, list(want.stride()), 32, 4, 0), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lq", [1, 2])
+def test_rotating_q_as_it_loads_matches_eager_rope_then_sdpa(dtype, lq):
+    """``cos`` and ``sin`` given: the kernel reads q unrotated and rotates it as Hugging Face's
+    ``apply_rotary_pos_emb`` does, rounding each product and the sum as eager does (bf16: so the
+    rotated q is eager's bit for bit, and the output within the attention's own tolerance)."""
+    from cgtrees.codegen import decode_attention, interp  # noqa: F401
+
+    interp.enable()
+    q, k, v = _inputs(2, 8, 2, lq, 45, 16, dtype)
+    g = torch.Generator().manual_seed(3)
+    cos, sin = (torch.randn(2, 1, lq, 16, generator=g).to(dtype) for _ in range(2))
+    rotated = q * cos + torch.cat((-q[..., 8:], q[..., :8]), -1) * sin
+    want = _eager(rotated, k, v, None, None)
+    for split_l in (0, 16):
+        got = torch.ops.cgtrees.decode_attention(q, k, v, None, None, list(want.stride()), 16, 4, split_l, cos, sin)
+        _close(got, want)

@@ -7,6 +7,7 @@ GPU (``tests/gpu/test_grouped_attention_gpu.py``)."""
 from __future__ import annotations
 
 import inspect
+import re
 
 import pytest
 import torch
@@ -113,7 +114,8 @@ def test_equal_heads_and_a_used_log_sum_exp_are_left_as_traced():
 
 def test_a_llama_decode_step_with_grouped_heads_generates_eager_tokens(monkeypatch, tmp_path):
     """The whole path: a tiny Hugging Face Llama with 4 query heads on 2 KV heads, a static cache
-    and a compiled decode step, the grouped form forced; greedy tokens as eager's."""
+    and a compiled decode step, the grouped form forced (``decode_attention``, the query's RoPE in
+    it); greedy tokens as eager's."""
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("CGTREES_GEMM_DECISIONS", "rewrite")
     monkeypatch.setenv("CGTREES_INTERPRET", "1")  # as the rest of this process (codegen_helpers.INTERPRET)
@@ -134,6 +136,9 @@ def test_a_llama_decode_step_with_grouped_heads_generates_eager_tokens(monkeypat
     sources = [p.read_text() for p in tmp_path.glob("*.py")]
     assert sources and all(s.count("cgtrees.decode_attention.default(") == 2 and "repeat_kv" not in s
                            for s in sources)
+    # q reaches the kernel unrotated, with cos and sin: the query's RoPE is the kernel's (codegen/rope.py)
+    rotating = r"decode_attention\.default\((\w+, ){4}[\d.]+, \[[\d, ]+\], (\d+, ){3}\w+, \w+\)"
+    assert all(len(re.findall(rotating, s)) == 2 for s in sources), sources
 
 
 def _greedy(model, step, ids, new: int) -> torch.Tensor:

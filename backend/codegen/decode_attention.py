@@ -50,16 +50,20 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-           out: torch.Tensor, block_l: int, warps: int, split_l: int) -> None:
+           out: torch.Tensor, block_l: int, warps: int, split_l: int, cos: torch.Tensor | None = None,
+           sin: torch.Tensor | None = None) -> None:
     """``out = softmax(q @ k.T * scale + mask) @ v`` with each KV head shared by H / Hkv query heads;
     ``split_l`` > 0 gives each program that many cached positions (whole blocks of ``block_l``) and
-    adds the slices up in a second launch."""
+    adds the slices up in a second launch; with ``cos`` and ``sin``, q is rotated first
+    (``q * cos + rotate_half(q) * sin``)."""
     b, heads, lq, d = q.shape
     kv_heads, length, dv = k.shape[1], k.shape[2], v.shape[3]
     groups = heads // kv_heads
     dot = not interp.active()  # the interpreter computes a bfloat16 tl.dot wrongly (numpy has no bfloat16)
     kind = 0 if mask is None else 1 if mask.dtype == torch.bool else 2
     mask = mask.expand(b, heads, lq, length) if mask is not None else q
+    rope = cos is not None
+    cos, sin = (cos.expand(q.shape), sin.expand(q.shape)) if rope else (q, q)
     minimum = 16 if dot else 1
     block_m, block_dv = max(minimum, triton.next_power_of_2(groups * lq)), max(minimum, triton.next_power_of_2(dv))
     l_split = triton.cdiv(max(split_l, 1), block_l) * block_l if split_l > 0 else triton.cdiv(length, block_l) * block_l
@@ -69,10 +73,11 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     early = pdl.on(q.device)
     kernels = _kernels()
     kernels.decode_attention_kernel[(b * kv_heads, splits)](
-        q, k, v, mask, out, part, scale, *q.stride(), *k.stride(), *v.stride(), *mask.stride(), *out.stride(),
-        L=length, L_SPLIT=l_split, SPLITS=splits, HKV=kv_heads, R=groups, LQ=lq, D=d, DV=dv, BLOCK_M=block_m,
-        BLOCK_L=block_l, BLOCK_D=max(minimum, triton.next_power_of_2(d)), BLOCK_DV=block_dv, MASK=kind, DOT=dot,
-        PDL=early, num_warps=warps, launch_pdl=early)
+        q, k, v, mask, out, part, cos, sin, scale, *q.stride(), *k.stride(), *v.stride(), *mask.stride(),
+        *out.stride(), *cos.stride(), *sin.stride(), L=length, L_SPLIT=l_split, SPLITS=splits, HKV=kv_heads,
+        R=groups, LQ=lq, D=d, DV=dv, BLOCK_M=block_m, BLOCK_L=block_l, BLOCK_D=max(minimum, triton.next_power_of_2(d)),
+        BLOCK_DV=block_dv, MASK=kind, ROPE=rope, DOT=dot, PDL=early, INTERPRET=interp.active(), num_warps=warps,
+        launch_pdl=early)
     if splits > 1:
         kernels.combine_kernel[(b * kv_heads, groups * lq)](
             part, out, *out.stride(), HKV=kv_heads, R=groups, LQ=lq, DV=dv, SPLITS=splits,
@@ -82,17 +87,20 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 @torch.library.custom_op("cgtrees::decode_attention", mutates_args=())
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float | None, out_stride: list[int], block_l: int, warps: int,
-                     split_l: int) -> torch.Tensor:
+                     scale: float | None, out_stride: list[int], block_l: int, warps: int, split_l: int,
+                     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)`` of
     [B, H, Lq, D] queries over [B, Hkv, L, D] keys and values, written with strides ``out_stride``
-    (the traced call's); ``split_l`` > 0 splits the cache into slices of that many positions."""
+    (the traced call's); ``split_l`` > 0 splits the cache into slices of that many positions; with
+    ``cos`` and ``sin`` (broadcast to q's shape), of ``q * cos + rotate_half(q) * sin`` instead of q."""
     out = torch.empty_strided((*q.shape[:3], v.shape[3]), out_stride, dtype=q.dtype, device=q.device)
-    launch(q, k, v, mask, scale if scale is not None else 1 / math.sqrt(q.shape[3]), out, block_l, warps, split_l)
+    launch(q, k, v, mask, scale if scale is not None else 1 / math.sqrt(q.shape[3]), out, block_l, warps, split_l,
+           cos, sin)
     return out
 
 
 @decode_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float | None,
-      out_stride: list[int], block_l: int, warps: int, split_l: int) -> torch.Tensor:
+      out_stride: list[int], block_l: int, warps: int, split_l: int, cos: torch.Tensor | None = None,
+      sin: torch.Tensor | None = None) -> torch.Tensor:
     return torch.empty_strided((*q.shape[:3], v.shape[3]), out_stride, dtype=q.dtype, device=q.device)

@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from cgtrees.codegen.gemv_silu_mul_kernels import rounded
+
 
 @triton.jit
 def _product(a, b, DOT: tl.constexpr):
@@ -25,16 +27,19 @@ def _product(a, b, DOT: tl.constexpr):
 
 
 @triton.jit
-def decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, part_ptr, scale,
+def decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, part_ptr, cos_ptr, sin_ptr, scale,
                             sq_b, sq_h, sq_l, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d,
-                            sm_b, sm_h, sm_l, sm_k, so_b, so_h, so_l, so_d,
+                            sm_b, sm_h, sm_l, sm_k, so_b, so_h, so_l, so_d, sc_b, sc_h, sc_l, sc_d,
+                            ss_b, ss_h, ss_l, ss_d,
                             L: tl.constexpr, L_SPLIT: tl.constexpr, SPLITS: tl.constexpr, HKV: tl.constexpr,
                             R: tl.constexpr, LQ: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_DV: tl.constexpr, MASK: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_DV: tl.constexpr, MASK: tl.constexpr, ROPE: tl.constexpr, DOT: tl.constexpr,
+                            PDL: tl.constexpr, INTERPRET: tl.constexpr):
     """One program a (batch, KV head) and slice of ``L_SPLIT`` cached positions: its R query heads x
     LQ positions are the rows (row = r * LQ + lq), every one of them attends over the same keys and
-    values. ``MASK``: 0 none, 1 a boolean keep-mask, 2 a float mask added to the scores. With one
+    values. ``MASK``: 0 none, 1 a boolean keep-mask, 2 a float mask added to the scores. ``ROPE``: q
+    is rotated as it is loaded (``codegen/rope.py``), by ``cos`` and ``sin`` laid out as q. With one
     slice the program writes the output; with more, its running maximum, sum and weighted values go
     to the workspace (``part_ptr``: [programs, SPLITS, BLOCK_M, 2 + BLOCK_DV] float32) for
     ``combine_kernel``."""
@@ -51,8 +56,19 @@ def decode_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, part_ptr, scal
     lq = rm % LQ
     rd = tl.arange(0, BLOCK_D)
     rdv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + lq[:, None] * sq_l + rd[None, :] * sq_d,
-                mask=in_m[:, None] & (rd[None, :] < D), other=0.0)
+    in_q = in_m[:, None] & (rd[None, :] < D)
+    q = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + lq[:, None] * sq_l + rd[None, :] * sq_d, mask=in_q, other=0.0)
+    if ROPE:  # q arrives unrotated: q * cos + rotate_half(q) * sin, rounded where eager rounds
+        partner = tl.where(rd < D // 2, rd + D // 2, rd - D // 2)
+        swapped = tl.load(q_ptr + b * sq_b + h[:, None] * sq_h + lq[:, None] * sq_l + partner[None, :] * sq_d,
+                          mask=in_q, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + b * sc_b + h[:, None] * sc_h + lq[:, None] * sc_l + rd[None, :] * sc_d, mask=in_q,
+                      other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + b * ss_b + h[:, None] * ss_h + lq[:, None] * ss_l + rd[None, :] * ss_d, mask=in_q,
+                      other=0.0).to(tl.float32)
+        rotated = tl.where(rd[None, :] < D // 2, -swapped, swapped)
+        q = rounded(rounded(q.to(tl.float32) * cos, q.dtype, INTERPRET) + rounded(rotated * sin, q.dtype, INTERPRET),
+                    q.dtype, INTERPRET).to(q.dtype)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)

@@ -38,7 +38,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
-from cgtrees.codegen import decode_attention
+from cgtrees.codegen import decode_attention, rope
 from cgtrees.codegen.gemm_choice import MARGIN, random_like, span_bytes
 
 if TYPE_CHECKING:
@@ -76,6 +76,7 @@ class Grouped:
     is_causal: bool
     scale: float | None
     groups: int  # R: query heads per KV head
+    rope: rope.Rope | None  # q = x * cos + rotate_half(x) * sin, read by nothing else: decode_attention rotates
 
     def text(self) -> str:
         q, k = self.q.meta["val"], self.k.meta["val"]
@@ -117,8 +118,9 @@ def _grouped(node: torch.fx.Node) -> Grouped | None:
     if q is None or q.dim() != 4 or q.shape[1] != k.meta["val"].shape[1] * rk:
         return None
     mask = kw.get(_MASK_ARG.get(node.target, ""))
+    rotated = rope.match(kw["query"]) if len(kw["query"].users) == 1 else None
     return Grouped(node, kw["query"], k, v, mask, _boolean_source(mask), bool(kw.get("is_causal", False)),
-                   kw.get("scale"), rk)
+                   kw.get("scale"), rk, rotated)
 
 
 def _boolean_source(mask: object) -> torch.fx.Node | None:
@@ -235,16 +237,18 @@ def _decode_name(config: tuple[int, int, int]) -> str:
 def _decode_form(g: Grouped, device: torch.device, config: tuple[int, int, int]) -> tuple[str, Callable, int]:
     """Our kernel on the traced layouts, the boolean mask where the float one was made of it."""
     q, k, v, mask = _operands(g, boolean=True)
+    cos, sin = (g.rope.cos.meta["val"], g.rope.sin.meta["val"]) if g.rope is not None else (None, None)
     key = (f"decode_attention q {_layout(q)} k {_layout(k)} v {_layout(v)} "
            f"mask {_layout(mask) if mask is not None else None} {mask.dtype if mask is not None else None} "
-           f"{config} {q.dtype} {device}")
+           f"rope {_layout(cos) if cos is not None else None} {config} {q.dtype} {device}")
 
     def build() -> Callable[[], None]:
         tq, tk, tv, tmask = _random(device, q, k, v, mask)
+        tcos, tsin = (random_like(cos, device), random_like(sin, device)) if cos is not None else (None, None)
         stride = list(_output(g).stride())
-        return lambda: torch.ops.cgtrees.decode_attention(tq, tk, tv, tmask, g.scale, stride, *config)
+        return lambda: torch.ops.cgtrees.decode_attention(tq, tk, tv, tmask, g.scale, stride, *config, tcos, tsin)
 
-    return key, build, span_bytes(q, k, v, mask)
+    return key, build, span_bytes(q, k, v, mask, *([cos, sin] if cos is not None else []))
 
 
 def _output(g: Grouped) -> torch.Tensor:
@@ -285,8 +289,9 @@ def _rewrite(graph: torch.fx.Graph, g: Grouped, form: str) -> None:
             call = graph.call_function(aten.scaled_dot_product_attention.default, (g.q, g.k, g.v), kwargs)
         else:
             config = next(c for c in _DECODE_CONFIGS if _decode_name(c) == form)
+            q, trig = (g.rope.x, (g.rope.cos, g.rope.sin)) if g.rope is not None else (g.q, (None, None))
             call = graph.call_function(torch.ops.cgtrees.decode_attention.default,
-                                       (g.q, g.k, g.v, mask, g.scale, list(out.meta["val"].stride()), *config))
+                                       (q, g.k, g.v, mask, g.scale, list(out.meta["val"].stride()), *config, *trig))
     call.meta.update(out.meta)
     call.meta.setdefault("stack_trace", g.node.meta.get("stack_trace"))
     expansions = [g.node.kwargs.get("key"), g.node.kwargs.get("value"), *g.node.args[1:3]]
@@ -296,6 +301,10 @@ def _rewrite(graph: torch.fx.Graph, g: Grouped, form: str) -> None:
     graph.erase_node(g.node)
     for node in expansions:
         _erase_chain(graph, node)
+    if form != GQA and g.rope is not None:  # the kernel rotates q: the graph's rotation goes
+        for node in g.rope.chain:
+            if not node.users:
+                graph.erase_node(node)
     if g.keep is not None and not g.mask.users:  # the float mask SDPA is no longer given
         scalars = g.mask.args[1:]
         graph.erase_node(g.mask)

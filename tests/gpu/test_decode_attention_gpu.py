@@ -48,3 +48,21 @@ def test_matches_sdpa_eagerly_and_captured(batch, cache, block_l, split_l):
     k.copy_(torch.randn(k.shape, **kw))
     graph.replay()
     _close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True))
+
+
+@pytest.mark.parametrize("split_l", [0, 64])
+def test_rotating_q_as_it_loads_matches_eager_rope_then_sdpa(split_l):
+    """The query's RoPE in the kernel (``codegen/rope.py``): q unrotated with cos and sin, against
+    Hugging Face's rotation in bf16 and then SDPA."""
+    from cgtrees.codegen import decode_attention  # noqa: F401
+
+    g = torch.Generator("cuda").manual_seed(0)
+    kw = dict(device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(1, 1, 32, 64, **kw).transpose(1, 2)
+    k, v = torch.randn(1, 4, 160, 64, **kw), torch.randn(1, 4, 160, 64, **kw)
+    cos, sin = torch.randn(1, 1, 1, 64, **kw), torch.randn(1, 1, 1, 64, **kw)
+    keep = (torch.arange(160, device="cuda") <= 150)[None, None, None, :]
+    rotated = q * cos + torch.cat((-q[..., 32:], q[..., :32]), -1) * sin
+    want = F.scaled_dot_product_attention(rotated, k, v, attn_mask=keep, enable_gqa=True)
+    got = torch.ops.cgtrees.decode_attention(q, k, v, keep, None, [32 * 64, 64, 32 * 64, 1], 32, 4, split_l, cos, sin)
+    _close(got, want)
