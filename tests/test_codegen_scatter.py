@@ -256,3 +256,59 @@ def test_a_reduction_we_do_not_lower_is_a_gap_counted_by_op():
     assert aten_calls(module)
     assert counters["cgtrees"]["aten_gaps"] == 1
     assert dict(counters["cgtrees_aten_gap_ops"]) == {"aten.scatter_reduce.two": 1}
+
+
+def _compiled_writes(fn, *inputs):
+    """``fn`` compiled as a decode step is (its writes into the inputs kept in the graph), run once on
+    copies of ``inputs``: (the module, the inputs after the compiled run, after eager's)."""
+    comp = Compiler()
+    torch._dynamo.reset()
+    got = [t.clone() for t in inputs]
+    with torch.no_grad():
+        torch.compile(fn, backend=comp.with_our_partition, fullgraph=True)(*got)
+        want = [t.clone() for t in inputs]
+        fn(*want)
+    comp.check()
+    (module,) = comp.modules
+    return module, got, want
+
+
+def test_writes_at_one_place_into_two_caches_share_a_kernel():
+    """A decode step's K and V cache writes: two scatters over the same values' space, neither
+    reading what the other writes, are one kernel with two stores; values as eager's."""
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(1, 2, 9, 4, generator=g), torch.randn(1, 2, 9, 4, generator=g)
+    k, v, pos = torch.randn(1, 2, 1, 4, generator=g), torch.randn(1, 2, 1, 4, generator=g), torch.tensor([5])
+
+    def step(k_cache, v_cache, k, v, pos):
+        k_cache.index_copy_(2, pos, k * 2)
+        v_cache.index_copy_(2, pos, v)
+        return k_cache.sum(2) + v_cache.sum(2)
+
+    module, got, want = _compiled_writes(step, k_cache, v_cache, k, v, pos)
+    kernels = [line.split("(")[0] for line in module.source.splitlines()
+               if line.startswith("def ") and "index_put" in line.split("(")[0]]
+    assert len(kernels) == 1, kernels
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_write_into_what_another_write_reads_waits_for_it():
+    """The first write reads ``y``'s old values at data-given places, the second writes ``y``: the
+    second goes to a copy of ``y`` made after the first ran (a kernel between them, so the writes do
+    not share one: in one kernel a read could see a new value); values as eager's."""
+    g = torch.Generator().manual_seed(0)
+    x, y, s = torch.randn(6, 3, generator=g), torch.randn(6, 3, generator=g), torch.randn(2, 3, generator=g)
+    idx = torch.tensor([4, 1])
+
+    def step(x, y, s, idx):
+        x.index_copy_(0, idx, y[idx.flip(0)] * 2)
+        y.index_copy_(0, idx, s)
+        return x + y
+
+    module, got, want = _compiled_writes(step, x, y, s, idx)
+    kernels = [line.split("(")[0] for line in module.source.splitlines()
+               if line.startswith("def ") and "index_put" in line.split("(")[0]]
+    assert len(kernels) == 3, kernels  # x's write, the copy of y, y's write
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

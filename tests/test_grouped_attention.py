@@ -139,6 +139,8 @@ def test_a_llama_decode_step_with_grouped_heads_generates_eager_tokens(monkeypat
     # q reaches the kernel unrotated, with cos and sin: the query's RoPE is the kernel's (codegen/rope.py)
     rotating = r"decode_attention\.default\((\w+, ){4}[\d.]+, \[[\d, ]+\], (\d+, ){3}\w+, \w+\)"
     assert all(len(re.findall(rotating, s)) == 2 for s in sources), sources
+    # each layer writes its K and V cache entries in one kernel (scheduler: scatters side by side)
+    assert all(len(re.findall(r"\ndef \w*index_put\w*\(", s)) == 2 for s in sources), sources
 
 
 def _greedy(model, step, ids, new: int) -> torch.Tensor:

@@ -39,8 +39,10 @@ columns as a looped reduction does (``_by_rows``): its row values are computed o
 
 Scatters and scans are kernels of their own (``Compute.alone``): a scatter writes where its data
 says, so no other step may read its buffer in the same kernel, and a scan's element depends on
-its whole row. A scatter writes into a buffer an earlier step filled (``writes_input``): steps
-after it never join a kernel opened before it, as for any write into an existing buffer.
+its whole row. Scatters over one space into buffers no member reads share a kernel (a decode
+step's K and V cache writes: ``_Open._scatters_side_by_side``). A scatter writes into a buffer an
+earlier step filled (``writes_input``): steps after it never join a kernel opened before it, as for
+any write into an existing buffer.
 """
 
 from __future__ import annotations
@@ -230,7 +232,7 @@ class _Open:
         return [subs] if d == len(self.ranges) else []
 
     def try_add(self, step: ir.Compute) -> bool:
-        if self.members and (step.alone or self.members[0].step.alone):
+        if self.members and (step.alone or self.members[0].step.alone) and not self._scatters_side_by_side(step):
             return False
         fit = self.role_of(step)
         merged = self.merged(step) if fit is None else []
@@ -253,6 +255,15 @@ class _Open:
             self.reduced = step.reduced
         self.members.append(member)
         return True
+
+    def _scatters_side_by_side(self, step: ir.Compute) -> bool:
+        """A scatter joins a kernel of scatters over the same values' space (a decode step's K and V
+        cache writes) into other buffers, where no member reads what it writes: programs run in no
+        order, so a read of its buffer could see the new values or the old ones, and of two writes
+        into one buffer either could land last."""
+        return step.scatter is not None and all(
+            m.step.scatter is not None and m.step.ranges == step.ranges and m.step.name != step.name
+            for m in self.members) and all(ld.buf != step.name for m in self.members for ld in ir.loads(m.body()))
 
     def _reads_line_up(self, member: Member) -> bool:
         """Every value ``member`` reads from a member is read at the element that member computes
@@ -355,7 +366,7 @@ def schedule(program: ir.Program) -> list[Item]:
         kernel = _Open(step.ranges)
         ok = kernel.try_add(step)
         assert ok, step.name
-        if not step.alone:
+        if not step.alone or step.scatter is not None:  # a scatter may take scatters beside it
             pending = _fill(kernel, pending, items)
         items.extend(kernel.close())
     return _mark_stored(items, program)
