@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from codegen_helpers import INTERPRET, Compiler, compile_fn, config
+from codegen_helpers import INTERPRET, Compiler, TimedPlan, compile_fn, config
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 
@@ -172,27 +172,6 @@ def test_a_float_mask_made_from_a_boolean_one_is_given_as_the_boolean():
         _close(got, want)
 
 
-class _Timed:
-    """A plan that "times" each form as ``us`` says (by its name's start), as a GPU's would; every
-    form it is given runs (on the CPU, through the interpreter)."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, us: dict[str, float]) -> None:
-        self.us, self.notes = us, []
-
-    def other_choice(self):
-        return "time", ""
-
-    def time_forms(self, forms):
-        for _, build, _ in forms.values():
-            build()()
-        return {name: next(t for start, t in self.us.items() if name.startswith(start)) for name in forms}
-
-    def note(self, *line, why="timed"):
-        self.notes.append(line)
-
-
 @pytest.mark.parametrize("us, taken", [
     ({"as traced": 10.0, "enable_gqa": 6.0, "decode_attention": 4.0}, "decode_attention 32/4"),
     ({"as traced": 10.0, "enable_gqa": 3.0, "decode_attention": 4.0}, "enable_gqa"),
@@ -207,7 +186,7 @@ def test_the_fastest_form_is_taken_where_it_beats_the_traced_one_by_the_margin(u
     interp.enable()
     gm = trace(decode_attention, *_inputs(torch.bfloat16))
     (node,) = [n for op in grouped_attention.SDPA_OPS for n in gm.graph.find_nodes(op="call_function", target=op)]
-    plan = _Timed(us)
+    plan = TimedPlan(us)
     assert grouped_attention._choose(grouped_attention._grouped(node), plan) == taken
     (note,) = plan.notes
     assert [name for name, _ in note[3]] == ["as traced", "enable_gqa", "decode_attention 32/4",

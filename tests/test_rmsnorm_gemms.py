@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from codegen_helpers import INTERPRET, compile_fn, config, context, trace
+from codegen_helpers import INTERPRET, TimedPlan, compile_fn, config, context, trace
 
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 
@@ -303,26 +303,6 @@ def test_tiny_llama_decode_is_fused_and_generates_the_unfused_runs_tokens(tmp_pa
         torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-2 * want.float().abs().max().item())
 
 
-class _Timed:
-    """A plan that "times" each form as ``us`` says (by its name's start), as a GPU's would."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, us: dict[str, float]) -> None:
-        self.us, self.notes = us, []
-
-    def other_choice(self):
-        return "time", ""
-
-    def time_forms(self, forms):
-        for _, build, _ in forms.values():  # each form runs (on the CPU, through the interpreter)
-            build()()
-        return {name: next(t for start, t in self.us.items() if name.startswith(start)) for name in forms}
-
-    def note(self, *line, why="timed"):
-        self.notes.append(line)
-
-
 @pytest.mark.parametrize("split_k", [1, 4, "mlp"])
 @pytest.mark.parametrize("fused_us, taken", [(4.0, True), (4.95, False), (6.0, False)])
 def test_the_fused_form_is_taken_only_where_it_beats_the_unfused_one_by_the_margin(fused_us, taken, split_k):
@@ -344,7 +324,7 @@ def test_the_fused_form_is_taken_only_where_it_beats_the_unfused_one_by_the_marg
         node.args = (*node.args[:-1], split_k)
         op, configs = "add_rmsnorm_grouped_mm", rmsnorm_gemms._CONFIGS
     (match,) = rmsnorm_gemms._matches(gm.graph)
-    plan = _Timed({"unfused": 5.0, op: fused_us})
+    plan = TimedPlan({"unfused": 5.0, op: fused_us})
     config = rmsnorm_gemms._choose(match, plan)
     assert (config is not None) == taken
     (note,) = plan.notes
