@@ -59,14 +59,15 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     b, heads, lq, d = q.shape
     kv_heads, length, dv = k.shape[1], k.shape[2], v.shape[3]
     groups = heads // kv_heads
-    dot = not interp.active()  # the interpreter computes a bfloat16 tl.dot wrongly (numpy has no bfloat16)
+    interpret = interp.active()
+    dot = not interpret  # the interpreter computes a bfloat16 tl.dot wrongly (numpy has no bfloat16)
     kind = 0 if mask is None else 1 if mask.dtype == torch.bool else 2
     mask = mask.expand(b, heads, lq, length) if mask is not None else q
     rope = cos is not None
     cos, sin = (cos.expand(q.shape), sin.expand(q.shape)) if rope else (q, q)
     minimum = 16 if dot else 1
     block_m, block_dv = max(minimum, triton.next_power_of_2(groups * lq)), max(minimum, triton.next_power_of_2(dv))
-    l_split = triton.cdiv(max(split_l, 1), block_l) * block_l if split_l > 0 else triton.cdiv(length, block_l) * block_l
+    l_split = triton.cdiv(split_l if split_l > 0 else length, block_l) * block_l  # whole blocks a program
     splits = triton.cdiv(length, l_split)
     part = torch.empty((b * kv_heads, splits, block_m, 2 + block_dv), dtype=torch.float32, device=q.device) \
         if splits > 1 else out
@@ -76,7 +77,7 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         q, k, v, mask, out, part, cos, sin, scale, *q.stride(), *k.stride(), *v.stride(), *mask.stride(),
         *out.stride(), *cos.stride(), *sin.stride(), L=length, L_SPLIT=l_split, SPLITS=splits, HKV=kv_heads,
         R=groups, LQ=lq, D=d, DV=dv, BLOCK_M=block_m, BLOCK_L=block_l, BLOCK_D=max(minimum, triton.next_power_of_2(d)),
-        BLOCK_DV=block_dv, MASK=kind, ROPE=rope, DOT=dot, PDL=early, INTERPRET=interp.active(), num_warps=warps,
+        BLOCK_DV=block_dv, MASK=kind, ROPE=rope, DOT=dot, PDL=early, INTERPRET=interpret, num_warps=warps,
         launch_pdl=early)
     if splits > 1:
         kernels.combine_kernel[(b * kv_heads, groups * lq)](

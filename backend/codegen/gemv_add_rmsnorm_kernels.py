@@ -10,6 +10,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from cgtrees.codegen.gemv_silu_mul_kernels import rounded, silu_mul
+from cgtrees.codegen.grouped_gemv_kernels import weight_of
 
 
 @triton.jit
@@ -34,13 +35,8 @@ def add_rmsnorm_gemv_row_kernel(x_ptr, r_ptr, nw_ptr, w0_ptr, w1_ptr, w2_ptr, y0
     if PDL:  # the next GEMV may start now: it waits for this one's writes (codegen/pdl.py)
         gdc_launch_dependents()
     pid = tl.program_id(0)
-    blocks0 = tl.cdiv(N0, BLOCK_N)
-    blocks1 = tl.cdiv(N1, BLOCK_N)
-    w_ptr, y_ptr, n_rows, block = w0_ptr, y0_ptr, N0, pid  # which weight this program's rows are of
-    if pid >= blocks0 + blocks1:
-        w_ptr, y_ptr, n_rows, block = w2_ptr, y2_ptr, N2, pid - blocks0 - blocks1
-    elif pid >= blocks0:
-        w_ptr, y_ptr, n_rows, block = w1_ptr, y1_ptr, N1, pid - blocks0
+    w_ptr, y_ptr, n_rows, block, _ = weight_of(pid, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, N0, N1, N2,
+                                               BLOCK_N)
     rk = tl.arange(0, BLOCK_K)  # the whole row: BLOCK_K >= K
     in_k = rk < K
     rn = block * BLOCK_N + tl.arange(0, BLOCK_N)

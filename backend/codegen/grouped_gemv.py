@@ -67,13 +67,15 @@ def _launch_row(x: torch.Tensor, ws: list[torch.Tensor], ys: list[torch.Tensor],
     split_k = max(1, min(split_k, triton.cdiv(k, block_k)))  # no slice without a block of K
     k_split = triton.cdiv(triton.cdiv(k, block_k), split_k) * block_k  # a slice: whole blocks of K
     split_k = triton.cdiv(k, k_split)
-    row, split_sum = _kernels().gemv_row_kernel, _kernels().split_sum_kernel
+    kernels = _kernels()
     part = torch.empty((split_k, sum(ns)), dtype=torch.float32, device=x.device) if split_k > 1 else ys[0]
     early = pdl.on(x.device)
-    row[(blocks, split_k)](x, *ws, *ys, part, *ns, K=k, K_SPLIT=k_split, BLOCK_N=block_n, BLOCK_K=block_k,
-                           SPLIT_K=split_k, PDL=early, num_warps=warps, launch_pdl=early)
+    kernels.gemv_row_kernel[(blocks, split_k)](x, *ws, *ys, part, *ns, K=k, K_SPLIT=k_split, BLOCK_N=block_n,
+                                               BLOCK_K=block_k, SPLIT_K=split_k, PDL=early, num_warps=warps,
+                                               launch_pdl=early)
     if split_k > 1:
-        split_sum[(triton.cdiv(sum(ns), SUM_BLOCK),)](part, *ys, *ns, SPLIT_K=split_k, BLOCK=SUM_BLOCK, num_warps=4)
+        kernels.split_sum_kernel[(triton.cdiv(sum(ns), SUM_BLOCK),)](part, *ys, *ns, SPLIT_K=split_k, BLOCK=SUM_BLOCK,
+                                                                    num_warps=4)
 
 
 @torch.library.custom_op("cgtrees::grouped_mm", mutates_args=())

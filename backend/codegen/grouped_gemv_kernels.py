@@ -1,7 +1,8 @@
 """The Triton kernels of ``grouped_gemv`` (which see), in a module of their own: Triton decides
 interpreted or compiled when a function is decorated, and a CPU process turns its interpreter on
 (``interp.enable``) after codegen imported ``grouped_gemv``, so this module is imported at the first
-launch. ``weight_block`` is the one-row kernels' weight load, shared with ``gemv_silu_mul_kernels``.
+launch. ``weight_of`` (which weight a program's rows are of) and ``weight_block`` (the one-row kernels'
+weight load) are shared with the fused GEMV kernels.
 """
 
 import triton
@@ -10,17 +11,26 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def weight_of(pid, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, N0, N1, N2, BLOCK_N: tl.constexpr):
+    """Which weight program ``pid``'s rows are of (the programs cover the weights' row blocks one
+    weight after another): its pointer, its output's, its rows, the block of them, and its first row
+    among all the weights'."""
+    blocks0 = tl.cdiv(N0, BLOCK_N)
+    blocks1 = tl.cdiv(N1, BLOCK_N)
+    w_ptr, y_ptr, n, block, first = w0_ptr, y0_ptr, N0, pid, 0
+    if pid >= blocks0 + blocks1:
+        w_ptr, y_ptr, n, block, first = w2_ptr, y2_ptr, N2, pid - blocks0 - blocks1, N0 + N1
+    elif pid >= blocks0:
+        w_ptr, y_ptr, n, block, first = w1_ptr, y1_ptr, N1, pid - blocks0, N0
+    return w_ptr, y_ptr, n, block, first
+
+
+@triton.jit
 def grouped_gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, N0, N1, N2,
                         M: tl.constexpr, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, DOT: tl.constexpr):
-    pid = tl.program_id(0)
-    blocks0 = tl.cdiv(N0, BLOCK_N)
-    blocks1 = tl.cdiv(N1, BLOCK_N)
-    w_ptr, y_ptr, n, block = w0_ptr, y0_ptr, N0, pid  # which weight this program's rows are of
-    if pid >= blocks0 + blocks1:
-        w_ptr, y_ptr, n, block = w2_ptr, y2_ptr, N2, pid - blocks0 - blocks1
-    elif pid >= blocks0:
-        w_ptr, y_ptr, n, block = w1_ptr, y1_ptr, N1, pid - blocks0
+    w_ptr, y_ptr, n, block, _ = weight_of(tl.program_id(0), w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr,
+                                          N0, N1, N2, BLOCK_N)
     rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -53,15 +63,9 @@ def gemv_row_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr, part_
                     SPLIT_K: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the next GEMV may start now: it waits for this one's writes (codegen/pdl.py)
         gdc_launch_dependents()
-    pid = tl.program_id(0)
     split = tl.program_id(1)
-    blocks0 = tl.cdiv(N0, BLOCK_N)
-    blocks1 = tl.cdiv(N1, BLOCK_N)
-    w_ptr, y_ptr, n, block, first = w0_ptr, y0_ptr, N0, pid, 0  # which weight this program's rows are of
-    if pid >= blocks0 + blocks1:
-        w_ptr, y_ptr, n, block, first = w2_ptr, y2_ptr, N2, pid - blocks0 - blocks1, N0 + N1
-    elif pid >= blocks0:
-        w_ptr, y_ptr, n, block, first = w1_ptr, y1_ptr, N1, pid - blocks0, N0
+    w_ptr, y_ptr, n, block, first = weight_of(tl.program_id(0), w0_ptr, w1_ptr, w2_ptr, y0_ptr, y1_ptr, y2_ptr,
+                                              N0, N1, N2, BLOCK_N)
     rn = block * BLOCK_N + tl.arange(0, BLOCK_N)
     w = weight_block(w_ptr, rn, rn < n, split * K_SPLIT, K, BLOCK_K)  # the graph writes no weight
     if PDL:  # x is the previous kernel's: wait for it
