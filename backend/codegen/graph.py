@@ -99,6 +99,9 @@ class GraphLowerer:
         self.inputs: list[ir.Input] = []
         self.layouts: dict[str, ir.Layout] = {}  # every buffer's own layout (offset 0)
         self.meta_offsets: dict[str, sympy.Expr] = {}
+        # realized values by (body, dtype, layout, meta offset) -> buffer and whether an output took it
+        self.realized: dict[tuple, tuple[str, bool]] = {}
+        self.shared: set[str] = set()  # buffers ``realize`` handed to more than one value
         self.origins: dict[torch.fx.Node, tuple[str, ...]] = {}
         self.names: set[str] = {n.name for n in gm.graph.nodes}
         self.used_names: set[str] = set()
@@ -201,14 +204,36 @@ class GraphLowerer:
     def _output(self, node: torch.fx.Node) -> None:
         outs = []
         results = node.args[0] if isinstance(node.args[0], (list, tuple)) else (node.args[0],)
+        bases: set[str] = set()
         for arg in results:
             if isinstance(arg, torch.fx.Node) and isinstance(self.env.get(arg), TensorValue):
-                outs.append(self.materialize(arg))
+                outs.append(self._own_output(arg, bases))
             elif isinstance(arg, torch.fx.Node):
                 outs.append(self.env[arg])
             else:
                 outs.append(arg)
         self.outputs = tuple(outs)
+
+    def _own_output(self, node: torch.fx.Node, bases: set[str]) -> str:
+        """``node``'s buffer as an output; a copy where an earlier output has the buffer it views only
+        because ``realize`` shared it (values equal, tensors distinct: writing one must not change
+        the other)."""
+        name = self.materialize(node)
+        base = self._base(name)
+        if base in self.shared and base in bases:
+            value = self.env[node]
+            fresh = self.realize(TensorValue(value.size, value.dtype, value.body), node, share=False)
+            self.env[node] = fresh
+            return self.materialize(node)
+        bases.add(base)
+        return name
+
+    def _base(self, name: str) -> str:
+        """The buffer whose memory ``name`` views (itself, where it is not an ``ir.Alias``)."""
+        aliases = {s.name: s.base for s in self.steps if isinstance(s, ir.Alias) and s.item is None}
+        while name in aliases:
+            name = aliases[name]
+        return name
 
     NODE_KINDS: dict[str, Callable[["GraphLowerer", torch.fx.Node], None]] = {
         "placeholder": _placeholder, "get_attr": _get_attr, "call_module": _call_module,
@@ -279,21 +304,32 @@ class GraphLowerer:
                 return self.env[arg]
         return self.realize(value, node, suffix="_src")
 
-    def realize(self, value: TensorValue, node: torch.fx.Node, suffix: str = "") -> TensorValue:
-        """Write ``value`` (the value of ``node``, or of one of its inputs) into a new buffer."""
+    def realize(self, value: TensorValue, node: torch.fx.Node, suffix: str = "", share: bool = True) -> TensorValue:
+        """Write ``value`` (the value of ``node``, or of one of its inputs) into a new buffer; or, where
+        ``share``, the buffer an earlier realization of the same value in the same layout wrote (a
+        softmax's result saved for the backward and its expand read by a bmm: one store, not two).
+        Two graph outputs never share one: a caller may write into either."""
         if value.view is not None:
             return value
-        name = self._claim(node.name + suffix)
         meta = node.meta.get("val")
         if suffix == "" and isinstance(meta, torch.Tensor) and tuple(sym(s) for s in meta.shape) == value.size:
-            layout = meta_layout(meta)
+            layout, offset = meta_layout(meta), sym(meta.storage_offset())
         else:
-            layout = ir.Layout(value.size, ir.contiguous_strides(value.size))
+            layout, offset = ir.Layout(value.size, ir.contiguous_strides(value.size)), sympy.Integer(0)
+        output = suffix == "" and any(u.op == "output" for u in node.users)
+        key = (value.body, value.dtype, layout, offset)
+        if share and key in self.realized and not (output and self.realized[key][1]):
+            name, taken = self.realized[key]
+            self.realized[key] = (name, taken or output)
+            self.shared.add(name)
+            return load_buffer(name, layout, value.dtype)
+        name = self._claim(node.name + suffix)
         origins = self.origins.get(node, self._current_origins) if suffix == "" else self._current_origins
         self.steps.append(ir.Compute(name, layout, value.dtype, value.size, value.body, origins=origins))
         self.layouts[name] = layout
-        self.meta_offsets[name] = sym(meta.storage_offset()) if suffix == "" and isinstance(meta, torch.Tensor) \
-            else sympy.Integer(0)
+        self.meta_offsets[name] = offset
+        if share:
+            self.realized[key] = (name, output)
         return load_buffer(name, layout, value.dtype)
 
     def add_reduction(self, name: str, layout: ir.Layout, dtype: torch.dtype, ranges: tuple, reduced: tuple,

@@ -132,7 +132,8 @@ class LowerCtx:
         """A new buffer holding ``value``, even where ``value`` is a buffer already (a scatter then
         writes into it): named after the current node (plus ``suffix``), laid out as its result
         where the suffix is empty, else contiguous."""
-        return self.builder.realize(TensorValue(value.size, value.dtype, value.body), self.node, suffix=suffix)
+        return self.builder.realize(TensorValue(value.size, value.dtype, value.body), self.node, suffix=suffix,
+                                    share=False)
 
     def scatter_into(self, buf: str, dtype: torch.dtype, ranges: tuple[sympy.Expr, ...], body: Expr,
                      where: ir.Scatter) -> None:

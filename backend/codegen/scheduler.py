@@ -26,13 +26,17 @@ passed-over one; then it closes and the first passed-over step opens the next ke
 backward whose column sums (weight gradients) sit between the steps of a row computation gets one
 row kernel and one kernel per group of column sums, not a row kernel cut in two around them. Aten
 calls that do not read the open kernel's buffers run before it, so an aten call between two
-fusable steps does not split them; once a step was passed over, aten calls keep their order.
+fusable steps does not split them; a matrix product that reads the kernel's result is passed over
+like a step that does not fit (it runs after the kernel, and later steps still join); once a step
+was passed over, aten calls keep their order.
 Softmax, log_softmax, layer norm forward and backward each end up as one kernel.
 
 A pointwise step over the kernel's dimensions with adjacent ones merged (a view for a matrix
 product of a row computation's result) joins as ``full``, each of its dimensions the linear index
 of the run it merges (``_Open.merged``); one over them in another order, where its stores run along
-the kernel's rows as its reads do (``_Open.permuted``).
+the kernel's rows as its reads do (``_Open.permuted``); one over merged runs in another order, where
+its loads run along the rows too (``_Open.regrouped``: BERT's softmax cast to bf16 as the transposed
+(B*H, S, S) its backward reads).
 
 A pointwise kernel over rows longer than a block that reads values of each row walks rows and
 columns as a looped reduction does (``_by_rows``): its row values are computed once a row block.
@@ -47,6 +51,7 @@ any write into an existing buffer.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -57,6 +62,7 @@ from cgtrees.codegen import heuristics, ir
 _MAX_PERMUTATIONS = 24  # ways to map a permuted step onto a kernel's dimensions that are tried
 WINDOW_LOADS = 9  # loads of one buffer per element that make a step a window (a 3x3 convolution's)
 LATE = ("tail", "final")  # roles whose values exist only after every program of the kernel ran
+_PRODUCTS = ("aten.mm.", "aten.bmm.", "aten.addmm.", "aten.baddbmm.")  # aten calls that only read their inputs
 
 
 @dataclass(frozen=True)
@@ -231,15 +237,44 @@ class _Open:
             subs[own[i]] = linear
         return [subs] if d == len(self.ranges) else []
 
+    def regrouped(self, step: ir.Compute) -> list[dict]:
+        """A pointwise step over runs of the kernel's adjacent dimensions merged, in another order, as
+        a ``full`` member of a reduction kernel (BERT's softmax over (B, H, S, S), cast to bf16 as the
+        (B*H, S, S) transpose the backward's matrix product reads): each way to cut the kernel's
+        dimensions into as many runs as the step has and to map the step's onto runs of its sizes,
+        each the run's linear index."""
+        if step.is_reduction or step.scatter is not None or not self.reduced:
+            return []
+        n, m = len(self.ranges), len(step.ranges)
+        if not 0 < m < n:
+            return []
+        own, kernel = ir.index_symbols(m), ir.index_symbols(n)
+        found: list[dict] = []
+        for cuts in itertools.combinations(range(1, n), m - 1):
+            bounds = (0, *cuts, n)
+            runs = [range(bounds[i], bounds[i + 1]) for i in range(m)]
+            sizes = [sympy.prod([self.ranges[d] for d in run]) for run in runs]
+            linear = [sum((kernel[d] * sympy.prod([self.ranges[e] for e in run if e > d]) for d in run),
+                          sympy.Integer(0)) for run in runs]
+            for order in itertools.permutations(range(m)):
+                if all(step.ranges[i] == sizes[order[i]] for i in range(m)):
+                    found.append({own[i]: linear[order[i]] for i in range(m)})
+                if len(found) == _MAX_PERMUTATIONS:
+                    return found
+        return found
+
     def try_add(self, step: ir.Compute) -> bool:
         if self.members and (step.alone or self.members[0].step.alone) and not self._scatters_side_by_side(step):
             return False
         fit = self.role_of(step)
         merged = self.merged(step) if fit is None else []
         fits = [fit] if fit is not None else [("full", subs) for subs in merged + self.permuted(step)]
-        for role, subs in fits:
+        regrouped = self.regrouped(step) if fit is None else []
+        for role, subs in fits + [("full", subs) for subs in regrouped]:
             member = Member(step, role, tuple(subs.items()))
             if fit is None and not self._stores_along(member):
+                continue
+            if any(subs is r for r in regrouped) and not self._loads_along(member):
                 continue
             if self._reads_line_up(member):
                 break
@@ -303,6 +338,16 @@ class _Open:
         reads = [r for r in reads if r != 0]
         step = sympy.diff(member.store_index(), inner)
         return bool(reads) and step.is_number and abs(step) <= min(reads)
+
+    def _loads_along(self, member: Member) -> bool:
+        """Whether every load of ``member`` runs along the kernel's innermost (reduced) dimension no
+        more spread out than the kernel's first member reads (a regrouped step reading another
+        tensor transposed would load each row a column apart)."""
+        inner = ir.index_symbol(self.reduced[-1])
+        reads = [abs(sympy.diff(load.index, inner)) for load in ir.loads(self.members[0].body())]
+        limit = min((r for r in reads if r != 0), default=None)
+        steps = [sympy.diff(load.index, inner) for load in ir.loads(member.body())]
+        return limit is not None and all(d.is_number and abs(d) <= limit for d in steps)
 
     def _only_aligned_reads(self, member: Member) -> bool:
         """An input written in place may only be read at the element being written, by a step of
@@ -398,6 +443,9 @@ def _fill(kernel: _Open, pending: list[ir.Step], items: list[Item]) -> list[ir.S
                 kernel.deferred.append(step)
             else:
                 items.append(step)
+        elif not passed and step.target.startswith(_PRODUCTS) and _extern_reads(step) & kernel.names():
+            passed.add(step.name)  # a matrix product of the kernel's result waits for the kernel, and
+            left.append(step)  # later steps still join it (the softmax's bf16 copy after the bmm)
         else:
             if passed or _extern_reads(step) & kernel.names():
                 return left + pending[i:]  # aten calls keep their order among the passed-over steps
