@@ -102,6 +102,7 @@ class GraphLowerer:
         # realized values by (body, dtype, layout, meta offset) -> buffer and whether an output took it
         self.realized: dict[tuple, tuple[str, bool]] = {}
         self.shared: set[str] = set()  # buffers ``realize`` handed to more than one value
+        self.view_bases: dict[str, str] = {}  # each view ``materialize`` made -> the buffer it views
         self.origins: dict[torch.fx.Node, tuple[str, ...]] = {}
         self.names: set[str] = {n.name for n in gm.graph.nodes}
         self.used_names: set[str] = set()
@@ -219,20 +220,14 @@ class GraphLowerer:
         because ``realize`` shared it (values equal, tensors distinct: writing one must not change
         the other)."""
         name = self.materialize(node)
-        base = self._base(name)
+        if not self.shared:
+            return name
+        base = self.view_bases.get(name, name)
         if base in self.shared and base in bases:
             value = self.env[node]
-            fresh = self.realize(TensorValue(value.size, value.dtype, value.body), node, share=False)
-            self.env[node] = fresh
+            self.env[node] = self.realize(TensorValue(value.size, value.dtype, value.body), node, share=False)
             return self.materialize(node)
         bases.add(base)
-        return name
-
-    def _base(self, name: str) -> str:
-        """The buffer whose memory ``name`` views (itself, where it is not an ``ir.Alias``)."""
-        aliases = {s.name: s.base for s in self.steps if isinstance(s, ir.Alias) and s.item is None}
-        while name in aliases:
-            name = aliases[name]
         return name
 
     NODE_KINDS: dict[str, Callable[["GraphLowerer", torch.fx.Node], None]] = {
@@ -367,6 +362,7 @@ class GraphLowerer:
             return buf
         name = self._claim(node.name + "_view") if node.name in self.used_names else self._claim(node.name)
         self.steps.append(ir.Alias(name, buf, layout))
+        self.view_bases[name] = self.view_bases.get(buf, buf)
         self.layouts[name] = ir.Layout(layout.size, layout.stride)
         self.meta_offsets[name] = self.meta_offsets[buf] + layout.offset
         self.env[node] = load_buffer(name, self.layouts[name], value.dtype)

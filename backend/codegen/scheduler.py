@@ -269,12 +269,12 @@ class _Open:
         fit = self.role_of(step)
         merged = self.merged(step) if fit is None else []
         fits = [fit] if fit is not None else [("full", subs) for subs in merged + self.permuted(step)]
-        regrouped = self.regrouped(step) if fit is None else []
-        for role, subs in fits + [("full", subs) for subs in regrouped]:
+        regrouped = [("full", subs, True) for subs in self.regrouped(step)] if fit is None else []
+        for role, subs, regroups in [(role, subs, False) for role, subs in fits] + regrouped:
             member = Member(step, role, tuple(subs.items()))
             if fit is None and not self._stores_along(member):
                 continue
-            if any(subs is r for r in regrouped) and not self._loads_along(member):
+            if regroups and not self._loads_along(member):
                 continue
             if self._reads_line_up(member):
                 break
