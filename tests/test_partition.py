@@ -252,3 +252,39 @@ def test_the_backward_does_not_rebuild_a_residual_stream_from_its_increments():
     torch.testing.assert_close(out, want)
     for g, w in zip(grads, want_grads):
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2 * max(1.0, w.abs().max().item()))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
+def test_a_convolutions_float32_copy_for_batch_norm_is_not_saved():
+    """Under bf16 autocast, batch norm reads a convolution's output cast to float32, and only its
+    statistics' reduction reads that cast in the forward: the reduction reads the bf16 output and
+    casts it in its own kernel, so the cast is in no buffer there (``partition._written_anyway``
+    takes a kernel-splitting node's reads before the boundary it makes). The backward recomputes
+    the cast from the saved bf16 output: ResNet-50 wrote and saved a float32 copy of every
+    convolution's output (a 76 us kernel a copy at 64 x 256 x 56 x 56 on an H200)."""
+    import re
+
+    from codegen_helpers import Compiler
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16),
+                                torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3, padding=1, bias=False),
+                                torch.nn.BatchNorm2d(16), torch.nn.ReLU()).to(memory_format=torch.channels_last)
+    eager = copy.deepcopy(block)
+    comp = Compiler()
+    compiled = torch.compile(block, backend=comp.with_our_partition, fullgraph=True)
+    x = torch.randn(4, 8, 12, 12).to(memory_format=torch.channels_last)
+    outs = []
+    for fn, model in ((compiled, block), (eager, eager)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(x)
+        out.float().pow(2).mean().backward()
+        outs.append((out.detach(), [p.grad for p in model.parameters()]))
+    comp.check()
+    forward = comp.modules[0].source.split("\ndef call(")[1]
+    full = re.findall(r"torch\.empty_strided\(\(4, 16, 12, 12\), [^)]*\), dtype=torch\.(\w+)", forward)
+    assert "float32" not in full, forward
+    (out, grads), (want, want_grads) = outs
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2 * max(1.0, w.abs().max().item()))

@@ -121,10 +121,10 @@ def _written_anyway(graph: torch.fx.Graph, backward: set[torch.fx.Node], num_fwd
     for node in graph.nodes:
         if node in backward or node.op == "output":
             continue
+        segment[node] = calls  # a node that splits kernels reads its inputs before the boundary it makes
         if node.op == "placeholder" or not is_recomputable(node):
             out.add(node)
             calls += splits_kernels(node)
-        segment[node] = calls
         out.update(reads_from_memory(node))
     for node, at in segment.items():
         if any(segment.get(user, at) > at for user in node.users if user in runs):
