@@ -219,6 +219,24 @@ class _PreNorm(torch.nn.Module):
         return h + self.fc(self.norm(h))
 
 
+def _autocast_step_against_eager(model: torch.nn.Module, x: torch.Tensor) -> tuple:
+    """One bf16-autocast training step of ``model`` compiled with our partition and codegen, and one of
+    an eager copy from the same weights: the compiler (its modules checked) and, per step, the output
+    and the parameters' gradients."""
+    from codegen_helpers import Compiler
+
+    eager, comp = copy.deepcopy(model), Compiler()
+    compiled = torch.compile(model, backend=comp.with_our_partition, fullgraph=True)
+    outs = []
+    for fn, module in ((compiled, model), (eager, eager)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(x)
+        out.float().pow(2).mean().backward()
+        outs.append((out.detach(), [p.grad for p in module.parameters()]))
+    comp.check()
+    return comp, outs
+
+
 @pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 def test_the_backward_does_not_rebuild_a_residual_stream_from_its_increments():
     """Six pre-norm blocks under bf16 autocast. The increments (bf16) are half the residual sums'
@@ -228,21 +246,9 @@ def test_the_backward_does_not_rebuild_a_residual_stream_from_its_increments():
     backward rebuilds no chain of them, and the gradients are eager's."""
     import re
 
-    from codegen_helpers import Compiler
-
     torch.manual_seed(0)
     blocks = torch.nn.Sequential(*(_PreNorm() for _ in range(6)))
-    eager = copy.deepcopy(blocks)
-    comp = Compiler()
-    compiled = torch.compile(blocks, backend=comp.with_our_partition, fullgraph=True)
-    x = torch.randn(3, 11, 24)
-    outs = []
-    for fn, model in ((compiled, blocks), (eager, eager)):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = fn(x)
-        out.float().pow(2).mean().backward()
-        outs.append((out.detach(), [p.grad for p in model.parameters()]))
-    comp.check()
+    comp, outs = _autocast_step_against_eager(blocks, torch.randn(3, 11, 24))
     backward = comp.modules[1].source
     # The last block's sum may be recomputed from the one before it (both read in one kernel);
     # a chain of them would be the stream rebuilt (five sums without the pin).
@@ -264,23 +270,11 @@ def test_a_convolutions_float32_copy_for_batch_norm_is_not_saved():
     convolution's output (a 76 us kernel a copy at 64 x 256 x 56 x 56 on an H200)."""
     import re
 
-    from codegen_helpers import Compiler
-
     torch.manual_seed(0)
     block = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16),
                                 torch.nn.ReLU(), torch.nn.Conv2d(16, 16, 3, padding=1, bias=False),
                                 torch.nn.BatchNorm2d(16), torch.nn.ReLU()).to(memory_format=torch.channels_last)
-    eager = copy.deepcopy(block)
-    comp = Compiler()
-    compiled = torch.compile(block, backend=comp.with_our_partition, fullgraph=True)
-    x = torch.randn(4, 8, 12, 12).to(memory_format=torch.channels_last)
-    outs = []
-    for fn, model in ((compiled, block), (eager, eager)):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = fn(x)
-        out.float().pow(2).mean().backward()
-        outs.append((out.detach(), [p.grad for p in model.parameters()]))
-    comp.check()
+    comp, outs = _autocast_step_against_eager(block, torch.randn(4, 8, 12, 12).to(memory_format=torch.channels_last))
     forward = comp.modules[0].source.split("\ndef call(")[1]
     full = re.findall(r"torch\.empty_strided\(\(4, 16, 12, 12\), [^)]*\), dtype=torch\.(\w+)", forward)
     assert "float32" not in full, forward
