@@ -37,6 +37,9 @@ from cgtrees.codegen.simplify import fold, merge_dims
 INT32_LIMIT = 2**31 - 1
 
 
+_ARG = (ir.Reduce.ARGMAX, ir.Reduce.ARGMIN)  # reductions to an index
+
+
 @dataclass(frozen=True)
 class KernelCode:
     name: str
@@ -237,11 +240,13 @@ class KernelWriter:
             for m in self.kernel.members:
                 if m.role == "row" and avail[m.name] == loop:
                     self._emit_row(m, bodies, stores, outer)
-            accs = {}
+            accs, where = {}, {}  # where: an argmax's or argmin's index of each lane's best value
             for m in self.kernel.members:
                 if m.role == "reduce" and loop_of[m.name] == loop:
                     accs[m.name] = self._var(outer, f"tl.full([XBLOCK, RBLOCK], {self._identity(m)}, "
                                                     f"{printer.TRITON_DTYPES[m.step.body.dtype]})", prefix="acc")
+                    if m.step.reduction in _ARG:
+                        where[m.name] = self._var(outer, "tl.full([XBLOCK, RBLOCK], 0, tl.int32)", prefix="acc")
             if not accs and not any(loop_of.get(m.name) == loop and m.name in stores for m in self.kernel.members):
                 continue  # its members are read in registers only, by members of later loops
             outer.lines.append("for roffset in range(0, rnumel, RBLOCK):")
@@ -250,7 +255,9 @@ class KernelWriter:
             for m in self.kernel.members:
                 if loop_of.get(m.name) != loop or m.name in online:
                     continue
-                if m.role == "reduce":
+                if m.role == "reduce" and m.name in where:
+                    self._arg_step(m, accs[m.name], where[m.name], self._full_value(bodies[m.name], inner), inner)
+                elif m.role == "reduce":
                     value = self._full_value(bodies[m.name], inner)
                     acc = accs[m.name]
                     combined = self._combine(m, acc, value)
@@ -263,12 +270,38 @@ class KernelWriter:
             outer.lines += [inner.indent[len(outer.indent):] + line for line in inner.lines]
             for name, acc in accs.items():
                 m = self.members[name]
-                text = online_softmax.total(accs[online[name]], acc, self._var(outer, online_softmax.shift(
-                    self.row_vars[online[name]]))) if name in online else self._reduce_text(m, acc)
+                if name in online:
+                    text = online_softmax.total(accs[online[name]], acc, self._var(outer, online_softmax.shift(
+                        self.row_vars[online[name]])))
+                else:
+                    text = self._arg_text(m, acc, where[name], outer) if name in where else self._reduce_text(m, acc)
                 self._finish_reduction(m, text, outer, stores)
         for m in self.kernel.members:
             if m.role == "row" and avail[m.name] == loops:
                 self._emit_row(m, bodies, stores, outer)
+
+    def _arg_step(self, m: Member, acc: str, where: str, value: str, scope: Scope) -> None:
+        """A looped argmax (argmin) keeps each lane's best value and its index: a strictly better value
+        replaces them, so a lane keeps the first of equal ones; a NaN is better than any number, as
+        in eager's, and the first NaN stays."""
+        op = ">" if m.step.reduction == ir.Reduce.ARGMAX else "<"
+        better = f"({value} {op} {acc})"
+        if m.step.body.dtype.is_floating_point:
+            better = f"({better} | (({value} != {value}) & ({acc} == {acc})))"
+        better = self._var(scope, f"xmask & rmask & {better}")
+        scope.lines.append(f"{where} = tl.where({better}, rindex, {where})")
+        scope.lines.append(f"{acc} = tl.where({better}, {value}, {acc})")
+
+    def _arg_text(self, m: Member, acc: str, where: str, scope: Scope) -> str:
+        """The row's index: the first among the lanes whose best value is the row's best (a NaN, where
+        a lane holds one)."""
+        fn = "tl.max" if m.step.reduction == ir.Reduce.ARGMAX else "tl.min"
+        best = self._var(scope, f"{fn}({acc}, 1)[:, None]")
+        held = f"{acc} == {best}"
+        if m.step.body.dtype.is_floating_point:
+            nan = self._var(scope, f"{acc} != {acc}")
+            held = f"tl.where(tl.max({nan}.to(tl.int32), 1)[:, None] > 0, {nan}, {held})"
+        return f"tl.min(tl.where({held}, {where}, 2147483647), 1)[:, None]"
 
     def _online_step(self, acc_m: str, acc_s: str, value: str, scope: Scope) -> str:
         """Add ``value`` to a running sum of exponentials (``online_softmax``); the new running max."""
@@ -394,9 +427,9 @@ class KernelWriter:
                 return f"tl.reduce({value}, 1, {helper})[:, None]"
             return f"tl.{'max' if kind == ir.Reduce.MAX else 'min'}({value}, 1)[:, None]"
         fn = "tl.argmax" if kind == ir.Reduce.ARGMAX else "tl.argmin"
-        if is_float and not self.interpret:  # eager treats NaN as the extreme value (numpy does too)
-            extreme = 'float("inf")' if kind == ir.Reduce.ARGMAX else 'float("-inf")'
-            value = f"tl.where({value} != {value}, {extreme}, {value})"
+        if is_float:  # eager's index is the first NaN's where the row has one (numpy's too)
+            nan = f"({value} != {value}).to(tl.int32)"
+            return f"tl.where(tl.max({nan}, 1)[:, None] > 0, tl.argmax({nan}, 1)[:, None], {fn}({value}, 1)[:, None])"
         return f"{fn}({value}, 1)[:, None]"
 
     # ---------------------------------------------------------------------------------- values
