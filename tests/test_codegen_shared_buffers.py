@@ -63,3 +63,24 @@ def test_outputs_viewing_one_shared_buffer_are_two_tensors():
     torch.testing.assert_close(o, want[0])
     torch.testing.assert_close(b, want[1])
 
+
+
+def test_a_value_realized_after_its_input_is_written_gets_a_buffer_of_its_own():
+    """Two values with one body share a buffer only while nothing wrote what the body reads: after a
+    write into that input (a scatter in place, a copy into a graph input) the body computes another
+    value (``GraphLowerer._written``)."""
+    from codegen_helpers import config, trace
+
+    from cgtrees.codegen import ir
+    from cgtrees.codegen.graph import GraphLowerer
+    from cgtrees.codegen.lowering import TensorValue, load_buffer
+
+    gm = trace(lambda x: x * 2.0, torch.randn(5, 3))
+    lowerer = GraphLowerer(gm, config())
+    node = next(n for n in gm.graph.nodes if n.op == "call_function")
+    x = load_buffer("x_1", ir.Layout((5, 3), (3, 1)), torch.float32)
+    value = TensorValue(x.size, torch.float32, ir.Op("mul", (x.body, ir.Const(2.0, torch.float32)), torch.float32))
+    first, again = lowerer.realize(value, node, "_src"), lowerer.realize(value, node, "_src")  # not an output
+    assert again.view[0] == first.view[0]
+    lowerer._written("x_1")
+    assert lowerer.realize(value, node, "_src").view[0] != first.view[0]

@@ -102,6 +102,7 @@ class GraphLowerer:
         # realized values by (body, dtype, layout, meta offset) -> buffer and whether an output took it
         self.realized: dict[tuple, tuple[str, bool]] = {}
         self.shared: set[str] = set()  # buffers ``realize`` handed to more than one value
+        self.realized_from: dict[str, list[tuple]] = {}  # a buffer -> the keys of values realized reading it
         self.view_bases: dict[str, str] = {}  # each view ``materialize`` made -> the buffer it views
         self.origins: dict[torch.fx.Node, tuple[str, ...]] = {}
         self.names: set[str] = {n.name for n in gm.graph.nodes}
@@ -325,6 +326,8 @@ class GraphLowerer:
         self.meta_offsets[name] = offset
         if share:
             self.realized[key] = (name, output)
+            for buf in {load.buf for load in ir.loads(value.body)}:
+                self.realized_from.setdefault(buf, []).append(key)
         return load_buffer(name, layout, value.dtype)
 
     def add_reduction(self, name: str, layout: ir.Layout, dtype: torch.dtype, ranges: tuple, reduced: tuple,
@@ -348,8 +351,15 @@ class GraphLowerer:
 
     def add_scatter(self, name: str, dtype: torch.dtype, ranges: tuple, body: ir.Expr, where: ir.Scatter) -> None:
         """A step writing into buffer ``name``, which an earlier step filled (its layout is kept)."""
+        self._written(name)
         self.steps.append(ir.Compute(name, self.layouts[name], dtype, ranges, body, origins=self._current_origins,
                                      writes_input=True, scatter=where))
+
+    def _written(self, name: str) -> None:
+        """Buffer ``name`` is written now: a value realized from its old contents is not one computed
+        from its new ones, however alike their bodies (``realize`` shares no buffer between them)."""
+        for key in self.realized_from.pop(name, ()):
+            self.realized.pop(key, None)
 
     def materialize(self, node: torch.fx.Node) -> str:
         """The name of a tensor holding ``node``'s value (realizing it, or aliasing a view)."""
@@ -434,6 +444,7 @@ class GraphLowerer:
         if any(ld.buf == name and ld.index != dst.body.index for ld in ir.loads(body)):
             src = self.realize(src, src_node)  # reads the input elsewhere: compute it fully first
             body = broadcast(src, dst.size, dst.dtype)
+        self._written(name)
         self.steps.append(ir.Compute(name, self.layouts[name], dst.dtype, dst.size, body,
                                      origins=self._current_origins, writes_input=True))
         return dst
