@@ -1,14 +1,24 @@
-"""Where the host time of Hugging Face's generate path goes, per decode step (issue 45).
+"""Where the host time of Hugging Face's generate path goes, per decode step (issue 55, item 3).
 
-    python benchmarks/probes/probe_hf_host.py [--backend cgtrees|inductor] [--path hf|hf-forward] [--smoke] [--out FILE]
+    python benchmarks/probes/probe_hf_host.py [--backend cgtrees|inductor] [--path hf|hf-forward] [--smoke]
+        [--generations 6] [--new 64] [--cprofile] [--out FILE]
 
-``serve_worker.HF``'s path (1.1B Llama, bf16, batch 1, cache 160): generate compiles its decode step
-with the backend. A wrapper around the backend's compiled function times our part (``backend_ms``:
-the call Dynamo hands the graph's inputs to: the runtime's replay, outputs rebuilt); a wrapper around
-generate's compiled call times the whole compiled call (``compiled_call_ms``: Dynamo's guards, its
-wrapper, and ours); ``generate_ms`` is the wall time of a generation per new token, GPU-synchronised at
-the end only. The rest is generate's own Python (logits processors, stopping criteria, cache
-bookkeeping), its per-token synchronisation, and the prefill.
+``serve_worker.HF``'s path (1.1B Llama, bf16, batch 1): generate compiles its decode step with the
+backend (``inductor``: generate's own CompileConfig, reduce-overhead's CUDA graph trees). After two
+generations (compile, record), each of ``--generations`` more is timed call by call:
+
+- ``ours``: the backend's compiled function, the call Dynamo hands the graph's inputs to (for
+  cgtrees: the runtime's replay with its checks, outputs rebuilt);
+- ``compiled call``: generate's compiled call, whole (Dynamo's guards and frame, then ours);
+- ``guards``: Dynamo's guard check alone, on the last call's own arguments (``guard_manager.check``);
+- ``generate``: a generation's wall time per new token, GPU-synchronised at its end only. What is
+  not the compiled call is generate's own Python: input preparation, logits processors, stopping
+  criteria (whose check waits for the GPU each token), the prefill.
+
+transformers makes a new ``StaticCache`` at every ``generate``: the decode step's cache tensors are
+new, so each generation's first call records anew. ``first_call_ms`` is that call, against the
+steady calls (the median of the calls after the first two): its excess is the re-recording's cost a
+generation.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import cProfile
 import io
 import json
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,25 +42,30 @@ import serve_worker  # noqa: E402
 
 
 class Timer:
-    def __init__(self, profiler: cProfile.Profile | None = None) -> None:
-        self.total, self.calls, self.profiler = 0.0, 0, profiler
+    """Each call's wall time; the last call's arguments."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.last: tuple[tuple, dict] = ((), {})
+        self.profiler: cProfile.Profile | None = None
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
+            self.last = (args, kwargs)
             if self.profiler is not None:
                 self.profiler.enable()
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.total += time.perf_counter() - start
-                self.calls += 1
+                self.times.append(time.perf_counter() - start)
                 if self.profiler is not None:
                     self.profiler.disable()
         return timed
 
-    def ms(self) -> float:
-        return self.total / max(self.calls, 1) * 1e3
+    def take(self) -> list[float]:
+        times, self.times = self.times, []
+        return [t * 1e3 for t in times]
 
 
 def timed_backend(name: str, timer: Timer):
@@ -63,18 +79,55 @@ def timed_backend(name: str, timer: Timer):
     return compile_fn
 
 
+def guard_us(model: torch.nn.Module, last: tuple[tuple, dict], calls: int = 2000) -> dict:
+    """Dynamo's guard check of the compiled call on the last call's arguments, alone. Dynamo skips
+    ``nn.Module.__call__``'s frames: the cache entry is on the model's ``forward`` (or a wrapper
+    transformers decorates it with), whose locals are its bound arguments."""
+    import inspect
+
+    fn = type(model).forward
+    while fn is not None:
+        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(fn.__code__)
+        if entries:
+            break
+        fn = getattr(fn, "__wrapped__", None)
+    if fn is None:
+        return {"guard_us": None, "why": "no cache entry on forward or what it wraps"}
+    bound = inspect.signature(fn, follow_wrapped=False).bind(model, *last[0], **last[1])
+    bound.apply_defaults()
+    f_locals = dict(bound.arguments)  # and a decorator's closure (Dynamo's locals hold its free variables)
+    f_locals.update(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__ or ())))
+    with torch.no_grad():  # as generate calls it (a global-state guard)
+        passing = [e for e in entries if e.guard_manager.check(f_locals)]
+        if not passing:
+            return {"guard_us": None, "cache_entries": len(entries), "function": fn.__qualname__,
+                    "why": entries[0].guard_manager.check_verbose(f_locals).verbose_code_parts[:3]}
+        guards = passing[0].guard_manager
+        start = time.perf_counter()
+        for _ in range(calls):
+            guards.check(f_locals)
+        took = (time.perf_counter() - start) / calls * 1e6
+    return {"guard_us": took, "guard_lines": len(guards.code_parts), "cache_entries": len(entries),
+            "function": fn.__qualname__}
+
+
+def steady(times: list[float]) -> float:
+    return statistics.median(times[2:]) if len(times) > 2 else float("nan")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", default="cgtrees")
     p.add_argument("--path", default="hf", choices=("hf", "hf-forward"))
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--new", type=int, default=64)
+    p.add_argument("--generations", type=int, default=6)
     p.add_argument("--cprofile", action="store_true", help="also: where the backend's part spends it (cProfile)")
     p.add_argument("--out")
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = serve_worker.build(a.smoke, device)
-    ours = Timer(cProfile.Profile() if a.cprofile else None)
+    ours, whole = Timer(), Timer()
     if a.path == "hf":
         hf = serve_worker.HF(model, "cgtrees", 1, 32 + a.new, a.new)
         hf.kwargs["compile_config"].backend = timed_backend(a.backend, ours)
@@ -89,34 +142,43 @@ def main() -> None:
         serve_worker.sync(device)
         warm_s.append(time.perf_counter() - start)
         print(f"generation {len(warm_s)}: {warm_s[-1]:.1f} s", flush=True)
-    whole = Timer()
     if a.path == "hf":
         model._compiled_call = whole.wrap(model._compiled_call)
     else:
         hf.model.forward = whole.wrap(hf.model.forward)
+    ours.take()
     before = dict(counters["cgtrees"])
-    ours.total = ours.calls = 0
-    ours.profiler = cProfile.Profile() if a.cprofile else None  # the steady calls only
-    serve_worker.sync(device)
-    start = time.perf_counter()
-    hf.generate(prompt)
-    serve_worker.sync(device)
-    gen_ms = (time.perf_counter() - start) / a.new * 1e3
-    row = {"backend": a.backend, "path": a.path,
+    gens = []
+    for g in range(a.generations):
+        if a.cprofile and g == a.generations - 1:
+            ours.profiler = cProfile.Profile()  # the last generation's calls
+        serve_worker.sync(device)
+        start = time.perf_counter()
+        hf.generate(prompt)
+        serve_worker.sync(device)
+        gen_ms = (time.perf_counter() - start) / a.new * 1e3
+        mine, calls = ours.take(), whole.take()
+        gens.append({"generate_ms": gen_ms, "calls": len(calls), "first_call_ms": calls[0], "first_ours_ms": mine[0],
+                     "compiled_call_ms": steady(calls), "ours_ms": steady(mine)})
+        print(json.dumps({"generation": g + 3, **{k: round(v, 3) for k, v in gens[-1].items()}}), flush=True)
+    med = {k: statistics.median(g[k] for g in gens) for k in gens[0]}
+    guards = guard_us(model, whole.last) if a.path == "hf" else {}
+    row = {"backend": a.backend, "path": a.path, "new": a.new, "torch": torch.__version__,
            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-           "generate_ms": gen_ms, "compiled_call_ms": whole.ms(), "backend_ms": ours.ms(),
-           "decode_calls": whole.calls, "first_generations_s": warm_s}
-    row["steady_counters"] = {k: v - before.get(k, 0) for k, v in counters["cgtrees"].items() if v != before.get(k, 0)}
+           "first_generations_s": warm_s, "generations": gens, "median": med, **guards,
+           "split_us": {"generate_python": (med["generate_ms"] - med["compiled_call_ms"]) * 1e3,
+                        "dynamo": (med["compiled_call_ms"] - med["ours_ms"]) * 1e3, "ours": med["ours_ms"] * 1e3,
+                        "rerecord_ms_per_generation": med["first_call_ms"] - med["compiled_call_ms"]}}
+    row["counters"] = {k: v - before.get(k, 0) for k, v in counters["cgtrees"].items() if v != before.get(k, 0)}
     if a.backend == "cgtrees":
         import cgtrees.runtime
 
         row["describe"] = cgtrees.runtime.describe().splitlines()
     if ours.profiler is not None:
-        ours.profiler.disable()
         text = io.StringIO()
         pstats.Stats(ours.profiler, stream=text).sort_stats("tottime").print_stats(30)
         row["cprofile"] = text.getvalue().splitlines()
-    print(json.dumps(row, indent=1))
+    print(json.dumps({k: row[k] for k in ("backend", "median", "split_us", "guard_us") if k in row}))
     if a.out:
         Path(a.out).write_text(json.dumps(row, indent=1))
 
