@@ -47,20 +47,22 @@ class Timer:
     def __init__(self) -> None:
         self.times: list[float] = []
         self.last: tuple[tuple, dict] = ((), {})
-        self.profiler: cProfile.Profile | None = None
+        self.profiler: cProfile.Profile | None = None  # the steady calls
+        self.first_profiler: cProfile.Profile | None = None  # the first call (a generation's recording)
 
     def wrap(self, fn):
         def timed(*args, **kwargs):
             self.last = (args, kwargs)
-            if self.profiler is not None:
-                self.profiler.enable()
+            profiling = self.first_profiler if not self.times else self.profiler if len(self.times) >= 2 else None
+            if profiling is not None:
+                profiling.enable()
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.times.append(time.perf_counter() - start)
-                if self.profiler is not None:
-                    self.profiler.disable()
+                if profiling is not None:
+                    profiling.disable()
         return timed
 
     def take(self) -> list[float]:
@@ -111,6 +113,19 @@ def guard_us(model: torch.nn.Module, last: tuple[tuple, dict], calls: int = 2000
             "function": fn.__qualname__}
 
 
+def runtime_parts() -> dict[str, Timer]:
+    """Timers inside ours (cgtrees): the graph function's call (its tree's checks and the replay),
+    the node's replay (inputs copied in, the launch, outputs rebuilt) and the graph's launch alone."""
+    from cgtrees.runtime import compat, function, node
+
+    timers = {"function_ms": Timer(), "replay_ms": Timer(), "launch_ms": Timer()}
+    function.GraphFunction.__call__ = timers["function_ms"].wrap(function.GraphFunction.__call__)
+    node.GraphNode.replay = timers["replay_ms"].wrap(node.GraphNode.replay)
+    replayer = compat.graph_replayer
+    compat.graph_replayer = lambda graph: timers["launch_ms"].wrap(replayer(graph))  # graphs recorded from now
+    return timers
+
+
 def steady(times: list[float]) -> float:
     return statistics.median(times[2:]) if len(times) > 2 else float("nan")
 
@@ -122,12 +137,14 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--generations", type=int, default=6)
-    p.add_argument("--cprofile", action="store_true", help="also: where the backend's part spends it (cProfile)")
+    p.add_argument("--cprofile", action="store_true", help="also: where the backend's steady calls spend it (cProfile)")
+    p.add_argument("--parts", action="store_true", help="cgtrees: time the runtime's layers inside ours")
     p.add_argument("--out")
     a = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = serve_worker.build(a.smoke, device)
     ours, whole = Timer(), Timer()
+    parts = runtime_parts() if a.parts and a.backend == "cgtrees" else None
     if a.path == "hf":
         hf = serve_worker.HF(model, "cgtrees", 1, 32 + a.new, a.new)
         hf.kwargs["compile_config"].backend = timed_backend(a.backend, ours)
@@ -147,19 +164,22 @@ def main() -> None:
     else:
         hf.model.forward = whole.wrap(hf.model.forward)
     ours.take()
+    for t in (parts or {}).values():
+        t.take()
     before = dict(counters["cgtrees"])
     gens = []
     for g in range(a.generations):
         if a.cprofile and g == a.generations - 1:
-            ours.profiler = cProfile.Profile()  # the last generation's calls
+            ours.profiler, ours.first_profiler = cProfile.Profile(), cProfile.Profile()  # the last generation's
         serve_worker.sync(device)
         start = time.perf_counter()
         hf.generate(prompt)
         serve_worker.sync(device)
         gen_ms = (time.perf_counter() - start) / a.new * 1e3
         mine, calls = ours.take(), whole.take()
+        layers = {name: steady(t.take()) for name, t in parts.items()} if parts else {}
         gens.append({"generate_ms": gen_ms, "calls": len(calls), "first_call_ms": calls[0], "first_ours_ms": mine[0],
-                     "compiled_call_ms": steady(calls), "ours_ms": steady(mine)})
+                     "compiled_call_ms": steady(calls), "ours_ms": steady(mine), **layers})
         print(json.dumps({"generation": g + 3, **{k: round(v, 3) for k, v in gens[-1].items()}}), flush=True)
     med = {k: statistics.median(g[k] for g in gens) for k in gens[0]}
     guards = guard_us(model, whole.last) if a.path == "hf" else {}
@@ -174,10 +194,12 @@ def main() -> None:
         import cgtrees.runtime
 
         row["describe"] = cgtrees.runtime.describe().splitlines()
-    if ours.profiler is not None:
-        text = io.StringIO()
-        pstats.Stats(ours.profiler, stream=text).sort_stats("tottime").print_stats(30)
-        row["cprofile"] = text.getvalue().splitlines()
+    for key, prof in (("cprofile", ours.profiler), ("cprofile_first_call", ours.first_profiler)):
+        if prof is not None:
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative" if key == "cprofile_first_call" else "tottime"
+                                                       ).print_stats(40)
+            row[key] = text.getvalue().splitlines()
     print(json.dumps({k: row[k] for k in ("backend", "median", "split_us", "guard_us") if k in row}))
     if a.out:
         Path(a.out).write_text(json.dumps(row, indent=1))
