@@ -118,9 +118,19 @@ def runtime_parts() -> dict[str, Timer]:
     the node's replay (inputs copied in, the launch, outputs rebuilt) and the graph's launch alone."""
     from cgtrees.runtime import compat, function, node
 
-    timers = {"function_ms": Timer(), "replay_ms": Timer(), "launch_ms": Timer()}
+    timers = {"function_ms": Timer(), "fits_ms": Timer(), "replay_ms": Timer(), "copy_in_ms": Timer(),
+              "outputs_ms": Timer(), "launch_ms": Timer()}
     function.GraphFunction.__call__ = timers["function_ms"].wrap(function.GraphFunction.__call__)
     node.GraphNode.replay = timers["replay_ms"].wrap(node.GraphNode.replay)
+    node.GraphNode.fits = timers["fits_ms"].wrap(node.GraphNode.fits)
+    copy_in = node.GraphNode._copy_in
+
+    def described(graph_node, args):  # what the replay copies in: (shape, dtype, device) of each input
+        timers["copy_in_ms"].copied = [[list(args[i].shape), str(args[i].dtype), str(args[i].device)]
+                                       for i in graph_node.copy_index]
+        return copy_in(graph_node, args)
+    node.GraphNode._copy_in = timers["copy_in_ms"].wrap(described)
+    node.GraphNode._outputs = timers["outputs_ms"].wrap(node.GraphNode._outputs)
     replayer = compat.graph_replayer
     compat.graph_replayer = lambda graph: timers["launch_ms"].wrap(replayer(graph))  # graphs recorded from now
     return timers
@@ -190,6 +200,8 @@ def main() -> None:
                         "dynamo": (med["compiled_call_ms"] - med["ours_ms"]) * 1e3, "ours": med["ours_ms"] * 1e3,
                         "rerecord_ms_per_generation": med["first_call_ms"] - med["compiled_call_ms"]}}
     row["counters"] = {k: v - before.get(k, 0) for k, v in counters["cgtrees"].items() if v != before.get(k, 0)}
+    if parts:
+        row["copied_inputs"] = getattr(parts["copy_in_ms"], "copied", None)
     if a.backend == "cgtrees":
         import cgtrees.runtime
 
