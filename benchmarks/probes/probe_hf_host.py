@@ -116,7 +116,7 @@ def guard_us(model: torch.nn.Module, last: tuple[tuple, dict], calls: int = 2000
 def runtime_parts() -> dict[str, Timer]:
     """Timers inside ours (cgtrees): the graph function's call (its tree's checks and the replay),
     the node's replay (inputs copied in, the launch, outputs rebuilt) and the graph's launch alone."""
-    from cgtrees.runtime import compat, function, node
+    from cgtrees.runtime import compat, function, manager, node
 
     timers = {"function_ms": Timer(), "fits_ms": Timer(), "replay_ms": Timer(), "copy_in_ms": Timer(),
               "outputs_ms": Timer(), "launch_ms": Timer()}
@@ -131,9 +131,52 @@ def runtime_parts() -> dict[str, Timer]:
         return copy_in(graph_node, args)
     node.GraphNode._copy_in = timers["copy_in_ms"].wrap(described)
     node.GraphNode._outputs = timers["outputs_ms"].wrap(node.GraphNode._outputs)
+    # a recording's parts (each generation's first call): its module run under capture, the graph's
+    # instantiation, its first replay, the pool's checkpoint
+    record = {"record_ms": (function.GraphFunction, "_record"),
+              "prepare_ms": (manager.TreeManager, "prepare_recording"),
+              "plan_inputs_ms": (node.GraphNode, "_plan_inputs"), "capture_ms": (node.GraphNode, "_capture"),
+              "capture_end_ms": (torch.cuda.CUDAGraph, "capture_end"),
+              "checkpoint_ms": (compat, "get_checkpoint_state"),
+              "after_recording_ms": (manager.TreeManager, "after_recording")}
+    for name, (owner, attr) in record.items():
+        timers[name] = Timer()
+        setattr(owner, attr, timers[name].wrap(getattr(owner, attr)))
     replayer = compat.graph_replayer
     compat.graph_replayer = lambda graph: timers["launch_ms"].wrap(replayer(graph))  # graphs recorded from now
     return timers
+
+
+RECORDING = ("record_ms", "prepare_ms", "plan_inputs_ms", "capture_ms", "capture_end_ms", "checkpoint_ms",
+             "after_recording_ms")  # summed over a generation (its first call), not a median
+
+
+def copies_us(copied: list, calls: int = 2000) -> dict:
+    """The replay's copy-in of inputs like ``copied`` ((shape, dtype, device) each), three ways."""
+    dtypes = {"torch.int64": torch.int64, "torch.bool": torch.bool, "torch.int32": torch.int32,
+              "torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16}
+    src = [torch.zeros(shape, dtype=dtypes[d], device=dev) for shape, d, dev in copied]
+    dst = [torch.zeros_like(t) for t in src]
+    by_dtype: dict = {}
+    for d, t in zip(dst, src):
+        by_dtype.setdefault(t.dtype, ([], []))
+        by_dtype[t.dtype][0].append(d)
+        by_dtype[t.dtype][1].append(t)
+    dst_bytes = [d.view(-1).view(torch.uint8) for d in dst]
+    ways = {"foreach_us": lambda: torch._foreach_copy_(dst, src),
+            "foreach_by_dtype_us": lambda: [torch._foreach_copy_(d, t) for d, t in by_dtype.values()],
+            "foreach_bytes_us": lambda: torch._foreach_copy_(dst_bytes, [t.view(-1).view(torch.uint8) for t in src]),
+            "copy_each_us": lambda: [d.copy_(t) for d, t in zip(dst, src)]}
+    out = {}
+    for name, way in ways.items():
+        way()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            way()
+        out[name] = (time.perf_counter() - start) / calls * 1e6
+        torch.cuda.synchronize()
+    return out
 
 
 def steady(times: list[float]) -> float:
@@ -187,7 +230,8 @@ def main() -> None:
         serve_worker.sync(device)
         gen_ms = (time.perf_counter() - start) / a.new * 1e3
         mine, calls = ours.take(), whole.take()
-        layers = {name: steady(t.take()) for name, t in parts.items()} if parts else {}
+        layers = {name: (sum(t.take()) if name in RECORDING else steady(t.take())) for name, t in parts.items()
+                  } if parts else {}
         gens.append({"generate_ms": gen_ms, "calls": len(calls), "first_call_ms": calls[0], "first_ours_ms": mine[0],
                      "compiled_call_ms": steady(calls), "ours_ms": steady(mine), **layers})
         print(json.dumps({"generation": g + 3, **{k: round(v, 3) for k, v in gens[-1].items()}}), flush=True)
@@ -202,6 +246,8 @@ def main() -> None:
     row["counters"] = {k: v - before.get(k, 0) for k, v in counters["cgtrees"].items() if v != before.get(k, 0)}
     if parts:
         row["copied_inputs"] = getattr(parts["copy_in_ms"], "copied", None)
+        if row["copied_inputs"] and device.type == "cuda":
+            row["copies_us"] = copies_us(row["copied_inputs"])
     if a.backend == "cgtrees":
         import cgtrees.runtime
 
