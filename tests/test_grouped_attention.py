@@ -52,7 +52,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_rewrite_calls_decode_attention_on_the_cache_as_it_is():
     inputs = _inputs()
     module = compile_fn(decode_attention, *inputs, cfg=config(gemm_decisions="rewrite"))
-    assert "torch.ops.cgtrees.decode_attention.default(" in module.source, module.source
+    assert "cgtrees.codegen.decode_attention.decode_attention_direct(" in module.source, module.source
     assert "aten.clone" not in module.source and "pw_fused_clone" not in module.source, module.source
     (choice,) = [c for c in module.graph.gemm_choices if "attention" in c]
     assert choice.endswith(f"attention q [{B}, {HEADS}, 1, {DIM}] kv [{B}, {KV_HEADS}, {CACHE}, {DIM}] x3 float32: "
@@ -134,10 +134,10 @@ def test_a_llama_decode_step_with_grouped_heads_generates_eager_tokens(monkeypat
         got = _greedy(model, step, ids, 6)
     assert torch.equal(got, want[:, ids.shape[1]:]), (got, want)
     sources = [p.read_text() for p in tmp_path.glob("*.py")]
-    assert sources and all(s.count("cgtrees.decode_attention.default(") == 2 and "repeat_kv" not in s
+    assert sources and all(s.count("decode_attention.decode_attention_direct(") == 2 and "repeat_kv" not in s
                            for s in sources)
     # q reaches the kernel unrotated, with cos and sin: the query's RoPE is the kernel's (codegen/rope.py)
-    rotating = r"decode_attention\.default\((\w+, ){4}[\d.]+, \[[\d, ]+\], (\d+, ){3}\w+, \w+\)"
+    rotating = r"decode_attention_direct\((\w+, ){4}[\d.]+, \[[\d, ]+\], (\d+, ){3}\w+, \w+\)"
     assert all(len(re.findall(rotating, s)) == 2 for s in sources), sources
     # each layer writes its K and V cache entries in one kernel (scheduler: scatters side by side)
     assert all(len(re.findall(r"\ndef \w*index_put\w*\(", s)) == 2 for s in sources), sources
@@ -165,7 +165,7 @@ def test_a_float_mask_made_from_a_boolean_one_is_given_as_the_boolean():
     inputs = _inputs()
     module = compile_fn(decode_attention, *inputs, cfg=config(gemm_decisions="rewrite"))
     call = module.source.split("\ndef call(")[1]
-    (line,) = [x for x in call.splitlines() if "decode_attention.default(" in x]
+    (line,) = [x for x in call.splitlines() if "decode_attention_direct(" in x]
     assert ", mask_1," in line, line  # the boolean input itself, not a float ``where`` of it
     assert "-inf" not in module.source, call
     for got, want in zip(module.call(list(inputs)), decode_attention(*inputs)):

@@ -155,8 +155,8 @@ def test_rewrite_runs_add_norm_and_qkv_in_one_launch_with_eager_values(dtype):
     assert re.fullmatch(rf"add\w*/grouped_mm\w*: rmsnorm\(add\) \[1, 104\] x 3 weights \[40\|16\|8, 104\] {name}: "
                         r"add_rmsnorm_grouped_mm 2/4 \(gemm_decisions=rewrite\)", line), module.graph.gemm_choices
     call = module.source.split("\ndef call(")[1]
-    assert len(re.findall(r"torch\.ops\.cgtrees\.add_rmsnorm_grouped_mm\.default\(", call)) == 1, call
-    assert "grouped_mm.default(" not in call.replace("add_rmsnorm_grouped_mm.default(", "")
+    assert len(re.findall(r"add_rmsnorm_grouped_mm_direct\(", call)) == 1, call
+    assert "grouped_mm_direct(" not in call.replace("add_rmsnorm_grouped_mm_direct(", "")
     assert "rsqrt" not in module.source.split("\ndef call(")[0].split("import cgtrees.codegen")[-1], module.source
     assert "import cgtrees.codegen.gemv_add_rmsnorm" in module.source
     got = module.call(list(args))
@@ -181,8 +181,8 @@ def test_rewrite_runs_add_norm_and_gate_up_in_one_launch_with_eager_values(dtype
     assert re.fullmatch(rf"add\w*/mm_silu_mul\w*: rmsnorm\(add\) \[1, 104\] x silu\(gate\) \* up \[40, 104\] {name}: "
                         r"add_rmsnorm_mm_silu_mul 2/8 \(gemm_decisions=rewrite\)", line), module.graph.gemm_choices
     call = module.source.split("\ndef call(")[1]
-    assert len(re.findall(r"torch\.ops\.cgtrees\.add_rmsnorm_mm_silu_mul\.default\(", call)) == 1, call
-    assert "mm_silu_mul.default(" not in call.replace("add_rmsnorm_mm_silu_mul.default(", "")
+    assert len(re.findall(r"add_rmsnorm_mm_silu_mul_direct\(", call)) == 1, call
+    assert "mm_silu_mul_direct(" not in call.replace("add_rmsnorm_mm_silu_mul_direct(", "")
     got = module.call(list(args))
     want = mlp_layer(*args)
     eps = torch.finfo(dtype).eps
@@ -294,9 +294,9 @@ def test_tiny_llama_decode_is_fused_and_generates_the_unfused_runs_tokens(tmp_pa
         eager = model.generate(ids, disable_compile=True, **greedy)
     (source,) = [p.read_text() for p in (tmp_path / "fused").glob("*inference*.py")]
     call = source.split("\ndef call(")[1]
-    assert len(re.findall(r"add_rmsnorm_grouped_mm\.default\(", call)) == 3, call  # and the LM head's
-    assert len(re.findall(r"add_rmsnorm_grouped_mm\.default\(\w+, None,", call)) == 1  # the first layer: no add
-    assert len(re.findall(r"add_rmsnorm_mm_silu_mul\.default\(\w+, \w+,", call)) == 2, call
+    assert len(re.findall(r"add_rmsnorm_grouped_mm_direct\(", call)) == 3, call  # and the LM head's
+    assert len(re.findall(r"add_rmsnorm_grouped_mm_direct\(\w+, None,", call)) == 1  # the first layer: no add
+    assert len(re.findall(r"add_rmsnorm_mm_silu_mul_direct\(\w+, \w+,", call)) == 2, call
     assert "add_rmsnorm_grouped_mm" not in "".join(p.read_text() for p in (tmp_path / "unfused").glob("*.py"))
     assert torch.equal(fused.sequences, unfused.sequences) and torch.equal(fused.sequences, eager.sequences)
     for got, want in zip(fused.logits, unfused.logits):

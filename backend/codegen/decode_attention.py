@@ -86,10 +86,9 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
             launch_pdl=early)
 
 
-@torch.library.custom_op("cgtrees::decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                     scale: float | None, out_stride: list[int], block_l: int, warps: int, split_l: int,
-                     cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention_direct(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                            scale: float | None, out_stride: list[int], block_l: int, warps: int, split_l: int,
+                            cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
     """``scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)`` of
     [B, H, Lq, D] queries over [B, Hkv, L, D] keys and values, written with strides ``out_stride``
     (the traced call's); ``split_l`` > 0 splits the cache into slices of that many positions; with
@@ -98,6 +97,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     launch(q, k, v, mask, scale if scale is not None else 1 / math.sqrt(q.shape[3]), out, block_l, warps, split_l,
            cos, sin)
     return out
+
+
+decode_attention = torch.library.custom_op("cgtrees::decode_attention", decode_attention_direct, mutates_args=())
 
 
 @decode_attention.register_fake

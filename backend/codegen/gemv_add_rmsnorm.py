@@ -81,9 +81,8 @@ def launch_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
                                         num_warps=8 if k >= 2048 else 4)
 
 
-@torch.library.custom_op("cgtrees::add_rmsnorm_grouped_mm", mutates_args=())
-def add_rmsnorm_grouped_mm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                           weights: list[torch.Tensor], block_n: int, warps: int) -> list[torch.Tensor]:
+def add_rmsnorm_grouped_mm_direct(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                                  weights: list[torch.Tensor], block_n: int, warps: int) -> list[torch.Tensor]:
     """``[n @ w.t() for w in weights]`` of ``n = rmsnorm(x + residual) * norm_weight``, and then
     ``x + residual`` itself where ``residual`` is given (x one row of K, in any shape)."""
     x = x.contiguous()
@@ -95,9 +94,13 @@ def add_rmsnorm_grouped_mm(x: torch.Tensor, residual: torch.Tensor | None, norm_
     return outs if h is None else [*outs, h]
 
 
-@torch.library.custom_op("cgtrees::add_rmsnorm_mm_silu_mul", mutates_args=())
-def add_rmsnorm_mm_silu_mul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                            w_gate: torch.Tensor, w_up: torch.Tensor, block_n: int, warps: int) -> list[torch.Tensor]:
+add_rmsnorm_grouped_mm = torch.library.custom_op("cgtrees::add_rmsnorm_grouped_mm", add_rmsnorm_grouped_mm_direct,
+                                                 mutates_args=())
+
+
+def add_rmsnorm_mm_silu_mul_direct(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                                   eps: float, w_gate: torch.Tensor, w_up: torch.Tensor, block_n: int,
+                                   warps: int) -> list[torch.Tensor]:
     """``silu(n @ w_gate.t()) * (n @ w_up.t())`` of ``n = rmsnorm(x + residual) * norm_weight``, and then
     ``x + residual`` itself where ``residual`` is given (x one row of K, in any shape)."""
     x = x.contiguous()
@@ -107,6 +110,10 @@ def add_rmsnorm_mm_silu_mul(x: torch.Tensor, residual: torch.Tensor | None, norm
     launch_silu_mul(x, residual, norm_weight.contiguous(), eps, w_gate.contiguous(), w_up.contiguous(), out, h,
                     block_n, warps)
     return [out] if h is None else [out, h]
+
+
+add_rmsnorm_mm_silu_mul = torch.library.custom_op("cgtrees::add_rmsnorm_mm_silu_mul", add_rmsnorm_mm_silu_mul_direct,
+                                                  mutates_args=())
 
 
 @add_rmsnorm_mm_silu_mul.register_fake

@@ -69,15 +69,17 @@ def launch_silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> 
                                      num_warps=4)
 
 
-@torch.library.custom_op("cgtrees::mm_silu_mul", mutates_args=())
-def mm_silu_mul(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, block_n: int, block_k: int,
-                warps: int) -> torch.Tensor:
+def mm_silu_mul_direct(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, block_n: int, block_k: int,
+                       warps: int) -> torch.Tensor:
     """``silu(x @ w_gate.t()) * (x @ w_up.t())`` in one launch (x [M, K], the weights [N, K], row-major),
     rounded as eager rounds it."""
     x, w_gate, w_up = x.contiguous(), w_gate.contiguous(), w_up.contiguous()
     out = torch.empty((x.shape[0], w_gate.shape[0]), dtype=x.dtype, device=x.device)
     launch(x, w_gate, w_up, out, block_n, block_k, warps)
     return out
+
+
+mm_silu_mul = torch.library.custom_op("cgtrees::mm_silu_mul", mm_silu_mul_direct, mutates_args=())
 
 
 @mm_silu_mul.register_fake

@@ -78,9 +78,8 @@ def _launch_row(x: torch.Tensor, ws: list[torch.Tensor], ys: list[torch.Tensor],
                                                                     num_warps=4)
 
 
-@torch.library.custom_op("cgtrees::grouped_mm", mutates_args=())
-def grouped_mm(x: torch.Tensor, weights: list[torch.Tensor], block_n: int, block_k: int,
-               warps: int, split_k: int) -> list[torch.Tensor]:
+def grouped_mm_direct(x: torch.Tensor, weights: list[torch.Tensor], block_n: int, block_k: int,
+                      warps: int, split_k: int) -> list[torch.Tensor]:
     """``[x @ w.t() for w in weights]`` in one launch, or two where ``split_k`` > 1 (x [M, K], each
     weight [N_i, K], row-major)."""
     x = x.contiguous()
@@ -88,6 +87,9 @@ def grouped_mm(x: torch.Tensor, weights: list[torch.Tensor], block_n: int, block
     outs = [torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device) for w in weights]
     launch(x, weights, outs, block_n, block_k, warps, split_k)
     return outs
+
+
+grouped_mm = torch.library.custom_op("cgtrees::grouped_mm", grouped_mm_direct, mutates_args=())
 
 
 @grouped_mm.register_fake

@@ -327,13 +327,21 @@ class GraphNode:
         single = len(self.copy_src) == 1 and self.copy_src[0][1] is None
         self.single_index = self.copy_src[0][0] if single else -1
         self.single_slot = self.copy_dst[0] if single else None
+        # one multi-tensor copy per dtype: inputs of mixed dtypes take foreach's copy of one tensor
+        # at a time (an H200's host: 17 us for HF's decode inputs, two int64 and a bool, 12 us grouped)
+        groups: dict[torch.dtype, tuple[list[torch.Tensor], list[tuple[int, tuple | None]]]] = {}
+        for dst, src in zip(self.copy_dst, self.copy_src):
+            dsts, srcs = groups.setdefault(dst.dtype, ([], []))
+            dsts.append(dst)
+            srcs.append(src)
+        self.copy_groups = list(groups.values())
 
     def _copy_in(self, args: list[Any]) -> None:
         if self.single_slot is not None:
             self.single_slot.copy_(args[self.single_index])
         elif self.copy_dst:
-            srcs = [args[i] if index is None else args[i][index] for i, index in self.copy_src]
-            torch._foreach_copy_(self.copy_dst, srcs)
+            for dsts, srcs in self.copy_groups:
+                torch._foreach_copy_(dsts, [args[i] if index is None else args[i][index] for i, index in srcs])
 
     def _write_back(self, args: list[Any]) -> None:
         for i, slot in self.write_back:
@@ -571,7 +579,7 @@ class GraphNode:
     def release(self, keep_graph: bool) -> None:
         """Free the input slots and, unless ``keep_graph`` (the manager's last node: its checkpoint
         is what the next recording restores, ``TreeManager.release``), the graph."""
-        self.slots = self.copy_dst = []
+        self.slots = self.copy_dst = self.copy_groups = []
         self.single_slot = None
         self.forget_reused()
         self.static_storages = []

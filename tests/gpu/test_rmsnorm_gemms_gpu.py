@@ -158,7 +158,7 @@ def test_rewrite_fuses_a_tinyllama_decode_graph(tmp_path):
         torch._dynamo.reset()
     sources = [p.read_text() for p in tmp_path.glob("*inference*.py")]
     calls = [s.split("\ndef call(")[1] for s in sources]
-    assert any(len(re.findall(r"add_rmsnorm_grouped_mm\.default\(", c)) == 3 and
-               len(re.findall(r"add_rmsnorm_mm_silu_mul\.default\(", c)) == 2 for c in calls), \
+    assert any(len(re.findall(r"add_rmsnorm_grouped_mm_direct\(", c)) == 3 and
+               len(re.findall(r"add_rmsnorm_mm_silu_mul_direct\(", c)) == 2 for c in calls), \
         [p.name for p in tmp_path.iterdir()]
     _close(fused.logits[1], eager.logits[1])  # the first decode step's (generate runs the prefill eagerly)

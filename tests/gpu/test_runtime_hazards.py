@@ -57,6 +57,32 @@ def test_static_inputs_not_copied():
         torch.testing.assert_close(f(x), model(x))
 
 
+def test_inputs_of_mixed_dtypes_are_copied_each_replay():
+    """A decode step's per-token inputs (ids and positions int64, a boolean mask, a float row): each
+    replay copies all of them into the graph's slots, one multi-tensor copy per dtype."""
+
+    class Step(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.randn(50, 8, device=DEV))  # static: read in place
+
+        def forward(self, ids, pos, keep, scale):
+            rows = self.table[ids] * scale + pos.unsqueeze(-1).float()
+            return rows.masked_fill(~keep.unsqueeze(-1), 0.0).sum(1)
+
+    model = Step()
+    f = cg(model)
+    with torch.no_grad():
+        for i in range(6):
+            ids = torch.randint(0, 50, (2, 3), device=DEV)
+            pos = torch.arange(3, device=DEV).expand(2, 3) + i
+            keep = torch.rand(2, 3, device=DEV) > 0.3
+            scale = torch.full((2, 3, 1), float(i + 1), device=DEV)
+            torch.testing.assert_close(f(ids, pos, keep, scale), model(ids, pos, keep, scale))
+    assert "inputs copied=4 checked=1" in runtime.describe(), runtime.describe()
+    assert stat("cudagraph_replayed") == 4 and stat("cudagraph_recorded") == 1
+
+
 def test_forward_backward_one_pool():
     model, ref = mlp(), mlp()
     f = cg(model)
