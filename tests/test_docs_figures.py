@@ -81,7 +81,7 @@ def _serve(name: str, backend: str, cache: int | None = None, batch: int | None 
 def test_serving_reading_cites_the_files_ratios():
     page = _page()
     one, eight = "serve-loop-b1-c160_4096-h200-8206a89.json", "serve-llama_8b-loop-b1-c160-h200-8206a89.json"
-    now = "serve-loop-b1-c160-h200-a0b84cc.json"
+    now, ab_again = "serve-loop-b1-c160-h200-0be931c.json", "serve-loop-b1-c160-h200-a0b84cc.json"
     for file, cache, batch, said in (
             (now, 160, 1, "{1:.2f} ms a token against reduce-overhead's {2:.2f} ({0:.2f}x)"),
             (one, 4096, 1, "{1:.2f} against {2:.2f} ms ({0:.1f}x), the cache split"),
@@ -94,7 +94,7 @@ def test_serving_reading_cites_the_files_ratios():
     ab = _serve("serve-loop-b1-c160-h200-2e91152.json", "cgtrees"), _serve("serve-loop-b1-c160-h200-2e91152.json",
                                                                        "cgtrees-nopdl")
     assert f"{ab[0]['ms_token']:.2f} against {ab[1]['ms_token']:.2f} ms with that off" in page
-    again = [_serve(now, b)["ms_token"] for b in ("cgtrees", "cgtrees-nopdl")]
+    again = [_serve(ab_again, b)["ms_token"] for b in ("cgtrees", "cgtrees-nopdl")]
     assert "the same A/B gave {:.2f} against {:.2f}".format(*again) in page
     eights = "serve-loop-b8-c160_4096-h200-7e94893.json"
     ours8, ro8 = _serve(eights, "cgtrees", 160), _serve(eights, "reduce-overhead", 160)
@@ -110,6 +110,24 @@ def test_serving_reading_cites_the_files_ratios():
           for b in ("cgtrees", "reduce-overhead")}
     ratios = ms["reduce-overhead"] / ms["cgtrees"], hf[1]["ms_token"] / hf[0]["ms_token"]
     assert "{:.2f}x and {:.2f}x in two calls".format(*ratios) in page
+    rows = "serve-hf-b1_8-c160-h200-fbc3011.json"
+    for batch, said in ((1, "{1:.2f} against {2:.2f} ms ({0:.2f}x) at batch 1"),
+                        (8, "{1:.2f} against {2:.2f} ({0:.2f}x) at batch 8")):
+        ours, theirs = _serve(rows, "cgtrees", batch=batch), _serve(rows, "reduce-overhead", batch=batch)
+        assert said.format(ours["tokens_s"] / theirs["tokens_s"], ours["ms_token"], theirs["ms_token"]) in page, batch
+
+
+def test_hf_host_reading_cites_the_probes():
+    """The HF path's host split: each figure the serving reading gives, from the probe's files."""
+    page, folder = _page(), os.path.join(RESULTS, "serving", "hf-host")
+    split = {f: json.load(open(os.path.join(folder, f"probe-hf-host-{f}.json")))["split_us"]
+             for f in ("cgtrees-0be931c", "inductor-0be931c", "parts-cgtrees-f899ec0", "parts-inductor-f899ec0")}
+    ours = sorted(split[f]["ours"] / 1e3 for f in ("cgtrees-0be931c", "parts-cgtrees-f899ec0"))
+    assert f"our call {ours[0]:.2f}-{ours[1]:.2f}" in page, ours
+    rerecord = [split[f]["rerecord_ms_per_generation"] for f in ("parts-cgtrees-f899ec0", "parts-inductor-f899ec0",
+                                                                 "cgtrees-0be931c", "inductor-0be931c")]
+    assert "{:.1f} against reduce-overhead's {:.1f} ms in one call, {:.1f} against {:.1f} in another".format(
+        *rerecord) in page, rerecord
 
 
 def test_memory_reading_cites_the_files():
