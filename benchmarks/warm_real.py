@@ -101,7 +101,7 @@ def _compiled(backend: str) -> str:
     return "cgtrees" if backend == "cgtrees-pc" else backend  # the environment says precompile
 
 
-def one(model: str, backend: str, smoke: bool, profile: str | None) -> None:
+def one(model: str, backend: str, smoke: bool, profile: str | None, sample: str | None = None) -> None:
     from torch._dynamo.utils import counters
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -112,11 +112,96 @@ def one(model: str, backend: str, smoke: bool, profile: str | None) -> None:
         profiler = cProfile.Profile()
         first = run_it(smoke, backend, device, window=lambda: profiler)
         write_profile(profiler, profile)
+    elif sample:
+        sampler = Sampler()
+        first = run_it(smoke, backend, device, window=lambda: sampler)
+        sampler.write(sample)
     else:
         first = run_it(smoke, backend, device)
     print(json.dumps({"first_s": round(first, 3), "host": HOST, "counters": dict(counters["cgtrees"]),
                       "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       "torch": torch.__version__}), flush=True)
+
+
+class Sampler:
+    """The main thread's Python stack every ``interval`` seconds, read by a thread of its own: where
+    the window's wall time goes on the main thread alone (Python 3.12's cProfile sees every thread's
+    calls, the warm load's first-calls thread among them). Each sample weighs the wall time since the
+    one before: a C call that holds the GIL delays the next sample, and its time goes to the stack
+    seen then, which still holds the Python frame that made the call unless it returned meanwhile."""
+
+    def __init__(self, interval: float = 0.002) -> None:
+        import threading
+
+        self.interval, self.main = interval, threading.main_thread().ident
+        self.samples: list[tuple[float, tuple[str, ...]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Sampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.wait(self.interval):
+            frame = sys._current_frames().get(self.main)
+            stack = []
+            while frame is not None:
+                stack.append(f"{frame.f_code.co_filename}:{frame.f_lineno}:{frame.f_code.co_name}")
+                frame = frame.f_back
+            now = time.perf_counter()
+            self.samples.append((now - last, tuple(reversed(stack))))
+            last = now
+
+    def write(self, path: str) -> None:
+        """Seconds by area of the innermost frame, by function (inclusive, then own), and the
+        heaviest stacks, cut at 12 frames below the window's function."""
+        inclusive: dict[str, float] = {}
+        own: dict[str, float] = {}
+        stacks: dict[tuple[str, ...], float] = {}
+        total = sum(w for w, _ in self.samples)
+        for weight, stack in self.samples:
+            names = [_function(f) for f in stack]
+            for name in dict.fromkeys(names):
+                inclusive[name] = inclusive.get(name, 0.0) + weight
+            if names:
+                own[names[-1]] = own.get(names[-1], 0.0) + weight
+            cut = tuple(_function(f) for f in stack[_window_depth(stack):][:12])
+            stacks[cut] = stacks.get(cut, 0.0) + weight
+        by_area: dict[str, float] = {}
+        for name, seconds in own.items():
+            area = next((a for a, marks in AREAS if any(m in name for m in marks)), "other")
+            by_area[area] = by_area.get(area, 0.0) + seconds
+        with open(path, "w") as f:
+            f.write(f"main thread, {len(self.samples)} samples over {total:.2f} s\n")
+            f.write("own time by area (s): " + ", ".join(f"{a} {t:.2f}" for a, t in
+                                                         sorted(by_area.items(), key=lambda kv: -kv[1])) + "\n\n")
+            for title, table, n in (("inclusive", inclusive, 80), ("own", own, 40)):
+                f.write(f"by function, {title} (s):\n")
+                f.writelines(f"{t:8.3f}  {name}\n" for name, t in sorted(table.items(), key=lambda kv: -kv[1])[:n])
+                f.write("\n")
+            f.write("heaviest stacks (s), from the window's function down:\n")
+            for cut, t in sorted(stacks.items(), key=lambda kv: -kv[1])[:25]:
+                f.write(f"{t:8.3f}  " + " > ".join(c.rsplit(":", 1)[-1] for c in cut) + f"\n          {cut[-1]}\n")
+
+
+def _function(frame: str) -> str:
+    """``file:line:name`` -> ``file:name`` (a function, whatever line it was at)."""
+    file, _line, name = frame.rsplit(":", 2)
+    return f"{file}:{name}"
+
+
+def _window_depth(stack: tuple[str, ...]) -> int:
+    """Where the timed window begins in a stack: the frame of ``first_decode`` or ``first_steps``."""
+    for i, frame in enumerate(stack):
+        if frame.endswith((":first_decode", ":first_steps")):
+            return i
+    return 0
 
 
 # Where a window's time goes, by whose code runs (own time, first match wins).
@@ -167,6 +252,8 @@ def run(model: str, backend: str, label: str, env: dict[str, str], args: argpars
     cmd += ["--smoke"] if args.smoke else []
     if args.cprofile and label != "cold":
         cmd += ["--cprofile-file", str(Path(args.out_dir) / f"cprofile-{model}-{backend}-{label}.txt")]
+    elif args.sample and label != "cold":
+        cmd += ["--sample-file", str(Path(args.out_dir) / f"sampled-{model}-{backend}-{label}.txt")]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -254,19 +341,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cprofile", action="store_true", help="each warm process's first outputs under cProfile: "
                    "OUT/cprofile-MODEL-BACKEND-LABEL.txt: own time by area, 60 functions by cumulative time, "
                    "30 by own time (the timed window only)")
+    p.add_argument("--sample", action="store_true", help="each warm process's first outputs, the main thread's "
+                   "stack sampled every 2 ms: OUT/sampled-MODEL-BACKEND-LABEL.txt (the timed window only)")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="set in every process (repeatable), e.g. CGTREES_WARM_FIRST_CALLS=0")
     p.add_argument("--warm-env", action="append", default=[], metavar="NAME=VALUE",
                    help="one more warm process per backend with this set (repeatable: one process each)")
     p.add_argument("--one", nargs=2, metavar=("MODEL", "BACKEND"), help=argparse.SUPPRESS)
     p.add_argument("--cprofile-file", help=argparse.SUPPRESS)
+    p.add_argument("--sample-file", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.one:
-        one(*args.one, args.smoke, args.cprofile_file)
+        one(*args.one, args.smoke, args.cprofile_file, args.sample_file)
         return 0
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
