@@ -116,8 +116,8 @@ class Loop:
         self.kwargs_pos = "cache_position" in inspect.signature(model.model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
         # torch documents the mark for CUDA-graph backends; a cgtrees inference loop needs none (a
-        # generation ends when none of its outputs is alive): SERVE_CGTREES_MARK=0 leaves it out, which
-        # saves the first mark's import of Inductor's compile_fx (about 1 s of a warm start)
+        # generation ends when none of its outputs is alive): SERVE_CGTREES_MARK=0 leaves it out (since
+        # cgtrees.marks the mark no longer imports Inductor's compile_fx, 2 s of a warm start before)
         self.mark = backend == "reduce-overhead" or (
             backend == "cgtrees" and os.environ.get("SERVE_CGTREES_MARK") != "0")
         self.step = self.decode if backend == "eager" else torch.compile(

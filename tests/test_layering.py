@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent / "backend"
 
 # Lower first: a module may import its own package and anything of a lower rank.
 RANKS = {
-    "config": 0, "counters": 0, "logs": 0, "compiled": 0, "capture": 0,
+    "config": 0, "counters": 0, "logs": 0, "compiled": 0, "capture": 0, "marks": 0,
     "context": 1, "progress": 1,  # progress: the compile's progress line, above counters, below api
     "compiled_function": 1,  # the level-1 value: built by aot, stored by the cache, saved by precompile
     "runtime": 2,

@@ -97,6 +97,34 @@ def test_mark_step_counter_does_not_import_inductor_trees():
     assert out.stdout.strip() == "False"
 
 
+def test_the_step_mark_does_not_import_inductor_and_is_seen():
+    """After ``import cgtrees``, torch's documented mark is ours: it does not import Inductor's trees
+    (2 s of a warm start on the GPU machine's host), and the runtime's counter moves at each mark."""
+    code = ("import sys, torch, cgtrees\nfrom cgtrees.runtime import compat\n"
+            "seen = [compat.mark_step_counter()]\n"
+            "for _ in range(2):\n"
+            "    torch.compiler.cudagraph_mark_step_begin()\n"
+            "    seen.append(compat.mark_step_counter())\n"
+            "print(len(set(seen)), 'torch._inductor.cudagraph_trees' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["3", "False"], out.stdout + out.stderr
+
+
+def test_the_step_mark_moves_inductors_counter_where_inductor_is_loaded():
+    """With Inductor's trees loaded, our mark moves Inductor's counter too (its trees see every
+    mark); torch's own function, kept by a caller before cgtrees was imported, is seen by ours."""
+    code = ("import sys, torch\nkept = torch.compiler.cudagraph_mark_step_begin\n"
+            "import cgtrees\nfrom torch._inductor import cudagraph_trees as trees\n"
+            "from cgtrees.runtime import compat\n"
+            "before = (trees.MarkStepBox.mark_step_counter, compat.mark_step_counter())\n"
+            "torch.compiler.cudagraph_mark_step_begin()\n"
+            "ours = (trees.MarkStepBox.mark_step_counter, compat.mark_step_counter())\n"
+            "kept()\n"
+            "print(before[0] - ours[0], ours[1] != before[1], compat.mark_step_counter() != ours[1])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "True", "True"], out.stdout + out.stderr
+
+
 def test_changing_dimension_is_named():
     keys = [(2, (2, 32), (64, 32)), (3, (3, 32), (64, 32)), (4, (4, 32), (64, 32))]
     text = _changing_dims(keys)

@@ -6,8 +6,8 @@ Invariants:
   name up once, at import, and ``missing()`` lists what the CUDA graph path needs but lacks.
 - Import never fails on a CPU build: the CUDA-only entries are then ``None`` and ``supported()``
   is False, so ``wrap`` runs graphs without CUDA graphs.
-- ``mark_step_counter()`` never imports ``torch._inductor.cudagraph_trees`` (about a second): if
-  nobody imported it, nobody called ``torch.compiler.cudagraph_mark_step_begin()``.
+- ``mark_step_counter()`` never imports ``torch._inductor.cudagraph_trees`` (about a second): it
+  reads that module's counter where something imported it, and ``cgtrees.marks``' count.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import threading
 from typing import Any, Iterator, Sequence
 
 import torch
+
+from cgtrees import marks
 
 _C = torch._C
 
@@ -124,11 +126,11 @@ def ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -
 
 
 def mark_step_counter() -> int:
-    """The counter ``torch.compiler.cudagraph_mark_step_begin()`` moves (0 if never called)."""
+    """A number that moves at each ``torch.compiler.cudagraph_mark_step_begin()`` (0 before any):
+    Inductor's counter, which counts down, less the marks ``cgtrees.marks`` counted."""
     module = sys.modules.get("torch._inductor.cudagraph_trees")
-    if module is None:
-        return 0
-    return module.MarkStepBox.mark_step_counter
+    theirs = module.MarkStepBox.mark_step_counter if module is not None else 0
+    return theirs - marks.count()
 
 
 def graph_replayer(graph: torch.cuda.CUDAGraph) -> Any:
