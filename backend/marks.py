@@ -10,7 +10,8 @@ Importing cgtrees (which Dynamo does at ``torch.compile(..., backend="cgtrees")`
 ``mark_step_begin`` in torch's place. It counts the mark here, and moves Inductor's counter as well
 wherever Inductor's module is loaded, so Inductor's trees see every mark; where it is not loaded, no
 tree of Inductor's exists to see one. The runtime reads both counts
-(``runtime.compat.mark_step_counter``), so a caller that kept torch's own function is seen too.
+(``counter``), so a caller that kept torch's own function is seen too. This module is the one
+place that touches Inductor's mark counter.
 """
 
 from __future__ import annotations
@@ -32,9 +33,13 @@ def mark_step_begin() -> None:
         module.mark_step_begin()
 
 
-def count() -> int:
-    """The marks made through ``mark_step_begin``."""
-    return _marks
+def counter() -> int:
+    """A number that moves at each mark, ours or torch's own (0 before any): Inductor's counter,
+    which counts down, where its module is loaded (never importing it: about a second), less the
+    marks made through ``mark_step_begin``."""
+    module = sys.modules.get("torch._inductor.cudagraph_trees")
+    theirs = module.MarkStepBox.mark_step_counter if module is not None else 0
+    return theirs - _marks
 
 
 def install() -> None:

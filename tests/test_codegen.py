@@ -591,19 +591,3 @@ def test_log1p_and_expm1_near_zero_keep_their_precision_in_the_interpreter(name,
     rel = ((got - want).abs() / want.abs()).max().item()
     assert rel < (1e-6 if dtype == torch.float32 else 1e-14), rel
 
-
-def test_each_library_op_has_the_function_generated_modules_call():
-    """A generated module calls our ops' Python (``<op>_direct`` in the op's module, what the op
-    itself runs), not the op through the dispatcher: each op has one."""
-    import importlib
-
-    from cgtrees.codegen import wrapper
-
-    for op, module_name in wrapper.OUR_OPS.items():
-        module = importlib.import_module(module_name)
-        name = op.rpartition(".")[2]
-        direct = getattr(module, f"{name}_direct")
-        assert callable(direct), op
-        assert wrapper._callee(f"{op}.default") == f"{module_name}.{name}_direct"
-        assert getattr(torch.ops.cgtrees, name).default is not None  # the op stays, for tracing
-    assert wrapper._callee("aten.mm.default") == "aten.mm.default"

@@ -6,14 +6,13 @@ Invariants:
   name up once, at import, and ``missing()`` lists what the CUDA graph path needs but lacks.
 - Import never fails on a CPU build: the CUDA-only entries are then ``None`` and ``supported()``
   is False, so ``wrap`` runs graphs without CUDA graphs.
-- ``mark_step_counter()`` never imports ``torch._inductor.cudagraph_trees`` (about a second): it
-  reads that module's counter where something imported it, and ``cgtrees.marks``' count.
+- ``mark_step_counter()`` never imports ``torch._inductor.cudagraph_trees`` (about a second):
+  ``cgtrees.marks`` reads that module's counter only where something imported it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 from typing import Any, Iterator, Sequence
 
@@ -126,11 +125,8 @@ def ptrs_equal(tensors: list[Any], ptrs: list[int | None], indices: list[int]) -
 
 
 def mark_step_counter() -> int:
-    """A number that moves at each ``torch.compiler.cudagraph_mark_step_begin()`` (0 before any):
-    Inductor's counter, which counts down, less the marks ``cgtrees.marks`` counted."""
-    module = sys.modules.get("torch._inductor.cudagraph_trees")
-    theirs = module.MarkStepBox.mark_step_counter if module is not None else 0
-    return theirs - marks.count()
+    """A number that moves at each ``torch.compiler.cudagraph_mark_step_begin()`` (``cgtrees.marks``)."""
+    return marks.counter()
 
 
 def graph_replayer(graph: torch.cuda.CUDAGraph) -> Any:
