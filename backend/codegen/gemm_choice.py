@@ -129,10 +129,11 @@ class GemmPlan:
             return "keep", f"gemm_decisions={self.mode}"
         return ("keep", self._untimed) if self._untimed else ("time", "")
 
-    def time_forms(self, forms: dict[str, tuple[str, Callable[[], Callable[[], None]], int]]
+    def time_forms(self, forms: dict[str, tuple[str, Callable[[], Callable[[], None]], int]], alone: bool = False
                    ) -> dict[str, float] | None:
-        """Microseconds of each form (name -> (key, build, bytes)), or None where too large to time."""
-        return self._time(forms)
+        """Microseconds of each form (name -> (key, build, bytes)), or None where too large to time;
+        ``alone``: each call after a kernel that has ended (``gemm_timing.time_us``)."""
+        return self._time(forms, alone)
 
     def note(self, node: str, what: str, taken: str, timings: tuple = (), why: str = "timed") -> None:
         self.choices.append(Choice(node, what, taken, timings, why))
@@ -186,13 +187,15 @@ class GemmPlan:
             self._note(node, gemm, "as traced", tuple(timings.items()), "timed")
 
     # -------------------------------------------------------------------------------------- timing
-    def _time(self, forms: dict[str, tuple[str, Callable[[], Callable[[], None]], int]]) -> dict[str, float] | None:
+    def _time(self, forms: dict[str, tuple[str, Callable[[], Callable[[], None]], int]], alone: bool = False
+              ) -> dict[str, float] | None:
         with compat.real_tensors():  # the compiler may be called under a fake mode
             free, _ = torch.cuda.mem_get_info(self.device)
             if sum(nbytes for _, _, nbytes in forms.values()) * 2 > free:
                 return None
             try:
-                return {name: gemm_timing.time_us(key, self.device, build) for name, (key, build, _) in forms.items()}
+                return {name: gemm_timing.time_us(key, self.device, build, alone)
+                        for name, (key, build, _) in forms.items()}
             finally:
                 compat.clear_cublas_workspaces()  # the timing stream's, 32 MiB on an H100, kept by torch
 

@@ -8,6 +8,13 @@ one CUDA graph and replayed: the figure is GPU time, free of the host's launch c
 small GEMM is larger than the kernel (a 2.6 us gemv launched from Python costs 10 us a call). The
 best of ``_REPLAYS`` replays, divided by ``reps``.
 
+Back to back, a call launched early (``pdl``) overlaps the tail of the call before it, and a form of
+two kernels hides its second behind the next call's first. In a step the kernel before a form is
+another one, which it cannot overlap that way. ``alone`` times each call after a plain kernel that
+has ended (a one-element fill, not launched early), less that fill's own time: forms of different
+launch counts compare as they run in a step (``grouped_attention``: a split attention and its
+combine against one whole-cache kernel).
+
 Figures are kept for the process, keyed by the candidate's description (op, sizes, strides, dtype,
 device): a shape met again (the backward's GEMMs repeat the forward's; layers repeat) is not
 timed again. Timing needs a CUDA device that is not capturing a graph; ``unavailable`` says why not.
@@ -37,9 +44,11 @@ def unavailable(device: torch.device) -> str | None:
     return None
 
 
-def time_us(key: str, device: torch.device, build: Callable[[], Callable[[], None]]) -> float:
+def time_us(key: str, device: torch.device, build: Callable[[], Callable[[], None]], alone: bool = False) -> float:
     """Microseconds of GPU time per call of the candidate ``build()`` makes (its tensors allocated
-    there, once), memoised under ``key``."""
+    there, once), memoised under ``key``; ``alone``: each call after a plain kernel that has ended."""
+    if alone:
+        return max(0.0, time_us(f"{key} alone", device, lambda: _after_fill(device, build())) - _fill_us(device))
     if key in _FIGURES:
         return _FIGURES[key]
     candidate = build()
@@ -60,6 +69,20 @@ def time_us(key: str, device: torch.device, build: Callable[[], Callable[[], Non
         del graph
     _FIGURES[key] = best
     return best
+
+
+def _fill_us(device: torch.device) -> float:
+    """A one-element fill's own time, back to back (each one waits for the one before)."""
+    return time_us(f"fill {device}", device, lambda: _after_fill(device, lambda: None))
+
+
+def _after_fill(device: torch.device, candidate: Callable[[], None]) -> Callable[[], None]:
+    fence = torch.empty(1, device=device)
+
+    def call() -> None:
+        fence.fill_(0.0)  # a plain launch: it starts once the call before has ended, and ends first
+        candidate()
+    return call
 
 
 def _once_us(candidate: Callable[[], None]) -> float:

@@ -180,7 +180,7 @@ def _choose(g: Grouped, plan: "GemmPlan") -> str:
         return TRACED
     forms = {TRACED: _form(g, plan.device, grouped=False), GQA: _form(g, plan.device, grouped=True)}
     forms.update({name: _decode_form(g, plan.device, c) for name, c in zip(decode, configs)})
-    timings = plan.time_forms(forms)
+    timings = plan.time_forms(forms, alone=True)  # a split's combine is not hidden behind the next call
     if timings is None:
         plan.note(g.node.name, g.text(), TRACED, (), "too large to time")
         return TRACED
