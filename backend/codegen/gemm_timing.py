@@ -6,7 +6,9 @@ known yet). It runs once (cuBLAS loads its kernel), once more under CUDA events
 to size a batch of ``reps`` calls that fills about ``_TARGET_US``, and then the batch is captured in
 one CUDA graph and replayed: the figure is GPU time, free of the host's launch cost, which on a
 small GEMM is larger than the kernel (a 2.6 us gemv launched from Python costs 10 us a call). The
-best of ``_REPLAYS`` replays, divided by ``reps``.
+best replay, divided by ``reps``. Replays go on until ``_STABLE`` in a row bring no new best by more than 1% (at
+most ``_MAX_REPLAYS``): a candidate timed right after its kernel's compile, the GPU idle for a
+second, may meet lowered clocks in its first replays.
 
 Back to back, a call launched early (``pdl``) overlaps the tail of the call before it, and a form of
 two kernels hides its second behind the next call's first. In a step the kernel before a form is
@@ -31,7 +33,8 @@ from cgtrees.codegen import pdl
 
 _TARGET_US = 2000.0  # a batch's GPU time: long enough that a replay's launch is noise
 _MAX_REPS = 100
-_REPLAYS = 3
+_STABLE = 3
+_MAX_REPLAYS = 20
 _FIGURES: dict[str, float] = {}
 
 
@@ -64,7 +67,7 @@ def time_us(key: str, device: torch.device, build: Callable[[], Callable[[], Non
                 for _ in range(reps):
                     candidate()
             graph.replay()
-            best = min(_replay_us(graph) for _ in range(_REPLAYS)) / reps
+            best = _best_replay_us(graph) / reps
         torch.cuda.current_stream().wait_stream(stream)
         del graph
     _FIGURES[key] = best
@@ -96,6 +99,17 @@ def _once_us(candidate: Callable[[], None]) -> float:
 
 def _reps(once_us: float) -> int:
     return max(1, min(_MAX_REPS, int(_TARGET_US / max(once_us, 1.0))))
+
+
+def _best_replay_us(graph: torch.cuda.CUDAGraph) -> float:
+    best, since = float("inf"), 0
+    for _ in range(_MAX_REPLAYS):
+        us = _replay_us(graph)
+        since = 0 if us < best * 0.99 else since + 1  # a new best by more than 1%
+        best = min(best, us)
+        if since == _STABLE:
+            break
+    return best
 
 
 def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
