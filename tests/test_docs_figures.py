@@ -81,7 +81,7 @@ def _serve(name: str, backend: str, cache: int | None = None, batch: int | None 
 def test_serving_reading_cites_the_files_ratios():
     page = _page()
     one, eight = "serve-loop-b1-c160_4096-h200-8206a89.json", "serve-llama_8b-loop-b1-c160-h200-8206a89.json"
-    now, ab_again = "serve-loop-b1-c160-h200-0be931c.json", "serve-loop-b1-c160-h200-a0b84cc.json"
+    now, ab_again = "serve-loop-b1-c160-h200-02fc232.json", "serve-loop-b1-c160-h200-a0b84cc.json"
     for file, cache, batch, said in (
             (now, 160, 1, "{1:.2f} ms a token against reduce-overhead's {2:.2f} ({0:.2f}x)"),
             (one, 4096, 1, "{1:.2f} against {2:.2f} ms ({0:.1f}x), the cache split"),
@@ -91,6 +91,14 @@ def test_serving_reading_cites_the_files_ratios():
         ratio = ours["tokens_s"] / theirs["tokens_s"]
         assert said.format(ratio, ours["ms_token"], theirs["ms_token"]) in page, (file, cache, batch, ratio)
     assert f"{_serve(eight, 'cgtrees')['hbm_fraction']:.0%} of HBM (target 80%" in page
+    for file, said in (("serve-loop-b1-c160-h200-0be931c.json", "the step was the same {:.2f} (against {:.2f})"),
+                       ("serve-loop-b1-c160-h200-b5c66bd.json", "ran {:.2f} against {:.2f}")):
+        assert said.format(_serve(file, "cgtrees")["ms_token"], _serve(file, "reduce-overhead")["ms_token"]) in page
+    timed = json.load(open(os.path.join(RESULTS, "serving", "probe-attention-timing-h200-02fc232.json")))
+    probe = timed["batch 1, cache 160"]["decode_attention 32/4 split 64"]["alone"]
+    assert f"17.5 us against {probe:.1f}" in page
+    choices = open(os.path.join(RESULTS, "serving", "gemm-attention-choices-h200-02fc232.txt")).read()
+    assert "decode_attention 32/4 split 64 17.5 us" in choices
     ab = _serve("serve-loop-b1-c160-h200-2e91152.json", "cgtrees"), _serve("serve-loop-b1-c160-h200-2e91152.json",
                                                                        "cgtrees-nopdl")
     assert f"{ab[0]['ms_token']:.2f} against {ab[1]['ms_token']:.2f} ms with that off" in page
@@ -170,6 +178,16 @@ def test_warm_start_real_size_table_cites_the_files():
                 shown = f"**{warm[0]['first_s']:.2f}**"
             line = next(ln for ln in section.splitlines() if ln.startswith(f"| {workload} | {backend} "))
             assert f"| {cold:.1f} | {shown} | {faster['phases']['dynamo']:.2f}" in line, (line, shown)
+    newest = {("Llama (2200225)", r["backend"]): r for r in _warm_rows("warm_real-llama_1b-sampled-h200-2200225.jsonl")
+              if r["label"] != "cold"}
+    newest.update({("GPT-2 (b5c66bd)", r["backend"]): r
+                   for r in _warm_rows("warm_real-gpt2_small-h200-b5c66bd-partial.jsonl") if r["label"] != "cold"})
+    for (workload, backend), r in newest.items():
+        line = next(ln for ln in section.splitlines() if ln.startswith(f"| {workload} | {backend} "))
+        assert f"| **{r['first_s']:.2f}** | {r['phases']['dynamo']:.2f} | {r['phases']['backend']:.2f} |" in line, line
+    llama = {b: r["first_s"] for (w, b), r in newest.items() if w.startswith("Llama")}
+    assert f"{llama['cgtrees'] / llama['reduce-overhead']:.2f}x reduce-overhead's warm start" in re.sub(r"\s+", " ", section)
+    assert f"{llama['cgtrees'] / llama['inductor']:.2f}x Inductor's" in section
     ratios = [best["Llama", "cgtrees"] / best["Llama", "reduce-overhead"],
               best["Llama", "cgtrees"] / best["Llama", "inductor"],
               best["GPT-2", "cgtrees"] / best["GPT-2", "inductor"],
