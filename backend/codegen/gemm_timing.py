@@ -34,7 +34,7 @@ from cgtrees.codegen import pdl
 _TARGET_US = 2000.0  # a batch's GPU time: long enough that a replay's launch is noise
 _MAX_REPS = 100
 _STABLE = 3
-_MAX_REPLAYS = 20
+_MAX_REPLAYS = 10
 _FIGURES: dict[str, float] = {}
 
 
