@@ -6,9 +6,11 @@ known yet). It runs once (cuBLAS loads its kernel), once more under CUDA events
 to size a batch of ``reps`` calls that fills about ``_TARGET_US``, and then the batch is captured in
 one CUDA graph and replayed: the figure is GPU time, free of the host's launch cost, which on a
 small GEMM is larger than the kernel (a 2.6 us gemv launched from Python costs 10 us a call). The
-best replay, divided by ``reps``. Replays go on until ``_STABLE`` in a row bring no new best by more than 1% (at
-most ``_MAX_REPLAYS``): a candidate timed right after its kernel's compile, the GPU idle for a
-second, may meet lowered clocks in its first replays.
+best replay, divided by ``reps``. Each timed replay is queued behind an untimed one, so that a replay
+launched late (another thread of the process held the GIL between the start event and the launch:
+Triton's key hashed in the background, a parallel compile) does not count the wait as GPU time; a
+Llama compile showed 17.5 us for a 4 us form that way. Replays go on until ``_STABLE`` in a row
+bring no new best by more than 1%, at most ``_MAX_REPLAYS``.
 
 Back to back, a call launched early (``pdl``) overlaps the tail of the call before it, and a form of
 two kernels hides its second behind the next call's first. In a step the kernel before a form is
@@ -114,6 +116,7 @@ def _best_replay_us(graph: torch.cuda.CUDAGraph) -> float:
 
 def _replay_us(graph: torch.cuda.CUDAGraph) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()  # the GPU is busy while the timed replay is queued: a late launch is not timed
     start.record()
     graph.replay()
     end.record()
