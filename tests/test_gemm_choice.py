@@ -147,3 +147,20 @@ def gemm_choice_facts():
     from cgtrees.compiled import GraphFacts
 
     return GraphFacts()
+
+
+def test_a_timing_asks_for_the_gil_back_within_a_tenth_of_a_millisecond():
+    """While a candidate is timed another thread gives the GIL back within 0.1 ms, and the process's
+    switch interval is Python's again afterwards, after an error too (``gemm_timing._gil_back_soon``;
+    the timing itself needs a GPU: ``tests/gpu/test_gemm_timing_gpu.py``)."""
+    import sys
+
+    from cgtrees.codegen import gemm_timing
+
+    before = sys.getswitchinterval()
+    with gemm_timing._gil_back_soon():
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
+    assert sys.getswitchinterval() == before
+    with pytest.raises(RuntimeError), gemm_timing._gil_back_soon():
+        raise RuntimeError("a candidate failed")
+    assert sys.getswitchinterval() == before

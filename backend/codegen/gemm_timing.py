@@ -8,9 +8,11 @@ one CUDA graph and replayed: the figure is GPU time, free of the host's launch c
 small GEMM is larger than the kernel (a 2.6 us gemv launched from Python costs 10 us a call). The
 best replay, divided by ``reps``. Each timed replay is queued behind an untimed one, so that a replay
 launched late (another thread of the process held the GIL between the start event and the launch:
-Triton's key hashed in the background, a parallel compile) does not count the wait as GPU time; a
-Llama compile showed 17.5 us for a 4 us form that way. Replays go on until ``_STABLE`` in a row
-bring no new best by more than 1%, at most ``_MAX_REPLAYS``.
+Triton's key hashed in the background, a parallel compile) does not count the wait as GPU time, and
+while it times, another thread gives the GIL back within 0.1 ms (``_gil_back_soon``): with
+Python's 5 ms a thread of pure Python made a 1 us kernel time at 10 ms, the batch sized at one call
+from its host time. Replays go on until ``_STABLE`` in a row bring no new best by more than 1%, at
+most ``_MAX_REPLAYS``.
 
 Back to back, a call launched early (``pdl``) overlaps the tail of the call before it, and a form of
 two kernels hides its second behind the next call's first. In a step the kernel before a form is
@@ -26,7 +28,9 @@ timed again. Timing needs a CUDA device that is not capturing a graph; ``unavail
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import sys
+from typing import Callable, Iterator
 
 import torch
 
@@ -62,18 +66,31 @@ def time_us(key: str, device: torch.device, build: Callable[[], Callable[[], Non
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), pdl.timing():
             candidate()  # loads the kernel; cuBLAS may also allocate its workspace here
-            reps = _reps(_once_us(candidate))
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: another thread's CUDA calls (a warm load's first calls) are not the capture's
-            with recording_lock, torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                for _ in range(reps):
-                    candidate()
-            graph.replay()
-            best = _best_replay_us(graph) / reps
+            with _gil_back_soon():
+                reps = _reps(_once_us(candidate))
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: another thread's CUDA calls (a warm load's first calls) are not the capture's
+                with recording_lock, torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                    for _ in range(reps):
+                        candidate()
+                graph.replay()
+                best = _best_replay_us(graph) / reps
         torch.cuda.current_stream().wait_stream(stream)
         del graph
     _FIGURES[key] = best
     return best
+
+
+@contextlib.contextmanager
+def _gil_back_soon() -> Iterator[None]:
+    """Another thread holding the GIL gives it back to this one within 0.1 ms, not Python's 5: a late
+    launch sizes a batch from a call's host time and delays a replay past the one queued before it."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, 1e-4))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def _fill_us(device: torch.device) -> float:

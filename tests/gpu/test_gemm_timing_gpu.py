@@ -19,10 +19,10 @@ def test_a_thread_holding_the_gil_does_not_lengthen_a_timing():
     from cgtrees.codegen import gemm_timing
 
     device = torch.device("cuda", torch.cuda.current_device())
-    x = torch.randn(1 << 16, device=device)
+    x = torch.randn(1 << 24, device=device)
 
     def build():
-        return lambda: x.mul_(1.0)  # a few microseconds: a host delay would dominate it
+        return lambda: x.mul_(1.0)  # 128 MB read and written, about 30 us: a batch of ~2 ms
 
     gemm_timing.forget()
     quiet = gemm_timing.time_us("mul quiet", device, build)
