@@ -151,7 +151,8 @@ def gemm_choice_facts():
 
 def test_a_timing_asks_for_the_gil_back_within_a_tenth_of_a_millisecond():
     """While a candidate is timed another thread gives the GIL back within 0.1 ms, and the process's
-    switch interval is Python's again afterwards, after an error too (``gemm_timing._gil_back_soon``;
+    switch interval is what it was afterwards, after an error too, and after two overlapping timings
+    that end in either order (``gemm_timing._gil_back_soon``;
     the timing itself needs a GPU: ``tests/gpu/test_gemm_timing_gpu.py``)."""
     import sys
 
@@ -163,4 +164,12 @@ def test_a_timing_asks_for_the_gil_back_within_a_tenth_of_a_millisecond():
     assert sys.getswitchinterval() == before
     with pytest.raises(RuntimeError), gemm_timing._gil_back_soon():
         raise RuntimeError("a candidate failed")
+    assert sys.getswitchinterval() == before
+    # two threads timing at once, the first one out before the second: the last one out restores it
+    first, second = gemm_timing._gil_back_soon(), gemm_timing._gil_back_soon()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert sys.getswitchinterval() == pytest.approx(1e-4)
+    second.__exit__(None, None, None)
     assert sys.getswitchinterval() == before
