@@ -166,12 +166,13 @@ class TimedPlan:
     device = torch.device("cpu")
 
     def __init__(self, us: dict[str, float]) -> None:
-        self.us, self.notes = us, []
+        self.us, self.notes, self.alone = us, [], []
 
     def other_choice(self):
         return "time", ""
 
-    def time_forms(self, forms):
+    def time_forms(self, forms, alone=False):
+        self.alone.append(alone)  # how each choice asked for its forms to be timed
         for _, build, _ in forms.values():
             build()()
         return {name: next(t for start, t in self.us.items() if name.startswith(start)) for name in forms}

@@ -178,7 +178,8 @@ def test_a_float_mask_made_from_a_boolean_one_is_given_as_the_boolean():
     ({"as traced": 4.05, "enable_gqa": 6.0, "decode_attention": 4.0}, "as traced")])
 def test_the_fastest_form_is_taken_where_it_beats_the_traced_one_by_the_margin(us, taken):
     """Every form runs on the traced layouts; the fastest is taken unless the traced one is within
-    ``gemm_choice.MARGIN`` of it; no split configuration where the cache is shorter than a slice."""
+    ``gemm_choice.MARGIN`` of it; no split configuration where the cache is shorter than a slice; the
+    forms are timed one call at a time (``gemm_timing``'s ``alone``)."""
     from codegen_helpers import trace
 
     from cgtrees.codegen import grouped_attention, interp
@@ -188,6 +189,7 @@ def test_the_fastest_form_is_taken_where_it_beats_the_traced_one_by_the_margin(u
     (node,) = [n for op in grouped_attention.SDPA_OPS for n in gm.graph.find_nodes(op="call_function", target=op)]
     plan = TimedPlan(us)
     assert grouped_attention._choose(grouped_attention._grouped(node), plan) == taken
+    assert plan.alone == [True]  # each call after a kernel that has ended, as in a step
     (note,) = plan.notes
     assert [name for name, _ in note[3]] == ["as traced", "enable_gqa", "decode_attention 32/4",
                                              "decode_attention 64/4", "decode_attention 128/4"]  # no slice: 23 cached
