@@ -101,7 +101,8 @@ def test_serving_reading_cites_the_files_ratios():
     choices = open(os.path.join(RESULTS, "serving", "gemm-attention-choices-h200-02fc232.txt")).read()
     assert "decode_attention 32/4 split 64 17.5 us" in choices
     choices = open(os.path.join(RESULTS, "serving", "gemm-attention-choices-h200-e7ca5c1.txt")).read()
-    forms = [float(us) for us in re.findall(r"decode_attention [^(,]+? ([\d.]+) us", choices.split("attention q")[1].split("\n")[0])]
+    line = choices.split("attention q")[1].split("\n")[0]
+    forms = [float(us) for us in re.findall(r"decode_attention [^(,]+? ([\d.]+) us", line)]
     assert f"forms timed {min(forms):.1f}-{max(forms):.1f} us" in page, forms
     ab = _serve("serve-loop-b1-c160-h200-2e91152.json", "cgtrees"), _serve("serve-loop-b1-c160-h200-2e91152.json",
                                                                        "cgtrees-nopdl")
@@ -176,7 +177,8 @@ def test_warm_start_real_size_table_cites_the_files():
                     if r["backend"] == backend]  # the newest file's: cgtrees-pc came again in the next call
             best[workload, backend] = min(r["first_s"] for r in mine if r["label"] != "cold")
             assert f"{best[workload, backend]:.2f}" in prose, (workload, backend)
-    assert f"GPT-2 warm {best['GPT-2', 'cgtrees']:.2f} for cgtrees, {best['GPT-2', 'inductor']:.2f} for Inductor" in prose
+    gpt2 = best["GPT-2", "cgtrees"], best["GPT-2", "inductor"]
+    assert "GPT-2 warm {:.2f} for cgtrees, {:.2f} for Inductor".format(*gpt2) in prose
     newest = {("Llama (2200225)", r["backend"]): r for r in _warm_rows("warm_real-llama_1b-sampled-h200-2200225.jsonl")
               if r["label"] != "cold"}
     newest.update({("GPT-2 (b5c66bd)", r["backend"]): r
