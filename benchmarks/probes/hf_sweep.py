@@ -1,0 +1,146 @@
+"""More Hugging Face architectures than ``tests/test_hf_models.py`` keeps in CI, each compiled whole with
+``backend="cgtrees"`` and checked against eager by the suite's own ``check_inference`` and
+``check_training`` (outputs, loss and every gradient): encoders, decoders, state-space models,
+encoder-decoders and vision models at the suite's tiny sizes, random weights. A CPU is enough:
+
+    CGTREES_CPU_PIPELINE=1 python benchmarks/probes/hf_sweep.py              # graphs run as aten calls
+    CGTREES_CPU_PIPELINE=1 CGTREES_INTERPRET=1 python benchmarks/probes/hf_sweep.py --interpret
+    ... --only mamba,swin
+
+One line per model and mode: ok (graphs compiled, whole-graph fallbacks, kernels generated; a cache
+directory of its own unless ``CGTREES_CACHE_DIR`` is set) or the failure. An architecture that fails
+belongs in the suite, with its fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+os.environ.setdefault("CGTREES_CACHE_DIR", tempfile.mkdtemp(prefix="cgtrees-sweep-"))  # every graph compiled
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
+
+import hf_helpers as H  # noqa: E402
+from hf_helpers import VOCAB, Case, _causal_lm_inputs, _masked_lm_inputs, _seq2seq_inputs, _special  # noqa: E402
+
+
+def _model(model: str, config: str, **kw: Any) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        import transformers
+
+        return getattr(transformers, model)(getattr(transformers, config)(**kw))
+    return build
+
+
+def _encoder(model: str, config: str, **kw: Any) -> Callable[[], torch.nn.Module]:
+    return _model(model, config, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0, pad_token_id=0, **kw)
+
+
+def _decoder(model: str, config: str, **kw: Any) -> Callable[[], torch.nn.Module]:
+    sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64, **_special())
+    return _model(model, config, **{**sizes, **kw})
+
+
+def _images() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"pixel_values": torch.randn(2, 3, 32, 32, generator=g), "labels": torch.tensor([1, 3])}
+
+
+_VIT = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, num_labels=5)
+_SSM = dict(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
+            use_cache=False, **_special())
+
+CASES = {
+    "roberta": Case(_encoder("RobertaForMaskedLM", "RobertaConfig"), _masked_lm_inputs),
+    "electra": Case(_encoder("ElectraForMaskedLM", "ElectraConfig", embedding_size=16), _masked_lm_inputs),
+    "distilbert": Case(_model("DistilBertForMaskedLM", "DistilBertConfig", vocab_size=VOCAB, dim=32, n_layers=2,
+                              n_heads=4, hidden_dim=64, max_position_embeddings=64, dropout=0.0,
+                              attention_dropout=0.0, pad_token_id=0), _masked_lm_inputs),
+    "albert": Case(_encoder("AlbertForMaskedLM", "AlbertConfig", embedding_size=16), _masked_lm_inputs),
+    "modernbert": Case(_decoder("ModernBertForMaskedLM", "ModernBertConfig", global_attn_every_n_layers=2,
+                                local_attention=8, embedding_dropout=0.0, attention_dropout=0.0, mlp_dropout=0.0,
+                                pad_token_id=0), _masked_lm_inputs),
+    "opt": Case(_model("OPTForCausalLM", "OPTConfig", vocab_size=VOCAB, hidden_size=32, ffn_dim=64,
+                       num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                       word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, **_special()), _causal_lm_inputs),
+    "gptj": Case(_model("GPTJForCausalLM", "GPTJConfig", vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2,
+                        n_head=4, rotary_dim=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **_special()),
+                 _causal_lm_inputs),
+    "mpt": Case(_model("MptForCausalLM", "MptConfig", vocab_size=VOCAB, d_model=32, n_heads=4, n_layers=2,
+                       expansion_ratio=2, max_seq_len=64, **_special()), _causal_lm_inputs),
+    "olmoe": Case(_decoder("OlmoeForCausalLM", "OlmoeConfig", num_experts=4, num_experts_per_tok=2,
+                           num_key_value_heads=2), _causal_lm_inputs),
+    "granitemoe": Case(_decoder("GraniteMoeForCausalLM", "GraniteMoeConfig", num_local_experts=4,
+                                num_experts_per_tok=2, num_key_value_heads=2), _causal_lm_inputs),
+    "qwen2_tied_mqa": Case(_decoder("Qwen2ForCausalLM", "Qwen2Config", num_key_value_heads=1,
+                                    tie_word_embeddings=True), _causal_lm_inputs),
+    "mamba": Case(_model("MambaForCausalLM", "MambaConfig", **_SSM), _causal_lm_inputs),
+    "falcon_mamba": Case(_model("FalconMambaForCausalLM", "FalconMambaConfig", use_mambapy=False, **_SSM),
+                         _causal_lm_inputs),
+    "mamba2": Case(_model("Mamba2ForCausalLM", "Mamba2Config", vocab_size=VOCAB, hidden_size=32, num_heads=4,
+                          head_dim=16, state_size=8, num_hidden_layers=2, expand=2, n_groups=1, conv_kernel=4,
+                          chunk_size=8, use_cache=False, **_special()), _causal_lm_inputs),
+    "jamba": Case(_decoder("JambaForCausalLM", "JambaConfig", num_key_value_heads=2, num_experts=2,
+                           num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+                           attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
+                           use_mamba_kernels=False, use_cache=False), _causal_lm_inputs),
+    "pegasus": Case(_model("PegasusForConditionalGeneration", "PegasusConfig", vocab_size=VOCAB, d_model=32,
+                           encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+                           encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
+                           attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=0, **_special()),
+                    _seq2seq_inputs, seq2seq=True),
+    "vit": Case(_model("ViTForImageClassification", "ViTConfig", hidden_dropout_prob=0.0,
+                       attention_probs_dropout_prob=0.0, **_VIT), _images),
+    "dinov2": Case(_model("Dinov2ForImageClassification", "Dinov2Config", hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0, drop_path_rate=0.0, **_VIT), _images),
+    "swin": Case(_model("SwinForImageClassification", "SwinConfig", image_size=32, patch_size=4, embed_dim=16,
+                        depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=5, drop_path_rate=0.0), _images),
+    "convnext": Case(_model("ConvNextForImageClassification", "ConvNextConfig", num_stages=2, hidden_sizes=[8, 16],
+                            depths=[1, 1], num_labels=5, drop_path_rate=0.0), _images),
+    "siglip": Case(_model("SiglipForImageClassification", "SiglipConfig", num_labels=5, vision_config=dict(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64)), _images),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--interpret", action="store_true", help="our generated kernels, through Triton's interpreter")
+    parser.add_argument("--only", default="", help="comma-separated names")
+    args = parser.parse_args()
+    from torch._dynamo.utils import counters
+
+    H.CASES.update(CASES)
+    options = {"interpret": True} if args.interpret else {}
+    mode = "interpreted" if args.interpret else "aten"
+    for name in args.only.split(",") if args.only else CASES:
+        for kind, check in (("inference", H.check_inference), ("training", H.check_training)):
+            start = time.perf_counter()
+            counters["cgtrees"].clear()
+            torch._dynamo.reset()
+            try:
+                check(name, options)
+            except Exception as e:  # noqa: BLE001 - a failure is a line of the report
+                print(f"{name:15s} {kind:9s} {mode:11s} FAIL {type(e).__name__}: {str(e)[:400]}", flush=True)
+                traceback.print_exc(limit=-4, file=sys.stderr)
+                continue
+            seen = dict(counters["cgtrees"])
+            graphs = f"{seen.get('graphs_compiled', 0)} (+{seen.get('graphs_loaded', 0)} from the cache)"
+            print(f"{name:15s} {kind:9s} {mode:11s} ok   {time.perf_counter() - start:5.1f} s, graphs {graphs}, "
+                  f"fallbacks {seen.get('graph_fallbacks', 0)}, kernels {seen.get('kernels_generated', 0)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
