@@ -21,10 +21,12 @@ with a float one). Two grouped forms can replace the call: ``enable_gqa``, and o
 ``decode_attention`` (``codegen/decode_attention.py``: a few query rows a KV head, the cache whole or
 split into slices) in each configuration of ``_DECODE_CONFIGS``. Which is a timed choice, as a GEMM's
 form is (``gemm_choice``): every form runs on the device at compile time, the traced one with its
-copies, and the fastest grouped one is taken where it beats the traced one by more than
-``gemm_choice.MARGIN``; ``gemm_decisions=rewrite`` always takes a grouped one (``decode_attention``
-where it takes the shapes: tests), ``keep`` never. Each choice is a line of the module's header.
-The caller's graph is left as it is (the cache records it): a rewrite works on a copy.
+copies, one call at a time after a kernel that has ended (``gemm_timing``'s ``alone``: back to back,
+an early-launched split's combine would hide behind the next call), and the fastest grouped one is
+taken where it beats the traced one by more than ``gemm_choice.MARGIN``; ``gemm_decisions=rewrite``
+always takes a grouped one (``decode_attention`` where it takes the shapes: tests), ``keep`` never.
+Each choice is a line of the module's header. The caller's graph is left as it is (the cache
+records it): a rewrite works on a copy.
 """
 
 from __future__ import annotations
