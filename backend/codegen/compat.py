@@ -31,7 +31,7 @@ added nodes), under the fake mode they were traced in; ``real_tensors()``: a con
 tensors are real even where the compiler was called under a fake mode (timing a GEMM on the device);
 ``clear_cublas_workspaces()``: drop cuBLAS's workspaces, which torch keeps per handle and stream
 (32 MiB each on an H100), after timing on a stream of our own; the runtime does the same around
-its recordings.
+its recordings; ``gpu_spin(cycles)``: the GPU busy for a while, ahead of a timed launch.
 """
 
 from __future__ import annotations
@@ -446,3 +446,11 @@ def clear_cublas_workspaces() -> None:
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is not None and not torch.cuda.is_current_stream_capturing():
         clear()
+
+
+def gpu_spin(cycles: int) -> None:
+    """The current stream's GPU spins for about ``cycles`` clock ticks (``torch.cuda._sleep``): work
+    queued ahead of a timed launch, so that the host's delay before it is not timed."""
+    import torch
+
+    torch.cuda._sleep(cycles)

@@ -6,13 +6,16 @@ known yet). It runs once (cuBLAS loads its kernel), once more under CUDA events
 to size a batch of ``reps`` calls that fills about ``_TARGET_US``, and then the batch is captured in
 one CUDA graph and replayed: the figure is GPU time, free of the host's launch cost, which on a
 small GEMM is larger than the kernel (a 2.6 us gemv launched from Python costs 10 us a call). The
-best replay, divided by ``reps``. Each timed replay is queued behind an untimed one, so that a replay
-launched late (another thread of the process held the GIL between the start event and the launch:
-Triton's key hashed in the background, a parallel compile) does not count the wait as GPU time, and
-while it times, another thread gives the GIL back within 0.1 ms (``_gil_back_soon``): with
-Python's 5 ms a thread of pure Python made a 1 us kernel time at 10 ms, the batch sized at one call
-from its host time. Replays go on until ``_STABLE`` in a row bring no new best by more than 1%, at
-most ``_MAX_REPLAYS``.
+best replay, divided by ``reps``.
+
+Another thread of the process may hold the GIL between a start event and the launch after it
+(Triton's key hashed in the background, a parallel compile), and that wait must not count as GPU
+time. So the sizing call is queued behind a spin of the GPU (about 1 ms), each timed replay behind an
+untimed one, and while a form is timed another thread gives the GIL back within 0.1 ms
+(``_gil_back_soon``). Without these a thread of pure Python made a 1 us kernel time at 10 ms
+(Python's switch interval is 5 ms); with the switch interval alone, a 33 us one at 149 (the batch,
+sized from the sizing call's host delay, was too short to cover the next launch; H200, 217c5b1).
+Replays go on until ``_STABLE`` in a row bring no new best by more than 1%, at most ``_MAX_REPLAYS``.
 
 Back to back, a call launched early (``pdl``) overlaps the tail of the call before it, and a form of
 two kernels hides its second behind the next call's first. In a step the kernel before a form is
@@ -36,12 +39,13 @@ from typing import Callable, Iterator
 import torch
 
 from cgtrees.capture import recording_lock
-from cgtrees.codegen import pdl
+from cgtrees.codegen import compat, pdl
 
 _TARGET_US = 2000.0  # a batch's GPU time: long enough that a replay's launch is noise
 _MAX_REPS = 100
 _STABLE = 3
 _MAX_REPLAYS = 10
+_COVER_CYCLES = 2_000_000  # about 1 ms of the GPU's spin at 2 GHz, queued before the sizing call
 _FIGURES: dict[str, float] = {}
 _switch_lock = threading.Lock()
 _switch_before = 0.005  # Python's switch interval before the first thread began timing
@@ -121,6 +125,7 @@ def _after_fill(device: torch.device, candidate: Callable[[], None]) -> Callable
 
 def _once_us(candidate: Callable[[], None]) -> float:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    compat.gpu_spin(_COVER_CYCLES)  # a late launch after the start event waits behind the spin, untimed
     start.record()
     candidate()
     end.record()
