@@ -5,12 +5,14 @@ Invariants:
   captured. The allocator never handed their blocks to the capture, so every byte the graph writes
   lies outside them: replaying is safe exactly when every live pool output is in ``protected``.
 - Inputs are read in one of two ways, fixed at record time: *checked* inputs (static inputs,
-  mutated inputs at a stable address (``function``: a KV cache, written where it is), and inputs
-  that already live in the pool) are read where they are, and the replay only compares their
-  addresses (one C call); every other tensor input is *copied* into an input slot. A slot is pool
-  memory allocated inside the capture and freed there at its last read (the graph may reuse it), so
-  copying into its address is a write of this graph; mutated and broadcast inputs keep a slot of
-  their own outside the pool, and mutated ones are written back.
+  mutated inputs and large ones at a stable address (``function``: a KV cache, written where it
+  is; a batch or gradient passed at one address), and inputs that already live in the pool)
+  are read where they are, and the replay only compares their addresses (one C call); every other
+  tensor input is *copied* into an input slot. A slot is pool memory allocated inside the capture
+  and freed there at its last read (the graph may reuse it), so copying into its address is a
+  write of this graph; mutated and broadcast inputs keep a slot of their own outside the pool, and
+  mutated ones are written back. A checked input the program made (static, or mutated where it
+  is) ties the graph to its storage: when that storage is gone, so is the graph (``orphaned``).
 - A backward's checked pool inputs (the activations its forward saved) that die inside its capture
   are *consumed*: the graph reuses their memory, so it replays only when autograd keeps no graph and
   each of them is held by the call alone: its storage, its TensorImpl and its Python object have
@@ -169,8 +171,8 @@ class GraphNode:
                live_ptrs: set[int], stable: frozenset[int] = frozenset(),
                copied: frozenset[int] = frozenset(), device_scalars: tuple[int, ...] = ()) -> list[Any]:
         """Capture ``call`` on ``args``, replay it once, checkpoint; returns this call's outputs.
-        ``stable``: mutated inputs written where they are, at a stable address (``static``: the
-        inputs the program marks); ``copied``: inputs copied into slots whatever they are;
+        ``stable``: inputs read (mutated ones: written) where they are, at a stable address
+        (``static``: the inputs the program marks); ``copied``: inputs copied into slots whatever they are;
         ``device_scalars``: CPU 0-d inputs, copied into device slots of their own."""
         self._plan_inputs(args, static, live_ptrs, mutated, stable, copied, device_scalars)
         try:
@@ -226,7 +228,7 @@ class GraphNode:
             if read_in_place(i, a, static | stable, live_ptrs, copied):
                 if a.untyped_storage().data_ptr() not in live_ptrs:
                     self.static_index.append(i)
-                    if marked_static(i, a, static) or i in stable:  # when it is gone, so is the graph
+                    if marked_static(i, a, static) or i in mutated:  # when it is gone, so is the graph
                         self.static_storages.append(WeakStorage(a.untyped_storage()))
                 elif self.kind == "backward" and not self.copy_out:
                     self.handoff.append(i)

@@ -6,6 +6,7 @@ too, so the function replays. Results, and the mutated inputs, as eager's."""
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -122,3 +123,38 @@ def test_parameters_that_move_every_call_are_copied():
             torch.testing.assert_close(f(x), eager(x), msg=lambda m: f"{m}\n{runtime.describe()}")
     text = runtime.describe()
     assert stat("cudagraph_replayed") >= 3 and "no CUDA graphs" not in text, text
+
+
+def _backward_copies(fresh: bool) -> list[int]:
+    """Six training steps of a linear layer, each backward given a 4 MiB gradient: the same tensor
+    each step, or a new one each step that stays alive (so at a new address); outputs and gradients
+    against eager's. The inputs each backward recording copies into slots."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    head = nn.Linear(64, 4096, device=DEV)
+    ref = copy.deepcopy(head)
+    f = torch.compile(head, backend="cgtrees", options={"cache": False})
+    x, grad, kept = torch.randn(256, 64, device=DEV), torch.randn(256, 4096, device=DEV), []
+    for _ in range(6):
+        g = grad.clone() if fresh else grad
+        kept.append(g)
+        out, want = f(x), ref(x)
+        out.backward(g)
+        want.backward(g)
+        torch.testing.assert_close(out, want)
+        for p, q in zip(head.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * q.grad.abs().max().item())
+            p.grad = q.grad = None
+        del out
+    text = runtime.describe()
+    assert stat("cudagraph_recorded") == 2 and stat("cudagraph_replayed") >= 8 and stat("cudagraph_skips") == 0, text
+    return [int(n) for n in re.findall(r"backward\S* .*?inputs copied=(\d+)", text)]
+
+
+def test_a_large_input_at_one_address_is_read_in_place(no_tf32):
+    """An input of 1 MiB or more at the address it had at the warmup is read where it is, checked at
+    each call, like a KV cache (copied into a slot, each replay reads and writes all of it); one at
+    a new address each call is copied, as before."""
+    in_place, fresh = _backward_copies(fresh=False), _backward_copies(fresh=True)
+    assert len(in_place) == len(fresh) == 1 and in_place[0] == fresh[0] - 1, (in_place, fresh)
