@@ -105,6 +105,18 @@ def _bert() -> torch.nn.Module:
         pad_token_id=0))
 
 
+def _roformer() -> torch.nn.Module:
+    """Rotary embeddings written with interleaved pairs (``stack([sin, sin], -1)``): indices ``x // 2``,
+    whose stride the scheduler asked of sympy and compared (fixed 2026-11-29: the backward had gone
+    through aten)."""
+    import transformers
+
+    return transformers.RoFormerForMaskedLM(transformers.RoFormerConfig(
+        vocab_size=VOCAB, hidden_size=32, embedding_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0))
+
+
 def _t5() -> torch.nn.Module:
     import transformers
 
@@ -242,6 +254,7 @@ CASES = {
     "llama": Case(_llama, _causal_lm_inputs),
     "qwen2": Case(_qwen2, _causal_lm_inputs),
     "bert": Case(_bert, _masked_lm_inputs),
+    "roformer": Case(_roformer, _masked_lm_inputs),
     "t5": Case(_t5, _seq2seq_inputs, seq2seq=True),
     "bart": Case(_bart, _seq2seq_inputs, seq2seq=True),
     "mixtral": Case(_mixtral, _causal_lm_inputs, graph_breaks=True),

@@ -334,20 +334,18 @@ class _Open:
         coalescing. BERT's softmax, cast to bf16 and transposed for the backward's matrix product,
         wrote its rows a column apart: 0.7 ms a step more in the row kernel than in its own."""
         inner = ir.index_symbol(self.reduced[-1] if self.reduced else len(self.ranges) - 1)
-        reads = [abs(sympy.diff(load.index, inner)) for load in ir.loads(self.members[0].body())]
-        reads = [r for r in reads if r != 0]
-        step = sympy.diff(member.store_index(), inner)
-        return bool(reads) and step.is_number and abs(step) <= min(reads)
+        reads = _read_strides(self.members[0], inner)
+        step = _stride(member.store_index(), inner)
+        return bool(reads) and step is not None and abs(step) <= min(reads)
 
     def _loads_along(self, member: Member) -> bool:
         """Whether every load of ``member`` runs along the kernel's innermost (reduced) dimension no
         more spread out than the kernel's first member reads (a regrouped step reading another
         tensor transposed would load each row a column apart)."""
         inner = ir.index_symbol(self.reduced[-1])
-        reads = [abs(sympy.diff(load.index, inner)) for load in ir.loads(self.members[0].body())]
-        limit = min((r for r in reads if r != 0), default=None)
-        steps = [sympy.diff(load.index, inner) for load in ir.loads(member.body())]
-        return limit is not None and all(d.is_number and abs(d) <= limit for d in steps)
+        limit = min(_read_strides(self.members[0], inner), default=None)
+        steps = [_stride(load.index, inner) for load in ir.loads(member.body())]
+        return limit is not None and all(d is not None and abs(d) <= limit for d in steps)
 
     def _only_aligned_reads(self, member: Member) -> bool:
         """An input written in place may only be read at the element being written, by a step of
@@ -358,6 +356,19 @@ class _Open:
                 if load.buf == member.name and (m.role != member.role or not self._same_element(load.index, target)):
                     return False
         return True
+
+
+def _stride(index: sympy.Expr, symbol: sympy.Symbol) -> sympy.Expr | None:
+    """How far ``index`` moves at each step of ``symbol``: a number, or None where the steps differ
+    (a floor division of it: RoFormer's rotary embedding reads each position's pair as ``x // 2``)."""
+    step = sympy.diff(index, symbol)
+    return step if step.is_number else None
+
+
+def _read_strides(member: Member, inner: sympy.Symbol) -> list[sympy.Expr]:
+    """The moving loads' strides along ``inner`` (their sizes), where each is a number."""
+    strides = (_stride(load.index, inner) for load in ir.loads(member.body()))
+    return [abs(s) for s in strides if s is not None and s != 0]
 
 
 def _by_rows(ranges: tuple[sympy.Expr, ...], members: list[Member]) -> tuple[int, ...]:

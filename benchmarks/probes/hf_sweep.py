@@ -144,7 +144,6 @@ CASES = {
                         activation_dropout=0.0, **_special()), _causal_lm_inputs),
     "deberta": Case(_encoder("DebertaForMaskedLM", "DebertaConfig"), _masked_lm_inputs),
     "mpnet": Case(_encoder("MPNetForMaskedLM", "MPNetConfig"), _masked_lm_inputs),
-    "roformer": Case(_encoder("RoFormerForMaskedLM", "RoFormerConfig", embedding_size=32), _masked_lm_inputs),
     "convbert": Case(_encoder("ConvBertForMaskedLM", "ConvBertConfig", embedding_size=32), _masked_lm_inputs),
     "esm": Case(_encoder("EsmForMaskedLM", "EsmConfig", position_embedding_type="rotary", mask_token_id=3),
                 _masked_lm_inputs),
