@@ -59,6 +59,9 @@ def _images() -> dict[str, torch.Tensor]:
 
 _VIT = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=64, num_labels=5)
+_SEQ2SEQ = dict(vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+                dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=0, **_special())
 _SSM = dict(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4,
             use_cache=False, **_special())
 
@@ -96,11 +99,8 @@ CASES = {
                            num_experts_per_tok=1, expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
                            attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4,
                            use_mamba_kernels=False, use_cache=False), _causal_lm_inputs),
-    "pegasus": Case(_model("PegasusForConditionalGeneration", "PegasusConfig", vocab_size=VOCAB, d_model=32,
-                           encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-                           encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
-                           attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=0, **_special()),
-                    _seq2seq_inputs, seq2seq=True),
+    "pegasus": Case(_model("PegasusForConditionalGeneration", "PegasusConfig", **_SEQ2SEQ), _seq2seq_inputs,
+                    seq2seq=True),
     "vit": Case(_model("ViTForImageClassification", "ViTConfig", hidden_dropout_prob=0.0,
                        attention_probs_dropout_prob=0.0, **_VIT), _images),
     "dinov2": Case(_model("Dinov2ForImageClassification", "Dinov2Config", hidden_dropout_prob=0.0,
@@ -147,11 +147,7 @@ CASES = {
     "convbert": Case(_encoder("ConvBertForMaskedLM", "ConvBertConfig", embedding_size=32), _masked_lm_inputs),
     "esm": Case(_encoder("EsmForMaskedLM", "EsmConfig", position_embedding_type="rotary", mask_token_id=3),
                 _masked_lm_inputs),
-    "mbart": Case(_model("MBartForConditionalGeneration", "MBartConfig", vocab_size=VOCAB, d_model=32,
-                         encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-                         encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0,
-                         attention_dropout=0.0, activation_dropout=0.0, decoder_start_token_id=0, **_special()),
-                  _seq2seq_inputs, seq2seq=True),
+    "mbart": Case(_model("MBartForConditionalGeneration", "MBartConfig", **_SEQ2SEQ), _seq2seq_inputs, seq2seq=True),
     "beit": Case(_model("BeitForImageClassification", "BeitConfig", hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0, drop_path_rate=0.0, use_relative_position_bias=True, **_VIT),
                  _images),
