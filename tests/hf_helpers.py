@@ -236,6 +236,10 @@ _gpt_oss = _decoder("GptOssForCausalLM", "GptOssConfig", num_key_value_heads=2, 
                     num_experts_per_tok=2, sliding_window=8, rope_parameters={
                         "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 1})
+# Experts sized from data: tokens per expert ``.tolist()`` then ``split`` (unbacked sizes ``u0``, checks on
+# them): its graphs had gone through aten (JetMoE, 2026-11-29; ``test_data_dependent_sizes.py``)
+_jetmoe = _decoder("JetMoeForCausalLM", "JetMoeConfig", num_local_experts=4, num_experts_per_tok=2, kv_channels=8,
+                   num_key_value_heads=2)
 # Gated DeltaNet layers (a causal convolution and the chunked delta rule, transformers' PyTorch
 # reference of both) beside gated full attention, experts and a shared expert (Qwen3-Next)
 _qwen3_next = _decoder("Qwen3NextForCausalLM", "Qwen3NextConfig", num_key_value_heads=2, head_dim=8, num_experts=4,
@@ -268,6 +272,7 @@ CASES = {
     "deberta_v2": Case(_deberta_v2, _masked_lm_inputs),
     "cohere": Case(_cohere, _causal_lm_inputs),
     "qwen2_moe": Case(_qwen2_moe, _causal_lm_inputs),
+    "jetmoe": Case(_jetmoe, _causal_lm_inputs),
     "gpt_oss": Case(_gpt_oss, _causal_lm_inputs),
     "deepseek_v3": Case(_deepseek_v3, _causal_lm_inputs),
     "whisper": Case(_whisper, _speech_inputs, seq2seq=True),

@@ -1,5 +1,5 @@
 """Tiny Hugging Face models (GPT-2, Llama with grouped-query attention, Qwen2, BERT, RoFormer, T5, BART, Mistral,
-Phi-3, Qwen3, Gemma 2, GPT-NeoX, BLOOM, Falcon, DeBERTa-v2, Cohere, Qwen2-MoE, GPT-OSS, DeepSeek-V3,
+Phi-3, Qwen3, Gemma 2, GPT-NeoX, BLOOM, Falcon, DeBERTa-v2, Cohere, Qwen2-MoE, JetMoE, GPT-OSS, DeepSeek-V3,
 Whisper, Qwen3-Next) built from configs with random weights, compiled whole (``fullgraph``) with
 ``backend="cgtrees"``; and Mixtral with transformers' eager experts (a Python loop over ``nonzero()``),
 with its graph breaks. What each adds is in ``hf_helpers``, beside its builder.

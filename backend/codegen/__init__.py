@@ -154,8 +154,17 @@ def _uses_triton(gm: torch.fx.GraphModule, ctx: GraphContext) -> bool:
     return devices == {"cuda"} or bool(ctx.config.interpret)
 
 
+# Checks on data-dependent sizes (MoE routing's ``.item()``: JetMoE), which return nothing: no meta value
+_CHECKS = frozenset({torch.ops.aten._assert_scalar.default, torch.ops.aten.sym_constrain_range.default,
+                     torch.ops.aten.sym_constrain_range_for_size.default})
+
+
 def _ensure_meta(gm: torch.fx.GraphModule, example_inputs: list) -> None:
-    if all("val" in n.meta for n in gm.graph.nodes if n.op in ("placeholder", "call_function")):
+    """Every node's meta value, propagated again from the inputs only where one is missing: a fresh
+    fake mode cannot run a graph's ``.item()`` (``_local_scalar_dense``), so the checks on the
+    unbacked sizes it makes, which have none, do not count as missing."""
+    if all("val" in n.meta for n in gm.graph.nodes
+           if n.op == "placeholder" or (n.op == "call_function" and n.target not in _CHECKS)):
         return
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp

@@ -99,7 +99,11 @@ def value(v: Any) -> str:
     if v is None or isinstance(v, (bool, int, float, str, sympy.Expr)):
         return repr(v) if isinstance(v, str) or v is None else literal(v)
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return expr(v.node.expr)
+        return value(v.node.expr)
+    if isinstance(v, sympy.core.relational.Relational):  # a check on a data-dependent size: ``u0 >= 0``
+        return f"({expr(v.lhs)} {v.rel_op} {expr(v.rhs)})"
+    if isinstance(v, sympy.logic.boolalg.BooleanAtom):
+        return repr(bool(v))
     if isinstance(v, torch.dtype):
         return str(v)
     if isinstance(v, torch.device):

@@ -246,13 +246,20 @@ def _storage_numel(layout: ir.Layout) -> sympy.Expr:
 
 
 def _last_uses(items: list[Item]) -> dict[str, int]:
+    """Where each buffer is read last, so ``call`` deletes it there. A data-dependent scalar (``u0 =
+    aten._local_scalar_dense(...)``, a tensor's ``.item()``) is read by name in sizes, kernel
+    arguments and checks that ``reads`` does not see: it stays to the end (a Python number)."""
     last: dict[str, int] = {}
     for i, item in enumerate(items):
         for name in reads(item) | _written_inputs(item):
             last[name] = i
         for name in _defines(item):
-            last.setdefault(name, i)
+            if not (isinstance(item, ir.Extern) and item.target == _ITEM):
+                last.setdefault(name, i)
     return last
+
+
+_ITEM = "aten._local_scalar_dense.default"
 
 
 def _written_inputs(item: Item) -> set[str]:
