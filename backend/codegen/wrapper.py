@@ -245,6 +245,9 @@ def _storage_numel(layout: ir.Layout) -> sympy.Expr:
     return sympy.Integer(1) + sum(((n - 1) * s for n, s in zip(layout.size, layout.stride)), sympy.Integer(0))
 
 
+_ITEM = "aten._local_scalar_dense.default"  # ``u0 = aten._local_scalar_dense(t)``: a tensor's ``.item()``
+
+
 def _last_uses(items: list[Item]) -> dict[str, int]:
     """Where each buffer is read last, so ``call`` deletes it there. A data-dependent scalar (``u0 =
     aten._local_scalar_dense(...)``, a tensor's ``.item()``) is read by name in sizes, kernel
@@ -257,9 +260,6 @@ def _last_uses(items: list[Item]) -> dict[str, int]:
             if not (isinstance(item, ir.Extern) and item.target == _ITEM):
                 last.setdefault(name, i)
     return last
-
-
-_ITEM = "aten._local_scalar_dense.default"
 
 
 def _written_inputs(item: Item) -> set[str]:

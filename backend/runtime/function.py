@@ -219,7 +219,7 @@ class GraphFunction:
         self.copied = self.copied | moved
         return True
 
-    def _written_in_place(self, args: list[Any], key: Any) -> frozenset[int]:
+    def _in_place_inputs(self, args: list[Any], key: Any) -> frozenset[int]:
         """The inputs a recording reads where they are though the program does not mark them: the
         mutated ones (written where they are: a KV cache), and those of at least ``_IN_PLACE_BYTES``
         (a batch or a gradient the program passes at one address; copied, each replay would read and
@@ -265,7 +265,7 @@ class GraphFunction:
                 reason: str = "a new shape") -> Any:
         with recording_lock:  # one recording at a time in the process (the invariants above)
             live = manager.prepare_recording()
-            stable = self._written_in_place(args, key)
+            stable = self._in_place_inputs(args, key)
             too_costly = self._copies_outweigh_launches(args, {e.key[0] for e in live}, stable)
             if too_costly is not None:
                 return self._give_up(args, too_costly)
