@@ -71,7 +71,7 @@ def test_a_new_cache_is_written_in_place_by_a_new_recording():
     assert stat("cudagraph_skips") == 0 and "no CUDA graphs" not in text, text
     assert stat("cudagraph_recorded") == 3 and stat("cudagraph_replayed") == 18 - 1 - 3, text
     assert text.count("inputs copied=2 checked=1") == 3, text  # each writes its cache in place
-    assert "2 an input written in place moved" in text, text
+    assert "2 an input read or written in place moved" in text, text
 
 
 def test_a_cache_moving_every_call_is_copied():
@@ -125,10 +125,12 @@ def test_parameters_that_move_every_call_are_copied():
     assert stat("cudagraph_replayed") >= 3 and "no CUDA graphs" not in text, text
 
 
-def _backward_copies(fresh: bool) -> list[int]:
+def _backward_copies(grads: str) -> tuple[int, list[int]]:
     """Six training steps of a linear layer, each backward given a 4 MiB gradient: the same tensor
-    each step, or a new one each step that stays alive (so at a new address); outputs and gradients
-    against eager's. The inputs each backward recording copies into slots."""
+    each step ("same"); a new one at the first step (the warmup), then one tensor ("settles": as
+    autograd's zero gradient for an unused output, elsewhere once the optimizer's state exists); or
+    a new one each step that stays alive, so at a new address ("fresh"). Outputs and gradients
+    against eager's. The recordings made, and the inputs each backward recording copies into slots."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
@@ -136,8 +138,8 @@ def _backward_copies(fresh: bool) -> list[int]:
     ref = copy.deepcopy(head)
     f = torch.compile(head, backend="cgtrees", options={"cache": False})
     x, grad, kept = torch.randn(256, 64, device=DEV), torch.randn(256, 4096, device=DEV), []
-    for _ in range(6):
-        g = grad.clone() if fresh else grad
+    for i in range(6):
+        g = grad.clone() if grads == "fresh" or (grads == "settles" and i == 0) else grad
         kept.append(g)
         out, want = f(x), ref(x)
         out.backward(g)
@@ -148,13 +150,16 @@ def _backward_copies(fresh: bool) -> list[int]:
             p.grad = q.grad = None
         del out
     text = runtime.describe()
-    assert stat("cudagraph_recorded") == 2 and stat("cudagraph_replayed") >= 8 and stat("cudagraph_skips") == 0, text
-    return [int(n) for n in re.findall(r"backward\S* .*?inputs copied=(\d+)", text)]
+    assert stat("cudagraph_replayed") >= 6 and stat("cudagraph_skips") == 0, text
+    copies = [int(n) for n in re.findall(r"backward\S* .*?inputs copied=(\d+)", text)]
+    return stat("cudagraph_recorded"), copies
 
 
-def test_a_large_input_at_one_address_is_read_in_place(no_tf32):
-    """An input of 1 MiB or more at the address it had at the warmup is read where it is, checked at
-    each call, like a KV cache (copied into a slot, each replay reads and writes all of it); one at
-    a new address each call is copied, as before."""
-    in_place, fresh = _backward_copies(fresh=False), _backward_copies(fresh=True)
-    assert len(in_place) == len(fresh) == 1 and in_place[0] == fresh[0] - 1, (in_place, fresh)
+def test_a_large_input_is_read_in_place(no_tf32):
+    """An input of 1 MiB or more is read where it is, checked at each call, like a KV cache (copied
+    into a slot, each replay reads and writes all of it), also when it settles at its address only
+    after the warmup. One at a new address each call costs one more recording, then is copied."""
+    same, settles, fresh = (_backward_copies(g) for g in ("same", "settles", "fresh"))
+    assert same[0] == settles[0] == 2 and fresh[0] == 3, (same, settles, fresh)
+    assert same[1] == settles[1] and len(same[1]) == 1, (same, settles)
+    assert fresh[1][-1] == same[1][0] + 1, (same, fresh)  # the newest recording copies the gradient
