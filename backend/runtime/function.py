@@ -9,12 +9,13 @@ Invariants:
   * addresses changed (a static input moved): ``max_rerecords_per_function``, then no graphs, with
     a warning; static inputs that moved on each of the last calls, so that no recording of them
     replayed (FSDP2 gathers its parameters anew every step), are copied into slots from then on;
-  * a mutated input the program does not mark static is written where it is (a KV cache made
-    where the compiled code cannot mark it), and an input of 1 MiB or more is read where it is (a
-    batch or a gradient passed at one address), its address checked at each call. When it moves,
-    a new recording reads it at its new place (a new cache: the old recording goes with the old
-    cache), or, if the last recording never replayed (it moves at every call), copies it into a
-    slot from then on; neither is counted against a limit
+  * a mutated input the program does not mark static, at the address it had at the shape's
+    warmup, is written where it is (a KV cache made where the compiled code cannot mark it), and an
+    input of 1 MiB or more at that address is read where it is (a batch or a gradient passed at
+    one address); one that moved since the warmup is warmed up once more, to see where it settles.
+    When it moves, a new recording reads it at its new place (a new cache: the old
+    recording goes with the old cache), or, if the last recording never replayed (it moves at every
+    call), copies it into a slot from then on; neither is counted against a limit
     (``_max_nodes_per_shape`` bounds them);
   * a live output is in the way (R2): ``max_live_branches_per_function``, then the function's new
     nodes copy their outputs out of the pool, so what the user keeps stays right and nothing more
@@ -98,6 +99,9 @@ class GraphFunction:
         self.live_branches = 0
         self.copy_out = False
         self.shape_keys: list[Any] = []
+        self.warm_ptrs: dict[Any, tuple[int, ...]] = {}  # by shape key: the inputs' addresses at its warmup
+        self.recorded_keys: set[Any] = set()
+        self.rewarmed: set[Any] = set()  # shape keys warmed up twice (``_settling``)
         self.copied: frozenset[int] = frozenset()  # inputs whose address changed: copied into slots
         self.record_reasons: collections.Counter[str] = collections.Counter()  # why each recording was made
 
@@ -138,6 +142,8 @@ class GraphFunction:
     def _no_node_fits(self, args: list[Any], manager: TreeManager, by_key: dict[Any, list[GraphNode]],
                       key: Any, nodes: list[GraphNode] | None) -> Any:
         if (manager, key) not in self.warmed:  # per manager: each thread creates its own handles
+            return self._warmup(args, manager, key)
+        if not nodes and self._settling(args, key):  # once more eagerly, to see where it settles
             return self._warmup(args, manager, key)
         why: Why | None = None
         if not nodes:  # a new shape, or one whose nodes all went (orphans; a recording that raised)
@@ -217,20 +223,35 @@ class GraphFunction:
         self.copied = self.copied | moved
         return True
 
-    def _in_place_inputs(self, args: list[Any]) -> frozenset[int]:
-        """The inputs a recording reads where they are though the program does not mark them: the
-        mutated ones (written where they are: a KV cache), and those of at least ``_IN_PLACE_BYTES``
-        (a batch or a gradient the program passes at one address; copied, each replay would read and
-        write all of it), not copied since they moved. Where the warmup found them does not matter:
-        a tensor made anew each step often settles only after it (autograd's zero gradient for a
-        model's unused logits is elsewhere once the optimizer's state exists; its copy was 0.33 ms of
-        BERT-base's step on an H200). One that moves at every call costs one more recording, whose
-        ``_written_input_moved`` copies it into a slot from then on."""
+    def _settling(self, args: list[Any], key: Any) -> bool:
+        """Whether this shape's first recording should wait for a second warmup: an input that would
+        be read where it is moved since the first. A tensor made anew each step often settles only
+        after the first step (autograd's zero gradient for a model's unused logits is elsewhere once
+        the optimizer's state exists: copied into a slot, 0.33 ms of BERT-base's step on an H200).
+        One eager call more is cheaper than a recording made for nothing; once per shape."""
+        warm = self.warm_ptrs.get(key)
+        if key in self.rewarmed or key in self.recorded_keys or warm is None:
+            return False
+        self.rewarmed.add(key)
+        return any(warm[i] != args[i].data_ptr() for i in self._unmarked_in_place(args))
+
+    def _in_place_inputs(self, args: list[Any], key: Any) -> frozenset[int]:
+        """The inputs a recording reads where they are though the program does not mark them
+        (``_unmarked_in_place``). At this shape's first recording, those still where its (last)
+        warmup found them; at a later one, all (``_written_input_moved`` copies into slots, from
+        then on, those that move at every call)."""
+        warm = self.warm_ptrs.get(key) if key not in self.recorded_keys else None
+        return frozenset(i for i in self._unmarked_in_place(args) if warm is None or warm[i] == args[i].data_ptr())
+
+    def _unmarked_in_place(self, args: list[Any]) -> list[int]:
+        """The mutated inputs (written where they are: a KV cache), and those of at least
+        ``_IN_PLACE_BYTES`` (a batch or a gradient the program passes at one address; copied, each
+        replay would read and write all of it), not marked static and not copied since they moved."""
         mutated = set(self.mutated)
-        return frozenset(i for i, a in enumerate(args)
-                         if i not in self.copied and isinstance(a, torch.Tensor) and a.data_ptr()
-                         and (i in mutated or (a.untyped_storage().nbytes() >= _IN_PLACE_BYTES
-                                               and not marked_static(i, a, self.static))))
+        return [i for i, a in enumerate(args)
+                if i not in self.copied and isinstance(a, torch.Tensor) and a.data_ptr()
+                and (i in mutated or (a.untyped_storage().nbytes() >= _IN_PLACE_BYTES
+                                      and not marked_static(i, a, self.static)))]
 
     def _max_nodes_per_shape(self) -> int:
         c = self.config
@@ -247,6 +268,7 @@ class GraphFunction:
     def _warmup(self, args: list[Any], manager: TreeManager, key: Any) -> Any:
         self.warmed.add((manager, key))
         counters.bump("cudagraph_warmup")
+        self.warm_ptrs[key] = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else 0 for a in args)
         _give_back_cached_memory()  # what compiling left cached: the warmup's pool could not reuse it
         # Eagerly, in the tree's warmup pool (``compat.WarmupPool``): a forward's and its backward's
         # warmups share its segments, and they go back to the driver before the recording.
@@ -259,7 +281,7 @@ class GraphFunction:
                 reason: str = "a new shape") -> Any:
         with recording_lock:  # one recording at a time in the process (the invariants above)
             live = manager.prepare_recording()
-            stable = self._in_place_inputs(args)
+            stable = self._in_place_inputs(args, key)
             too_costly = self._copies_outweigh_launches(args, {e.key[0] for e in live}, stable)
             if too_costly is not None:
                 return self._give_up(args, too_costly)
@@ -274,6 +296,7 @@ class GraphFunction:
                 compat.recover_generator(manager.device)
                 return self._give_up(args, f"capture failed ({type(exc).__name__}: {str(exc).splitlines()[0]})")
         nodes.append(node)
+        self.recorded_keys.add(key)
         manager.after_recording(node)
         counters.bump("cudagraph_recorded")
         args.clear()
