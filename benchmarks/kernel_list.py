@@ -1,7 +1,8 @@
 """Every generated kernel of a steady step, with its device time per step (GPU).
 
 Not a benchmark row: ``python benchmarks/kernel_list.py MODEL BACKEND [--mode infer] [--all]`` (a
-model of either suite, ``cgtrees`` or ``reduce-overhead``; ``--all`` lists library kernels too).
+model of either suite or of the real-size table (``bert_base``: its step as ``size_run`` times it,
+optimizer included), ``cgtrees``, ``inductor`` or ``reduce-overhead``; ``--all`` lists library kernels too).
 The profile in a row shows the top 40 entries and the sum of every kernel by kind; this lists each
 generated kernel (ours: ``pw_``/``red_``/``scan_``; Inductor's: ``triton_``), so that two
 backends' kernels can be compared by what they compute.
@@ -10,20 +11,35 @@ backends' kernels can be compared by what they compute.
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import real_sizes
+import size_worker
 from measure import GENERATED_PREFIXES
 from worker import Kept, make_step
+
+
+def _size_step(model: str, backend: str) -> Callable[[], None]:
+    """A real-size row's step (``size_worker.measure_row``'s, without its reference)."""
+    case = real_sizes.build(model, torch.device("cuda"))
+    mark = backend in size_worker.GRAPH_BACKENDS
+    fn, _ = size_worker.compile_model(case.model, backend)
+    opt = case.optimizer(list(case.model.parameters())) if case.train else None
+    return size_worker.make_step(case, fn, opt, mark, size_worker.Values(), [])
 
 
 def kernels(model: str, backend: str, mode: str = "train", every: bool = False,
             steps: int = 10) -> list[tuple[float, int, str]]:
     """(us per step, launches per step, name) of each generated kernel (``every``: each kernel),
     the costliest first."""
-    spec = {"workload": model, "backend": backend, "mode": mode, "device": "cuda", "smoke": False}
-    step = make_step(spec, torch.device("cuda"), Kept())
+    if model in real_sizes.MODELS:
+        step = _size_step(model, backend)
+    else:
+        spec = {"workload": model, "backend": backend, "mode": mode, "device": "cuda", "smoke": False}
+        step = make_step(spec, torch.device("cuda"), Kept())
     for _ in range(6):
         step()
     torch.cuda.synchronize()

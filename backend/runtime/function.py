@@ -9,13 +9,12 @@ Invariants:
   * addresses changed (a static input moved): ``max_rerecords_per_function``, then no graphs, with
     a warning; static inputs that moved on each of the last calls, so that no recording of them
     replayed (FSDP2 gathers its parameters anew every step), are copied into slots from then on;
-  * a mutated input the program does not mark static, at the address it had at the shape's
-    warmup, is written where it is (a KV cache made where the compiled code cannot mark it), and an
-    input of 1 MiB or more at that address is read where it is (a batch or a gradient passed at
-    one address); one that moved since the warmup is warmed up once more, to see where it settles.
-    When it moves, a new recording reads it at its new place (a new cache: the old
-    recording goes with the old cache), or, if the last recording never replayed (it moves at every
-    call), copies it into a slot from then on; neither is counted against a limit
+  * a mutated input the program does not mark static is written where it is (a KV cache made
+    where the compiled code cannot mark it), and an input of 1 MiB or more is read where it is (a
+    batch or a gradient passed at one address), its address checked at each call. When it moves,
+    a new recording reads it at its new place (a new cache: the old recording goes with the old
+    cache), or, if the last recording never replayed (it moves at every call), copies it into a
+    slot from then on; neither is counted against a limit
     (``_max_nodes_per_shape`` bounds them);
   * a live output is in the way (R2): ``max_live_branches_per_function``, then the function's new
     nodes copy their outputs out of the pool, so what the user keeps stays right and nothing more
@@ -101,7 +100,6 @@ class GraphFunction:
         self.shape_keys: list[Any] = []
         self.warm_ptrs: dict[Any, tuple[int, ...]] = {}  # by shape key: the inputs' addresses at its warmup
         self.recorded_keys: set[Any] = set()
-        self.rewarmed: set[Any] = set()  # shape keys warmed up twice (``_settling``)
         self.copied: frozenset[int] = frozenset()  # inputs whose address changed: copied into slots
         self.record_reasons: collections.Counter[str] = collections.Counter()  # why each recording was made
 
@@ -142,8 +140,6 @@ class GraphFunction:
     def _no_node_fits(self, args: list[Any], manager: TreeManager, by_key: dict[Any, list[GraphNode]],
                       key: Any, nodes: list[GraphNode] | None) -> Any:
         if (manager, key) not in self.warmed:  # per manager: each thread creates its own handles
-            return self._warmup(args, manager, key)
-        if not nodes and self._settling(args, key):  # once more eagerly, to see where it settles
             return self._warmup(args, manager, key)
         why: Why | None = None
         if not nodes:  # a new shape, or one whose nodes all went (orphans; a recording that raised)
@@ -223,35 +219,27 @@ class GraphFunction:
         self.copied = self.copied | moved
         return True
 
-    def _settling(self, args: list[Any], key: Any) -> bool:
-        """Whether this shape's first recording should wait for a second warmup: an input that would
-        be read where it is moved since the first. A tensor made anew each step often settles only
-        after the first step (autograd's zero gradient for a model's unused logits is elsewhere once
-        the optimizer's state exists: copied into a slot, 0.33 ms of BERT-base's step on an H200).
-        One eager call more is cheaper than a recording made for nothing; once per shape."""
-        warm = self.warm_ptrs.get(key)
-        if key in self.rewarmed or key in self.recorded_keys or warm is None:
-            return False
-        self.rewarmed.add(key)
-        return any(warm[i] != args[i].data_ptr() for i in self._unmarked_in_place(args))
-
-    def _in_place_inputs(self, args: list[Any], key: Any) -> frozenset[int]:
-        """The inputs a recording reads where they are though the program does not mark them
-        (``_unmarked_in_place``). At this shape's first recording, those still where its (last)
-        warmup found them; at a later one, all (``_written_input_moved`` copies into slots, from
-        then on, those that move at every call)."""
-        warm = self.warm_ptrs.get(key) if key not in self.recorded_keys else None
-        return frozenset(i for i in self._unmarked_in_place(args) if warm is None or warm[i] == args[i].data_ptr())
-
-    def _unmarked_in_place(self, args: list[Any]) -> list[int]:
-        """The mutated inputs (written where they are: a KV cache), and those of at least
-        ``_IN_PLACE_BYTES`` (a batch or a gradient the program passes at one address; copied, each
-        replay would read and write all of it), not marked static and not copied since they moved."""
+    def _in_place_inputs(self, args: list[Any]) -> frozenset[int]:
+        """The inputs a recording reads where they are though the program does not mark them: the
+        mutated ones (written where they are: a KV cache), and those of at least ``_IN_PLACE_BYTES``
+        (a batch or a gradient the program passes at one address; copied, each replay would read and
+        write all of it), not copied since they moved. Where the warmup found them does not matter:
+        a tensor made anew each step often settles only after it (autograd's zero gradient for a
+        model's unused logits is elsewhere once the optimizer's state exists; its copy was 0.33 ms of
+        BERT-base's step on an H200). One that moves at every call costs one more recording, whose
+        ``_written_input_moved`` copies it into a slot from then on."""
         mutated = set(self.mutated)
-        return [i for i, a in enumerate(args)
-                if i not in self.copied and isinstance(a, torch.Tensor) and a.data_ptr()
-                and (i in mutated or (a.untyped_storage().nbytes() >= _IN_PLACE_BYTES
-                                      and not marked_static(i, a, self.static)))]
+        return frozenset(i for i, a in enumerate(args)
+                         if i not in self.copied and isinstance(a, torch.Tensor) and a.data_ptr()
+                         and (i in mutated or (a.untyped_storage().nbytes() >= _IN_PLACE_BYTES
+                                               and not marked_static(i, a, self.static))))
+
+    def _unmoved(self, args: list[Any], key: Any, i: int) -> bool:
+        """Whether input ``i`` is where this shape's warmup found it, or the shape recorded before.
+        ``max_copy_mb_per_launch`` counts as copied a large input that moved since the warmup: a
+        fresh batch each step would make the in-place recording's replays copy it after all."""
+        warm = self.warm_ptrs.get(key)
+        return key in self.recorded_keys or warm is None or warm[i] == args[i].data_ptr()
 
     def _max_nodes_per_shape(self) -> int:
         c = self.config
@@ -281,8 +269,9 @@ class GraphFunction:
                 reason: str = "a new shape") -> Any:
         with recording_lock:  # one recording at a time in the process (the invariants above)
             live = manager.prepare_recording()
-            stable = self._in_place_inputs(args, key)
-            too_costly = self._copies_outweigh_launches(args, {e.key[0] for e in live}, stable)
+            stable = self._in_place_inputs(args)
+            settled = frozenset(i for i in stable if self._unmoved(args, key, i))  # the policy's guess
+            too_costly = self._copies_outweigh_launches(args, {e.key[0] for e in live}, settled)
             if too_costly is not None:
                 return self._give_up(args, too_costly)
             node = GraphNode(self.ctx, self.facts, manager, manager.last_node, frozenset(e.key for e in live),
