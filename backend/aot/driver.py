@@ -185,7 +185,9 @@ def _compile_missed(gm: torch.fx.GraphModule, example_inputs: list[Any], config:
                     backward: bool, ddp_piece: bool) -> Callable[..., Any]:
     """A level-1 miss: AOTAutograd with our compilers, and the entry recorded."""
     codegen.prepare(example_inputs, config, compilers.key_file)  # start what compiled kernels wait for
-    from cgtrees.aot import decompositions  # a warm start never needs it
+    from cgtrees.aot import attention_mask, decompositions  # a warm start never needs them
+
+    attention_mask.take_out_row_masks(gm)  # a mask constant along the keys: fused attention may run
 
     if backward:  # traced with grad mode off: AOTAutograd makes no training graph of it
         fw_compiler = bw_compiler = _not_training
