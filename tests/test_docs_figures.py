@@ -226,3 +226,17 @@ def test_real_size_reading_cites_the_earlier_calls():
     assert f"gave {noisy['cgtrees']['step_ms']:.1f} against {ind['step_ms']:.1f} " \
            f"({noisy['cgtrees']['step_ms'] / ind['step_ms']:.2f}x), Inductor's steps " \
            f"{ind['step_ms_min']:.1f}-{ind['step_ms_max']:.1f}" in page
+
+
+def test_bert_reading_cites_its_profile():
+    """BERT-base's reading (2a2aa10: its attention no longer the float32 math path) against its file."""
+    name = os.path.join(RESULTS, "real-size", "size-bert_base-inductor_cgtrees-2a2aa10.json")
+    rows = {r["backend"]: r for r in json.load(open(name))["rows"]}
+    ours, theirs = (rows[b]["profile"]["categories_ms"] for b in ("cgtrees", "inductor"))
+    page = _page()
+    assert f"cuDNN's flash attention runs ({ours['attention']:.1f} ms a step" in page
+    assert f"GEMMs {ours['gemm']:.1f} ms against Inductor's {theirs['gemm']:.1f}" in page
+    assert f"generated kernels {ours['generated']:.1f} against {theirs['generated']:.1f}" in page
+    assert theirs["attention"] == 0  # Inductor's attention: the math path's GEMMs and softmax
+    assert f"peak reserved {rows['cgtrees']['peak_reserved_gb']:.1f} GB against " \
+           f"{rows['inductor']['peak_reserved_gb']:.1f}" in page
