@@ -33,7 +33,8 @@ Softmax, log_softmax, layer norm forward and backward each end up as one kernel.
 
 A pointwise step over the kernel's dimensions with adjacent ones merged (a view for a matrix
 product of a row computation's result) joins as ``full``, each of its dimensions the linear index
-of the run it merges (``_Open.merged``); one over them in another order, where its stores run along
+of the run it merges (``_Open.merged``), and one with a dimension cut into several, each their
+quotient and remainder (``_Open.split``); one over them in another order, where its stores run along
 the kernel's rows as its reads do (``_Open.permuted``); one over merged runs in another order, where
 its loads run along the rows too (``_Open.regrouped``: BERT's softmax cast to bf16 as the transposed
 (B*H, S, S) its backward reads).
@@ -237,6 +238,35 @@ class _Open:
             subs[own[i]] = linear
         return [subs] if d == len(self.ranges) else []
 
+    def split(self, step: ir.Compute) -> list[dict]:
+        """A pointwise step over the kernel's dimensions with some cut into runs of adjacent ones (a
+        masked-LM loss's gradient over (B, T, V), added to the logits' own, after the log-softmax over
+        (B*T, V) it reads) as a ``full`` member: each dimension of a run is its quotient and remainder
+        of the kernel's. The inverse of ``merged``; sizes known, one mapping or none."""
+        if step.is_reduction or step.scatter is not None or not self.members:
+            return []
+        if len(step.ranges) <= len(self.ranges) or not all(sympy.sympify(n).is_number for n in step.ranges):
+            return []
+        own, kernel = ir.index_symbols(len(step.ranges)), ir.index_symbols(len(self.ranges))
+        subs: dict = {}
+        i = 0
+        for d, size in enumerate(self.ranges):
+            run, product = [], sympy.Integer(1)
+            while i < len(step.ranges) and (product != size or not run):
+                run.append(i)
+                product, i = product * step.ranges[i], i + 1
+            if product != size:
+                return []
+            inner = sympy.Integer(1)
+            for j in reversed(run):  # own[j] = (kernel[d] // inner) % step.ranges[j]
+                whole, outer = sympy.floor(kernel[d] / inner), inner * step.ranges[j]
+                subs[own[j]] = whole if j == run[0] else whole - step.ranges[j] * sympy.floor(kernel[d] / outer)
+                inner = outer
+        if any(step.ranges[j] != 1 for j in range(i, len(step.ranges))):
+            return []
+        subs.update({own[j]: sympy.Integer(0) for j in range(i, len(step.ranges))})
+        return [subs]
+
     def regrouped(self, step: ir.Compute) -> list[dict]:
         """A pointwise step over runs of the kernel's adjacent dimensions merged, in another order, as
         a ``full`` member of a reduction kernel (BERT's softmax over (B, H, S, S), cast to bf16 as the
@@ -267,7 +297,7 @@ class _Open:
         if self.members and (step.alone or self.members[0].step.alone) and not self._scatters_side_by_side(step):
             return False
         fit = self.role_of(step)
-        merged = self.merged(step) if fit is None else []
+        merged = self.merged(step) + self.split(step) if fit is None else []
         fits = [fit] if fit is not None else [("full", subs) for subs in merged + self.permuted(step)]
         regrouped = [("full", subs, True) for subs in self.regrouped(step)] if fit is None else []
         for role, subs, regroups in [(role, subs, False) for role, subs in fits] + regrouped:
