@@ -1,23 +1,26 @@
-"""An attention mask that does not vary along the keys is taken out of the attention.
+"""A boolean attention mask that does not vary along the keys is taken out of the attention.
 
 Such a mask (``mask.stride(-1) == 0`` or one column) either passes or blocks each query's row
-whole. Softmax does not change when a row's scores all move by one amount, so a row it passes
-gets the unmasked attention; a row it blocks (``False``, or ``-inf`` added) gets zeros, as
+whole: a row it passes gets the unmasked attention, a row it blocks gets zeros, as
 ``scaled_dot_product_attention`` gives a row with no key to attend to. So
 
-    sdpa(q, k, v, mask)  ==  where(mask[..., :1] passes, sdpa(q, k, v), 0)
+    sdpa(q, k, v, mask)  ==  where(mask[..., :1], sdpa(q, k, v), 0)
 
-Why it matters: transformers builds a bidirectional model's mask under ``torch.compile`` as
-``q_idx >= 0`` broadcast over the keys (it leaves the mask out in eager, where it can see that
-every position attends). torch's fused attention kernels refuse a mask whose last stride is not
+A float mask constant along the keys is left alone: adding one amount to a row's scores changes
+its softmax only by rounding, except where the amount is so large (``finfo.min``, as older masks
+use) that it absorbs the scores and the row's attention becomes uniform.
+
+Why it matters: transformers 5.17 (the GPU machine's) builds a bidirectional model's mask under
+``torch.compile`` as ``q_idx >= 0`` broadcast over the keys (it leaves the mask out in eager, where
+it can see that every position attends; 5.24 leaves it out under ``torch.compile`` too). torch's fused attention kernels refuse a mask whose last stride is not
 1, so the trace takes the math path: float32 matmuls without tensor cores and a softmax over a
 float32 score matrix per head (BERT-base's training step, 16 x 512, bf16: 4.6 ms of float32
 matmuls alone in 28.7 on an H200, Inductor's as ours). Without the mask the trace takes flash
 attention, as eager does.
 
 Runs on the Dynamo graph before AOTAutograd traces it (``driver._compile_missed``). Left alone: a
-mask that varies along the keys, one that needs a gradient, ``is_causal`` with a mask (an error
-of torch's own), anything whose fake value is missing.
+mask that varies along the keys, a float mask, ``is_causal`` with a mask (an error of torch's
+own), anything whose fake value is missing.
 """
 
 from __future__ import annotations
@@ -47,14 +50,14 @@ def _mask_arg(node: torch.fx.Node) -> object:
 
 
 def _row_mask(node: torch.fx.Node) -> bool:
-    """Whether ``node``'s mask is a tensor constant along the keys that needs no gradient."""
+    """Whether ``node``'s mask is a boolean tensor constant along the keys."""
     mask = _mask_arg(node)
     causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
     if not isinstance(mask, torch.fx.Node) or causal is not False:
         return False
     value = mask.meta.get("example_value")
     if not isinstance(value, torch.Tensor) or value.layout != torch.strided or value.dim() == 0 \
-            or value.requires_grad:
+            or value.dtype != torch.bool:
         return False
     return value.size(-1) == 1 or value.stride(-1) == 0
 
@@ -62,9 +65,7 @@ def _row_mask(node: torch.fx.Node) -> bool:
 def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     mask = _mask_arg(node)
     with graph.inserting_before(node):
-        column = graph.call_function(operator.getitem, (mask, (Ellipsis, slice(0, 1))))
-        passes = column if mask.meta["example_value"].dtype == torch.bool else \
-            graph.call_function(operator.ne, (column, float("-inf")))
+        passes = graph.call_function(operator.getitem, (mask, (Ellipsis, slice(0, 1))))
     if len(node.args) > _MASK_AT:
         node.args = (*node.args[:_MASK_AT], None, *node.args[_MASK_AT + 1:])
     else:
