@@ -12,11 +12,11 @@ use) that it absorbs the scores and the row's attention becomes uniform.
 
 Why it matters: transformers 5.17 (the GPU machine's) builds a bidirectional model's mask under
 ``torch.compile`` as ``q_idx >= 0`` broadcast over the keys (it leaves the mask out in eager, where
-it can see that every position attends; 5.24 leaves it out under ``torch.compile`` too). torch's fused attention kernels refuse a mask whose last stride is not
-1, so the trace takes the math path: float32 matmuls without tensor cores and a softmax over a
-float32 score matrix per head (BERT-base's training step, 16 x 512, bf16: 4.6 ms of float32
-matmuls alone in 28.7 on an H200, Inductor's as ours). Without the mask the trace takes flash
-attention, as eager does.
+it can see that every position attends; 5.24 leaves it out under ``torch.compile`` too). torch's
+fused attention kernels refuse a mask whose last stride is not 1, so the trace takes the math path:
+float32 matmuls without tensor cores and a softmax over a float32 score matrix per head (BERT-base's
+training step, 16 x 512, bf16: 4.5 ms of float32 matmuls in 28.7 on an H200, in Inductor's step as
+in ours). Without the mask the trace takes flash attention, as eager does.
 
 Runs on the Dynamo graph before AOTAutograd traces it (``driver._compile_missed``). Left alone: a
 mask that varies along the keys, a float mask, ``is_causal`` with a mask (an error of torch's
