@@ -90,6 +90,7 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
         grouped_attention,
         input_writes,
         merged_sums,
+        patch_convs,
         rmsnorm_gemms,
         shared_input_gemms,
     )
@@ -100,6 +101,7 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
     gm = input_writes.placed(gm)  # a running statistic's update next to the kernel of the statistic
     gemms = gemm_choice.GemmPlan.of(gm, ctx.config.gemm_decisions)  # GEMM forms, timed on the device
     gm = _padded(gm, gemms)  # GEMMs of unaligned sizes padded where that was faster
+    gm = patch_convs.rewritten(gm, gemms)  # a convolution over disjoint patches as one GEMM where faster
     gm = grouped_attention.rewritten(gm, gemms)  # SDPA on unexpanded grouped K/V where that was faster
     gm = gate_up_gemms.rewritten(gm, gemms, ctx.kind)  # silu(x @ gate) * (x @ up) in one launch where faster
     gm = shared_input_gemms.rewritten(gm, gemms)  # few-row GEMMs of one input in one launch where faster

@@ -56,7 +56,7 @@ def padded(gm: torch.fx.GraphModule, pads: dict[str, tuple[int, int, int]]) -> t
     out.graph.eliminate_dead_code()
     out.recompile()
     compat.refresh_meta(out)
-    if _restore_output_layouts(out.graph, traced):
+    if restore_output_layouts(out.graph, traced):
         out.recompile()
         compat.refresh_meta(out)
     return out
@@ -138,7 +138,7 @@ def _keeps_last(source: torch.fx.Node, x: torch.fx.Node) -> bool:
         int(val.shape[-1]) == int(x.meta["val"].shape[-1])
 
 
-def _restore_output_layouts(graph: torch.fx.Graph, traced: list) -> bool:
+def restore_output_layouts(graph: torch.fx.Graph, traced: list) -> bool:
     """Copy each output whose strides the rewrite changed to its traced layout (contiguous);
     whether any was copied."""
     output = next(iter(graph.find_nodes(op="output")))

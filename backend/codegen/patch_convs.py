@@ -1,0 +1,183 @@
+"""A convolution whose kernel tiles its input (a ViT's or a ConvNeXt's patch embedding) as one GEMM over
+the patches, where timing says so (issue 55, "Fuse across the matmul").
+
+A convolution with stride equal to its kernel, no padding, no dilation and one group reads every input
+element once, in disjoint patches: it is a matrix product of the patches, laid out as rows, with the
+weight viewed as [O, C*kh*kw]::
+
+    p = view(x, [N, C, Hp, kh, Wp, kw])                  splits H and W: a view for any strides
+    a = view(clone(permute(p, [0, 2, 4, 1, 3, 5])), [N*Hp*Wp, C*kh*kw])    one copy of the input
+    y = addmm(bias, a, t(view(w, [O, C*kh*kw])))         (mm without a bias)
+    out = permute(view(y, [N, Hp, Wp, O]), [0, 3, 1, 2])  [N, O, Hp, Wp], channels-last strides
+
+cuDNN runs such a convolution as an implicit GEMM over 3 input channels padded for its tensor cores
+and converts NCHW to NHWC around it: ViT-B/16 at 64 images, an H200, bf16, 0.43 ms of convolution and
+0.16 of conversions a step (Inductor's step and ours, ``real-size`` a247473), for 15 GFLOP that
+cuBLAS runs in tens of microseconds. The copy that lays the patches out as rows is one of our
+pointwise kernels.
+
+``rewritten(gm, plan)`` times both forms on the device at compile time, as ``gemm_choice`` times a
+GEMM's: the convolution as traced, against the copy and the GEMM (in eager ops), and takes the GEMM
+where it is faster by more than ``gemm_choice.MARGIN``; ``gemm_decisions=rewrite`` always takes it,
+``keep`` never, and where nothing can be timed the graph stays as traced. Each choice is a line of the
+module's header. The result's strides are channels-last where the convolution's were contiguous: what
+reads it is propagated again, and where that fails (a view the new strides cannot express), the
+result is copied to the traced layout first, as it is where it leaves the graph. The graph handed in
+is left as it is: the rewrite works on a copy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.fx
+
+from cgtrees.codegen import compat, fx_copy
+from cgtrees.codegen.gemm_choice import MARGIN, random_like, span_bytes
+from cgtrees.codegen.gemm_padding import NotPadded, restore_output_layouts
+
+if TYPE_CHECKING:
+    from cgtrees.codegen.gemm_choice import GemmPlan
+
+aten = torch.ops.aten
+
+TRACED, PATCHES = "as traced", "patches as one GEMM"
+
+
+def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan") -> torch.fx.GraphModule:
+    """``gm``, or a copy of it where some patch convolution runs as a GEMM."""
+    chosen = [node.name for node in gm.graph.find_nodes(op="call_function", target=aten.convolution.default)
+              if tiles_its_input(node) and _choose(node, plan)]
+    if not chosen:
+        return gm
+    for contiguous in (False, True):
+        graph, copied = fx_copy.copied(gm)
+        traced = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None
+                  for a in _flat(next(iter(graph.find_nodes(op="output"))).args[0])]
+        for name in chosen:
+            _rewrite(graph, copied[name], contiguous)
+        out = torch.fx.GraphModule(gm, graph)
+        try:
+            compat.refresh_meta(out)
+            if restore_output_layouts(out.graph, traced):
+                out.recompile()
+                compat.refresh_meta(out)
+            return out
+        except (NotPadded, RuntimeError, ValueError) as exc:  # a reader the channels-last strides cannot serve
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
+    for name in chosen:
+        plan.note(name, "convolution", TRACED, (), f"not rewritten: {why}")
+    return gm
+
+
+def tiles_its_input(node: torch.fx.Node) -> bool:
+    """Whether ``convolution`` ``node`` is 2-d, its stride its kernel's size, without padding,
+    dilation, transposition or groups, over static sizes that its kernel divides."""
+    x, w, _bias, stride, padding, dilation, transposed, _out_pad, groups = node.args
+    xv, wv = x.meta.get("val"), w.meta.get("val")
+    if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or xv.dim() != 4 or transposed:
+        return False
+    if groups != 1 or any(p != 0 for p in padding) or any(d != 1 for d in dilation):
+        return False
+    if not all(isinstance(s, int) for s in (*xv.shape, *wv.shape)) or not xv.is_floating_point():
+        return False
+    kernel = tuple(wv.shape[2:])
+    return tuple(stride) == kernel and kernel != (1, 1) and xv.shape[2] % kernel[0] == 0 and \
+        xv.shape[3] % kernel[1] == 0 and wv.is_contiguous()
+
+
+# -------------------------------------------------------------------------------------------- choice
+def _choose(node: torch.fx.Node, plan: "GemmPlan") -> bool:
+    how, why = plan.other_choice()
+    what = _describe(node)
+    if how != "time":
+        plan.note(node.name, what, PATCHES if how == "rewrite" else TRACED, (), why)
+        return how == "rewrite"
+    x, w, bias = (a.meta["val"] if isinstance(a, torch.fx.Node) else None for a in node.args[:3])
+    forms = {TRACED: _traced_form(node, x, w, bias, plan.device), PATCHES: _patch_form(x, w, bias, plan.device)}
+    timings = plan.time_forms(forms)
+    if timings is None:
+        plan.note(node.name, what, TRACED, (), "too large to time")
+        return False
+    taken = PATCHES if timings[PATCHES] < timings[TRACED] * (1 - MARGIN) else TRACED
+    plan.note(node.name, what, taken, tuple(timings.items()))
+    return taken == PATCHES
+
+
+def _describe(node: torch.fx.Node) -> str:
+    x, w = node.args[0].meta["val"], node.args[1].meta["val"]
+    return f"convolution {list(x.shape)} * {list(w.shape)} stride {list(node.args[3])} {x.dtype}"
+
+
+def _traced_form(node: torch.fx.Node, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                 device: torch.device) -> tuple[str, Callable[[], Callable[[], None]], int]:
+    stride = list(node.args[3])
+    key = f"convolution {_strides(x)} * {_strides(w)} stride {stride} {x.dtype} {device}"
+
+    def build() -> Callable[[], None]:
+        tx, tw = random_like(x, device), random_like(w, device)
+        tb = random_like(bias, device) if bias is not None else None
+        return lambda: torch.convolution(tx, tw, tb, stride, [0, 0], [1, 1], False, [0, 0], 1)
+
+    return key, build, span_bytes(x, w, bias) * 2
+
+
+def _patch_form(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                device: torch.device) -> tuple[str, Callable[[], Callable[[], None]], int]:
+    n, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    rows, cols = n * (h // kh) * (wd // kw), c * kh * kw
+    key = f"patch gemm {_strides(x)} * {_strides(w)} {x.dtype} {device}"
+
+    def build() -> Callable[[], None]:
+        tx, tw = random_like(x, device), random_like(w, device)
+        tb = random_like(bias, device) if bias is not None else None
+        a = torch.empty(n, h // kh, wd // kw, c, kh, kw, dtype=x.dtype, device=device)
+        out = torch.empty(rows, o, dtype=x.dtype, device=device)
+        patches = tx.view(n, c, h // kh, kh, wd // kw, kw).permute(0, 2, 4, 1, 3, 5)
+        wt = tw.view(o, cols).t()
+
+        def run() -> None:
+            a.copy_(patches)
+            if tb is None:
+                torch.mm(a.view(rows, cols), wt, out=out)
+            else:
+                torch.addmm(tb, a.view(rows, cols), wt, out=out)
+        return run
+
+    return key, build, span_bytes(x, w, bias) * 2 + rows * (cols + o) * x.element_size()
+
+
+def _strides(t: torch.Tensor) -> str:
+    return f"{list(t.shape)}:{list(t.stride())}"
+
+
+# ------------------------------------------------------------------------------------------- rewrite
+def _rewrite(graph: torch.fx.Graph, conv: torch.fx.Node, contiguous: bool) -> None:
+    x, w, bias = conv.args[:3]
+    n, c, h, wd = (int(s) for s in x.meta["val"].shape)
+    o, _, kh, kw = (int(s) for s in w.meta["val"].shape)
+    hp, wp = h // kh, wd // kw
+    with graph.inserting_before(conv):
+        split = _call(graph, aten.view.default, x, [n, c, hp, kh, wp, kw])
+        rows = _call(graph, aten.permute.default, split, [0, 2, 4, 1, 3, 5])
+        laid = graph.call_function(aten.clone.default, (rows,), {"memory_format": torch.contiguous_format})
+        a = _call(graph, aten.view.default, laid, [n * hp * wp, c * kh * kw])
+        wt = _call(graph, aten.t.default, _call(graph, aten.view.default, w, [o, c * kh * kw]))
+        y = graph.call_function(aten.addmm.default, (bias, a, wt)) if bias is not None else \
+            _call(graph, aten.mm.default, a, wt)
+        result = _call(graph, aten.permute.default, _call(graph, aten.view.default, y, [n, hp, wp, o]), [0, 3, 1, 2])
+        if contiguous:
+            result = graph.call_function(aten.clone.default, (result,), {"memory_format": torch.contiguous_format})
+    y.meta.update({k: v for k, v in conv.meta.items() if k != "val"})  # the source line, for comments
+    conv.replace_all_uses_with(result)
+    graph.erase_node(conv)
+
+
+def _call(graph: torch.fx.Graph, target: object, *args: object) -> torch.fx.Node:
+    return graph.call_function(target, args)
+
+
+def _flat(value: object) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
