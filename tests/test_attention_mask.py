@@ -2,7 +2,8 @@
 the rows it passes get the unmasked attention, the rows it blocks zeros, as torch's attention gives
 them; outputs and gradients as eager's. transformers builds such a mask for BERT under
 ``torch.compile`` (``q_idx >= 0`` broadcast over the keys), and with it torch's fused attention
-kernels refuse the mask and the trace takes float32 math attention."""
+kernels refuse the mask and the trace takes float32 math attention. A causal mask computed from no
+input (transformers 5.17's for GPT-2 and Llama under ``torch.compile``) becomes ``is_causal``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from codegen_helpers import INTERPRET
 
-from cgtrees.aot.attention_mask import SDPA, take_out_row_masks
+from cgtrees.aot.attention_mask import SDPA, take_out_causal_masks, take_out_row_masks
 
 B, H, L, S, E = 2, 3, 9, 11, 8  # irregular, so that a broadcast the rewrite gets wrong shows
 
@@ -89,6 +90,99 @@ def test_compiled_attention_with_a_row_mask_matches_eager(cgtrees_counters):
     torch._dynamo.reset()
     compiled = torch.compile(attend, backend="cgtrees", fullgraph=True, options={"interpret": True})
     got, want = _run(compiled, mask), _run(attend, mask)
+    torch.testing.assert_close(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b)
+    seen = dict(cgtrees_counters)
+    assert seen.get("graph_fallbacks", 0) == 0 and seen.get("kernels_generated", 0) >= 1, seen
+
+
+# ------------------------------------------------------------------------------------- causal masks
+def _causal(q: torch.Tensor, k: torch.Tensor, offset: int = 0, window: int | None = None) -> torch.Tensor:
+    """The mask a decoder builds from aranges: key j is seen from query i where j <= i + offset."""
+    i, j = torch.arange(q.shape[-2], device=q.device), torch.arange(k.shape[-2], device=q.device)
+    keep = j[None, :] <= i[:, None] + offset
+    if window is not None:
+        keep = keep & (j[None, :] > i[:, None] - window)
+    return keep[None, None].expand(q.shape[0], 1, q.shape[-2], k.shape[-2])
+
+
+def causal_attend(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(q, k), dropout_p=0.0).sin()
+
+
+def _same_length_qkv() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(B, H, S, E, generator=g) for _ in range(3)]
+
+
+def _captured_fn(fn, *inputs) -> torch.fx.GraphModule:
+    graphs = []
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=keep, fullgraph=True)(*inputs)
+    return graphs[0]
+
+
+def _grads(fn, inputs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.square().sum().backward()
+    return out, [t.grad for t in leaves]
+
+
+def test_a_causal_mask_from_aranges_becomes_is_causal():
+    qkv = _same_length_qkv()
+    gm = copy.deepcopy(_captured_fn(causal_attend, *qkv))
+    assert take_out_causal_masks(gm), gm.code
+    (node,) = gm.graph.find_nodes(op="call_function", target=SDPA)
+    assert node.kwargs.get("attn_mask") is None and node.kwargs.get("is_causal") is True, node.format_node()
+    got, want = _grads(lambda *a: gm(*a)[0], qkv), _grads(causal_attend, qkv)
+    torch.testing.assert_close(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b)
+
+
+def _padded(q, k, v, keep):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(q, k) & keep[:, None, None, :])
+
+
+@pytest.mark.parametrize("which", ["reads an input", "a sliding window", "aligned at the bottom right",
+                                   "the last key hidden"])
+def test_masks_that_are_not_the_causal_pattern_or_not_constant_stay(which):
+    """A padding mask (an input) combined with the causal one; a causal window; queries fewer than
+    keys, aligned at the last key (HF's, where torch's ``is_causal`` aligns at the first); a
+    pattern that differs from the causal one in one place."""
+    qkv = _same_length_qkv()
+    if which == "reads an input":
+        fn, inputs = _padded, (*qkv, torch.ones(B, S, dtype=torch.bool))
+    elif which == "a sliding window":
+        fn, inputs = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(q, k, window=3)), qkv
+    elif which == "aligned at the bottom right":
+        q = qkv[0][:, :, :L]
+        fn, inputs = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=_causal(q, k, S - L)), \
+            (q, *qkv[1:])
+    else:
+        def fn(q, k, v):
+            mask = _causal(q, k).clone()
+            mask[..., -1, -1] = False
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        inputs = qkv
+    gm = _captured_fn(fn, *inputs)
+    before = gm.code
+    assert not take_out_causal_masks(gm) and gm.code == before
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
+def test_compiled_attention_with_a_causal_mask_matches_eager(cgtrees_counters):
+    qkv = _same_length_qkv()
+    torch._dynamo.reset()
+    compiled = torch.compile(causal_attend, backend="cgtrees", fullgraph=True, options={"interpret": True})
+    got, want = _grads(compiled, qkv), _grads(causal_attend, qkv)
     torch.testing.assert_close(got[0], want[0])
     for a, b in zip(got[1], want[1]):
         torch.testing.assert_close(a, b)

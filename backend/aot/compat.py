@@ -338,6 +338,14 @@ def aot_backward_attributes(meta_text: str, bw_module_fn: Callable[[], torch.fx.
     return attributes
 
 
+def real_tensors() -> Any:
+    """A context in which tensors made are real, where a fake mode is active (a graph's constants
+    computed at compile time)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    return unset_fake_temporarily()
+
+
 def fake_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 

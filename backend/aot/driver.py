@@ -188,6 +188,7 @@ def _compile_missed(gm: torch.fx.GraphModule, example_inputs: list[Any], config:
     from cgtrees.aot import attention_mask, decompositions  # a warm start never needs them
 
     attention_mask.take_out_row_masks(gm)  # a mask constant along the keys: fused attention may run
+    attention_mask.take_out_causal_masks(gm)  # a constant causal mask: is_causal, the faster kernels
 
     if backward:  # traced with grad mode off: AOTAutograd makes no training graph of it
         fw_compiler = bw_compiler = _not_training

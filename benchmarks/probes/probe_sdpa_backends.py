@@ -52,6 +52,17 @@ def _row(b: int, h: int, t: int, d: int, causal: bool) -> dict:
             row[name] = {"forward_ms": round(fwd, 4), "forward_backward_ms": round(both, 4)}
         except RuntimeError as e:
             row[name] = f"{type(e).__name__}: {str(e)[:100]}"
+    if causal:  # the same attention with the causal pattern given as a boolean mask (what a traced model may pass)
+        mask = torch.ones(t, t, device="cuda", dtype=torch.bool).tril().expand(b, 1, t, t)
+        for name in ("cudnn", "flash", "efficient"):
+            try:
+                with sdpa_kernel([BACKENDS[name]]):
+                    fwd = _ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+                    both = _ms(lambda: torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                                                           (q, k, v), grad))
+                row[name + " + bool mask"] = {"forward_ms": round(fwd, 4), "forward_backward_ms": round(both, 4)}
+            except RuntimeError as e:
+                row[name + " + bool mask"] = f"{type(e).__name__}: {str(e)[:100]}"
     return row
 
 
