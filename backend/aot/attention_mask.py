@@ -79,7 +79,8 @@ def take_out_causal_masks(gm: torch.fx.GraphModule) -> bool:
 
 
 _MAX_MASK = 1 << 28  # elements of a mask computed at compile time
-_RANDOM = ("rand", "bernoulli", "dropout", "normal", "multinomial")
+_RANDOM = ("rand", "bernoulli", "dropout", "normal", "multinomial", "uniform", "exponential", "geometric", "cauchy",
+           "poisson")
 
 
 def _computed(gm: torch.fx.GraphModule, mask: torch.fx.Node) -> torch.Tensor | None:
@@ -92,7 +93,7 @@ def _computed(gm: torch.fx.GraphModule, mask: torch.fx.Node) -> torch.Tensor | N
             continue
         if node.op == "placeholder" or any(word in str(node.target) for word in _RANDOM):
             return None
-        if node.op not in ("call_function", "call_method", "get_attr"):
+        if node.op not in ("call_function", "call_method"):  # a get_attr may be a buffer the model writes
             return None
         chain.add(node)
         todo.extend(node.all_input_nodes)
