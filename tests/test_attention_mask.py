@@ -50,6 +50,13 @@ def _captured(mask: torch.Tensor) -> torch.fx.GraphModule:
     return graphs[0]
 
 
+def _same(got: tuple, want: tuple) -> None:
+    """Outputs and the gradients of q, k and v as eager's."""
+    torch.testing.assert_close(got[0], want[0])
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b)
+
+
 def _run(fn, mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     qkv = [t.clone().requires_grad_() for t in _qkv()]
     out = fn(*qkv, mask)
@@ -66,9 +73,7 @@ def test_a_mask_constant_along_the_keys_is_taken_out(name):
     assert (node.args + (None,) * 4)[3] is None and node.kwargs.get("attn_mask") is None, gm.code
     got, want = _run(lambda *a: gm(*a)[0], mask), _run(attend, mask)
     assert (want[0][:, :, ~_rows()] == 0).all()  # torch's attention: a blocked row is zeros
-    torch.testing.assert_close(got[0], want[0])
-    for a, b in zip(got[1], want[1]):
-        torch.testing.assert_close(a, b)
+    _same(got, want)
 
 
 @pytest.mark.parametrize("which", ["varies along the keys", "float"])
@@ -90,9 +95,7 @@ def test_compiled_attention_with_a_row_mask_matches_eager(cgtrees_counters):
     torch._dynamo.reset()
     compiled = torch.compile(attend, backend="cgtrees", fullgraph=True, options={"interpret": True})
     got, want = _run(compiled, mask), _run(attend, mask)
-    torch.testing.assert_close(got[0], want[0])
-    for a, b in zip(got[1], want[1]):
-        torch.testing.assert_close(a, b)
+    _same(got, want)
     seen = dict(cgtrees_counters)
     assert seen.get("graph_fallbacks", 0) == 0 and seen.get("kernels_generated", 0) >= 1, seen
 
@@ -142,9 +145,7 @@ def test_a_causal_mask_from_aranges_becomes_is_causal():
     (node,) = gm.graph.find_nodes(op="call_function", target=SDPA)
     assert node.kwargs.get("attn_mask") is None and node.kwargs.get("is_causal") is True, node.format_node()
     got, want = _grads(lambda *a: gm(*a)[0], qkv), _grads(causal_attend, qkv)
-    torch.testing.assert_close(got[0], want[0])
-    for a, b in zip(got[1], want[1]):
-        torch.testing.assert_close(a, b)
+    _same(got, want)
 
 
 def _padded(q, k, v, keep):
@@ -183,8 +184,6 @@ def test_compiled_attention_with_a_causal_mask_matches_eager(cgtrees_counters):
     torch._dynamo.reset()
     compiled = torch.compile(causal_attend, backend="cgtrees", fullgraph=True, options={"interpret": True})
     got, want = _grads(compiled, qkv), _grads(causal_attend, qkv)
-    torch.testing.assert_close(got[0], want[0])
-    for a, b in zip(got[1], want[1]):
-        torch.testing.assert_close(a, b)
+    _same(got, want)
     seen = dict(cgtrees_counters)
     assert seen.get("graph_fallbacks", 0) == 0 and seen.get("kernels_generated", 0) >= 1, seen

@@ -31,15 +31,17 @@ def _gelu_exact(x):
 
 
 @triton.jit
-def gemm_gelu_ptr(a_ptr, b_ptr, bias_ptr, out_ptr, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GELU: tl.constexpr):
-    pid = tl.program_id(0)
-    pids_m, pids_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * pids_n)
+def _tile(tile_id, pids_m, pids_n, GROUP_M: tl.constexpr):
+    group = tile_id // (GROUP_M * pids_n)
     first_m = group * GROUP_M
     rows = min(pids_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * pids_n)) % rows
-    pid_n = (pid % (GROUP_M * pids_n)) // rows
+    return first_m + (tile_id % (GROUP_M * pids_n)) % rows, (tile_id % (GROUP_M * pids_n)) // rows
+
+
+@triton.jit
+def gemm_gelu_ptr(a_ptr, b_ptr, bias_ptr, out_ptr, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GELU: tl.constexpr):
+    pid_m, pid_n = _tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)
@@ -62,13 +64,7 @@ def gemm_gelu_ptr(a_ptr, b_ptr, bias_ptr, out_ptr, M, N, K: tl.constexpr, BLOCK_
 @triton.jit
 def gemm_gelu_tma(a_desc, b_desc, bias_ptr, out_desc, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, GELU: tl.constexpr):
-    pid = tl.program_id(0)
-    pids_m, pids_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * pids_n)
-    first_m = group * GROUP_M
-    rows = min(pids_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * pids_n)) % rows
-    pid_n = (pid % (GROUP_M * pids_n)) // rows
+    pid_m, pid_n = _tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, K // BLOCK_K):
         a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
@@ -80,14 +76,6 @@ def gemm_gelu_tma(a_desc, b_desc, bias_ptr, out_desc, M, N, K: tl.constexpr, BLO
     if GELU:
         x = _gelu_exact(x)
     out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], x.to(out_desc.dtype))
-
-
-@triton.jit
-def _tile(tile_id, pids_m, pids_n, GROUP_M: tl.constexpr):
-    group = tile_id // (GROUP_M * pids_n)
-    first_m = group * GROUP_M
-    rows = min(pids_m - first_m, GROUP_M)
-    return first_m + (tile_id % (GROUP_M * pids_n)) % rows, (tile_id % (GROUP_M * pids_n)) // rows
 
 
 @triton.jit
