@@ -28,6 +28,7 @@ is left as it is: the rewrite works on a copy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -46,16 +47,39 @@ TRACED, PATCHES = "as traced", "patches as one GEMM"
 
 
 def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan") -> torch.fx.GraphModule:
-    """``gm``, or a copy of it where some patch convolution runs as a GEMM."""
-    chosen = [node.name for node in gm.graph.find_nodes(op="call_function", target=aten.convolution.default)
-              if tiles_its_input(node) and _choose(node, plan)]
-    if not chosen:
-        return gm
+    """``gm``, or a copy of it where some patch convolution runs as a GEMM; each choice one note."""
+    choices = [_choose(node, plan) for node in gm.graph.find_nodes(op="call_function",
+                                                                   target=aten.convolution.default)
+               if tiles_its_input(node)]
+    chosen = [c for c in choices if c.taken == PATCHES]
+    out, why = _rewritten(gm, [c.node for c in chosen]) if chosen else (gm, "")
+    for c in choices:
+        if c in chosen and out is gm:
+            c = Choice(c.node, c.what, TRACED, c.timings, f"not rewritten: {why}")
+        plan.note(c.node, c.what, c.taken, c.timings, c.why)
+    return out
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One convolution's choice, noted once the rewrite is known to hold."""
+
+    node: str
+    what: str
+    taken: str
+    timings: tuple[tuple[str, float], ...] = ()
+    why: str = "timed"
+
+
+def _rewritten(gm: torch.fx.GraphModule, names: list[str]) -> tuple[torch.fx.GraphModule, str]:
+    """A copy of ``gm`` with the convolutions ``names`` as GEMMs, their results channels-last where
+    what reads them takes that, else copied to the traced layout; ``gm`` and why, where neither holds."""
+    why = ""
     for contiguous in (False, True):
         graph, copied = fx_copy.copied(gm)
         traced = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None
                   for a in _flat(next(iter(graph.find_nodes(op="output"))).args[0])]
-        for name in chosen:
+        for name in names:
             _rewrite(graph, copied[name], contiguous)
         out = torch.fx.GraphModule(gm, graph)
         try:
@@ -63,12 +87,10 @@ def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan") -> torch.fx.GraphModul
             if restore_output_layouts(out.graph, traced):
                 out.recompile()
                 compat.refresh_meta(out)
-            return out
+            return out, ""
         except (NotPadded, RuntimeError, ValueError) as exc:  # a reader the channels-last strides cannot serve
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
-    for name in chosen:
-        plan.note(name, "convolution", TRACED, (), f"not rewritten: {why}")
-    return gm
+    return gm, why
 
 
 def tiles_its_input(node: torch.fx.Node) -> bool:
@@ -88,21 +110,18 @@ def tiles_its_input(node: torch.fx.Node) -> bool:
 
 
 # -------------------------------------------------------------------------------------------- choice
-def _choose(node: torch.fx.Node, plan: "GemmPlan") -> bool:
+def _choose(node: torch.fx.Node, plan: "GemmPlan") -> Choice:
     how, why = plan.other_choice()
     what = _describe(node)
     if how != "time":
-        plan.note(node.name, what, PATCHES if how == "rewrite" else TRACED, (), why)
-        return how == "rewrite"
+        return Choice(node.name, what, PATCHES if how == "rewrite" else TRACED, (), why)
     x, w, bias = (a.meta["val"] if isinstance(a, torch.fx.Node) else None for a in node.args[:3])
     forms = {TRACED: _traced_form(node, x, w, bias, plan.device), PATCHES: _patch_form(x, w, bias, plan.device)}
     timings = plan.time_forms(forms)
     if timings is None:
-        plan.note(node.name, what, TRACED, (), "too large to time")
-        return False
+        return Choice(node.name, what, TRACED, (), "too large to time")
     taken = PATCHES if timings[PATCHES] < timings[TRACED] * (1 - MARGIN) else TRACED
-    plan.note(node.name, what, taken, tuple(timings.items()))
-    return taken == PATCHES
+    return Choice(node.name, what, taken, tuple(timings.items()))
 
 
 def _describe(node: torch.fx.Node) -> str:
