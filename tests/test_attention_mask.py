@@ -178,6 +178,26 @@ def test_masks_that_are_not_the_causal_pattern_or_not_constant_stay(which):
     assert not take_out_causal_masks(gm) and gm.code == before
 
 
+@pytest.mark.parametrize("use_vmap", [False, True])
+def test_transformers_causal_mask_becomes_is_causal_where_built_from_indices(use_vmap):
+    """transformers' own ``sdpa_mask`` as a decoder calls it under ``torch.compile`` (no skip): built from
+    indices the mask is computed and becomes ``is_causal``; built with vmap (its ``_add_batch_dim`` steps
+    at levels that only Dynamo's nesting gives) it stays, and vmap's nesting is as it was."""
+    masking = pytest.importorskip("transformers.masking_utils")
+
+    def fn(q, k, v):
+        mask = masking.sdpa_mask(batch_size=q.shape[0], q_length=q.shape[-2], kv_length=k.shape[-2],
+                                 allow_is_causal_skip=False, use_vmap=use_vmap)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    qkv = _same_length_qkv()
+    gm = _captured_fn(fn, *qkv)
+    level = torch._C._functorch.maybe_current_level()
+    assert take_out_causal_masks(gm) is not use_vmap, gm.code
+    assert torch._C._functorch.maybe_current_level() == level
+    torch.testing.assert_close(gm(*qkv)[0], fn(*qkv))
+
+
 @pytest.mark.skipif(not INTERPRET, reason="CUDA machine: codegen runs compiled in tests/gpu")
 def test_compiled_attention_with_a_causal_mask_matches_eager(cgtrees_counters):
     qkv = _same_length_qkv()

@@ -91,7 +91,7 @@ def _computed(gm: torch.fx.GraphModule, mask: torch.fx.Node) -> torch.Tensor | N
         node = todo.pop()
         if node in chain:
             continue
-        if node.op == "placeholder" or any(word in str(node.target) for word in _RANDOM):
+        if node.op == "placeholder" or any(word in str(node.target) for word in _RANDOM) or _functorch(node):
             return None
         if node.op not in ("call_function", "call_method"):  # a get_attr may be a buffer the model writes
             return None
@@ -114,6 +114,13 @@ def _computed(gm: torch.fx.GraphModule, mask: torch.fx.Node) -> torch.Tensor | N
     except Exception:  # noqa: BLE001 - a mask we cannot compute here stays as it is
         return None
     return out if isinstance(out, torch.Tensor) and out.dtype == torch.bool else None
+
+
+def _functorch(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is one of vmap's steps (``_add_batch_dim`` at a level, ``_remove_batch_dim``):
+    outside the nesting that Dynamo's graph opens around them they are not the mask's values."""
+    module = getattr(node.target, "__module__", None) or ""
+    return module.startswith("torch._C._functorch") or "batch_dim" in str(node.target) or "vmap" in str(node.target)
 
 
 def _mutates(node: torch.fx.Node) -> bool:
