@@ -61,6 +61,8 @@ def take_out_row_masks(gm: torch.fx.GraphModule) -> bool:
 def take_out_causal_masks(gm: torch.fx.GraphModule) -> bool:
     """Give each attention of ``gm`` whose boolean mask is computed from no input and is the causal
     pattern ``is_causal=True`` instead; whether any was."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False  # a graph compiled inside a capture: nothing can be computed here to compare
     values: dict[torch.fx.Node, torch.Tensor | None] = {}
     rewritten = []
     for node in gm.graph.find_nodes(op="call_function", target=SDPA):
