@@ -96,6 +96,8 @@ def _rewritten(gm: torch.fx.GraphModule, names: list[str]) -> tuple[torch.fx.Gra
 def tiles_its_input(node: torch.fx.Node) -> bool:
     """Whether ``convolution`` ``node`` is 2-d, its stride its kernel's size, without padding,
     dilation, transposition or groups, over static sizes that its kernel divides."""
+    if len(node.args) != 9 or node.kwargs:
+        return False  # not the positional form the aten graph gives
     x, w, _bias, stride, padding, dilation, transposed, _out_pad, groups = node.args
     xv, wv = x.meta.get("val"), w.meta.get("val")
     if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or xv.dim() != 4 or transposed:
