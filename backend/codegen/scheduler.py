@@ -390,9 +390,10 @@ def _fill(kernel: _Open, pending: list[ir.Step], items: list[Item]) -> list[ir.S
                 kernel.deferred.append(step)
             else:
                 items.append(step)
-        elif not passed and step.target.startswith(_PRODUCTS) and _extern_reads(step) & kernel.names():
-            passed.add(step.name)  # a matrix product of the kernel's result waits for the kernel, and
-            left.append(step)  # later steps still join it (the softmax's bf16 copy after the bmm)
+        elif step.target.startswith(_PRODUCTS) and (passed or _extern_reads(step) & kernel.names()):
+            passed.add(step.name)  # a matrix product of the kernel's result (or after one) waits for the
+            left.append(step)  # kernel, in order, and later steps still join it (the softmax's bf16 copy
+            # after the bmm; SiLU's gate gradient after the up projection's two GEMMs)
         else:
             if passed or _extern_reads(step) & kernel.names():
                 return left + pending[i:]  # aten calls keep their order among the passed-over steps
