@@ -47,19 +47,31 @@ def padded(gm: torch.fx.GraphModule, pads: dict[str, tuple[int, int, int]]) -> t
     if not pads:
         return gm
     out = torch.fx.GraphModule(gm, _copy(gm.graph))
-    outputs = next(iter(out.graph.find_nodes(op="output")))
-    traced = [a.meta["val"] if isinstance(a, torch.fx.Node) else None for a in _flat(outputs.args[0])]
+    traced = traced_outputs(out.graph)
     memo: dict[tuple, torch.fx.Node] = {}
     for node in list(out.graph.nodes):
         if node.name in pads:
             _pad_gemm(out.graph, node, pads[node.name], memo)
     out.graph.eliminate_dead_code()
     out.recompile()
-    compat.refresh_meta(out)
-    if restore_output_layouts(out.graph, traced):
-        out.recompile()
-        compat.refresh_meta(out)
+    settle(out, traced)
     return out
+
+
+def traced_outputs(graph: torch.fx.Graph) -> list:
+    """The fake value of each of ``graph``'s outputs (None where not a node), before a rewrite."""
+    output = next(iter(graph.find_nodes(op="output")))
+    return [a.meta["val"] if isinstance(a, torch.fx.Node) else None for a in _flat(output.args[0])]
+
+
+def settle(gm: torch.fx.GraphModule, traced: list) -> None:
+    """After a rewrite of ``gm``: every node's meta computed again, and each output whose strides
+    changed copied back to its ``traced`` layout. Raises ``NotPadded`` where that cannot be done,
+    and fake propagation's own error where a reader cannot take the new strides."""
+    compat.refresh_meta(gm)
+    if _restore_output_layouts(gm.graph, traced):
+        gm.recompile()
+        compat.refresh_meta(gm)
 
 
 def _pad_gemm(graph: torch.fx.Graph, node: torch.fx.Node, to: tuple[int, int, int], memo: dict) -> None:
@@ -138,7 +150,7 @@ def _keeps_last(source: torch.fx.Node, x: torch.fx.Node) -> bool:
         int(val.shape[-1]) == int(x.meta["val"].shape[-1])
 
 
-def restore_output_layouts(graph: torch.fx.Graph, traced: list) -> bool:
+def _restore_output_layouts(graph: torch.fx.Graph, traced: list) -> bool:
     """Copy each output whose strides the rewrite changed to its traced layout (contiguous);
     whether any was copied."""
     output = next(iter(graph.find_nodes(op="output")))

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.fx
 
-from cgtrees.codegen import compat, fx_copy
+from cgtrees.codegen import fx_copy
 from cgtrees.codegen.gemm_choice import MARGIN, random_like, span_bytes
-from cgtrees.codegen.gemm_padding import NotPadded, restore_output_layouts
+from cgtrees.codegen.gemm_padding import NotPadded, settle, traced_outputs
 
 if TYPE_CHECKING:
     from cgtrees.codegen.gemm_choice import GemmPlan
@@ -77,16 +77,12 @@ def _rewritten(gm: torch.fx.GraphModule, names: list[str]) -> tuple[torch.fx.Gra
     why = ""
     for contiguous in (False, True):
         graph, copied = fx_copy.copied(gm)
-        traced = [a.meta.get("val") if isinstance(a, torch.fx.Node) else None
-                  for a in _flat(next(iter(graph.find_nodes(op="output"))).args[0])]
+        traced = traced_outputs(graph)
         for name in names:
             _rewrite(graph, copied[name], contiguous)
         out = torch.fx.GraphModule(gm, graph)
         try:
-            compat.refresh_meta(out)
-            if restore_output_layouts(out.graph, traced):
-                out.recompile()
-                compat.refresh_meta(out)
+            settle(out, traced)
             return out, ""
         except (NotPadded, RuntimeError, ValueError) as exc:  # a reader the channels-last strides cannot serve
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
@@ -199,6 +195,3 @@ def _rewrite(graph: torch.fx.Graph, conv: torch.fx.Node, contiguous: bool) -> No
 def _call(graph: torch.fx.Graph, target: object, *args: object) -> torch.fx.Node:
     return graph.call_function(target, args)
 
-
-def _flat(value: object) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
