@@ -350,6 +350,7 @@ def schedule(program: ir.Program) -> list[Item]:
     """Steps in program order -> kernels, aten calls and aliases in execution order."""
     items: list[Item] = []
     pending = list(program.steps)
+    fusable = _read_by_steps(program.steps)
     while pending:
         step = pending.pop(0)
         if not isinstance(step, ir.Compute):
@@ -359,24 +360,28 @@ def schedule(program: ir.Program) -> list[Item]:
         ok = kernel.try_add(step)
         assert ok, step.name
         if not step.alone or step.scatter is not None:  # a scatter may take scatters beside it
-            pending = _fill(kernel, pending, items)
+            pending = _fill(kernel, pending, items, fusable)
         items.extend(kernel.close())
     return _mark_stored(items, program)
 
 
-def _fill(kernel: _Open, pending: list[ir.Step], items: list[Item]) -> list[ir.Step]:
+def _fill(kernel: _Open, pending: list[ir.Step], items: list[Item], fusable: set[str]) -> list[ir.Step]:
     """Add to ``kernel`` every later step that fits it, looking past steps that do not (a column
     sum between a row kernel's steps no longer splits the row kernel in two); return the steps
     left for later kernels, in program order. Aten calls that read none of the kernel's buffers
     run before it (appended to ``items``). Nothing moves past a step it depends on, an aten call
-    that a passed-over step must precede, or a write into a graph input that was passed over."""
+    that a passed-over step must precede, or a write into a graph input that was passed over.
+    ``fusable``: the values some step reads (which a later kernel could compute in registers)."""
     left: list[ir.Step] = []
     passed: set[str] = set()  # steps passed over: whatever reads them must wait too
+    after_product = False  # past a matrix product, a step that neither reads the kernel nor is stored anyway waits
     for i, step in enumerate(pending):
         if isinstance(step, ir.Compute):
             if step.writes_input and passed:
                 return left + pending[i:]  # a passed-over step may read the input before this write
-            if not _reads_step(step) & passed and kernel.try_add(step):
+            reads = _reads_step(step)
+            joins = not after_product or reads & kernel.names() or step.name not in fusable
+            if not reads & passed and joins and kernel.try_add(step):
                 continue
             if step.writes_input:
                 return left + pending[i:]
@@ -392,13 +397,25 @@ def _fill(kernel: _Open, pending: list[ir.Step], items: list[Item]) -> list[ir.S
                 items.append(step)
         elif step.target.startswith(_PRODUCTS) and (passed or _extern_reads(step) & kernel.names()):
             passed.add(step.name)  # a matrix product of the kernel's result (or after one) waits for the
-            left.append(step)  # kernel, in order, and later steps still join it (the softmax's bf16 copy
-            # after the bmm; SiLU's gate gradient after the up projection's two GEMMs)
+            left.append(step)  # kernel, in order, and later steps that read the kernel still join it (the
+            after_product = True  # softmax's bf16 copy after the bmm; SiLU's gate gradient after the up
+            # projection's two GEMMs). A step that does not read it, where a step reads its values,
+            # would store them for readers past the products that would compute them in registers: it
+            # waits (a layer norm's statistics recomputed in the backward). Casts of weight gradients join.
         else:
             if passed or _extern_reads(step) & kernel.names():
                 return left + pending[i:]  # aten calls keep their order among the passed-over steps
             items.append(step)
     return left
+
+
+def _read_by_steps(steps: list[ir.Step]) -> set[str]:
+    """The buffers some ``Compute`` step reads, directly or through a view."""
+    read = {buf for step in steps if isinstance(step, ir.Compute) for buf in _reads_step(step)}
+    for step in reversed(steps):
+        if isinstance(step, ir.Alias) and step.name in read:
+            read.add(step.base)
+    return read
 
 
 def _reads_step(step: ir.Compute) -> set[str]:
