@@ -85,6 +85,7 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
                             "aten = torch.ops.aten", "", "", *wrapper.aten_call(eager_ops.fold(gm), "call"), ""])
         return CompiledGraph(source, facts, ctx.graph_hash, launches=aten_launches(gm), device="cpu", dynamic=dynamic)
     from cgtrees.codegen import (
+        float_gemms,
         gate_up_gemms,
         gemm_choice,
         grouped_attention,
@@ -106,6 +107,7 @@ def generate(gm: torch.fx.GraphModule, example_inputs: list, ctx: GraphContext) 
     gm = gate_up_gemms.rewritten(gm, gemms, ctx.kind)  # silu(x @ gate) * (x @ up) in one launch where faster
     gm = shared_input_gemms.rewritten(gm, gemms)  # few-row GEMMs of one input in one launch where faster
     gm = rmsnorm_gemms.rewritten(gm, gemms, ctx.kind)  # add + RMSNorm + the one-row GEMVs reading it, one launch
+    gm = float_gemms.rewritten(gm, gemms)  # a bf16 GEMM cast to float32 writes float32 itself where faster
     lowerer = GraphLowerer(gm, ctx.config, gemms)
     program = lowerer.run()  # aten nodes -> IR steps (fallbacks as aten calls)
     items = schedule(program)  # steps -> fused kernels, aten calls, views
