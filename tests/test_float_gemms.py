@@ -78,6 +78,7 @@ def test_casts_that_must_stay():
         "a second reader": lambda dy, x: (lambda p: (p.float(), p * 2))(torch.mm(x.t(), dy)),
         "a cast to float16": lambda dy, x: torch.mm(x.t(), dy).half(),
         "arithmetic before the cast": lambda dy, x: (torch.mm(x.t(), dy) * 2).float(),
+        "a cast a kernel reads": lambda dy, x: torch.mm(x.t(), dy).float() * 2,
         "a layout-changing cast": lambda dy, x: torch.mm(x.t(), dy).t().to(torch.float32,
                                                                           memory_format=torch.contiguous_format),
     }
