@@ -4,10 +4,13 @@ eager where the rewrite is forced (``gemm_decisions=rewrite``). The timing itsel
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 from codegen_helpers import INTERPRET, Compiler, TimedPlan, aten_call_targets, compile_fn, config, run, trace
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from cgtrees.codegen import patch_convs
 
@@ -36,13 +39,15 @@ def _close(got: torch.Tensor, want: torch.Tensor, terms: int) -> None:
 
 
 def _convolutions(module) -> int:
+    """Convolutions and their backwards that ``call`` runs."""
     return sum(t.startswith("aten.convolution") for t in aten_call_targets(module))
 
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_a_patch_embedding_trains_as_eager_with_its_convolution_a_gemm(bias):
-    """The forward runs no convolution (a GEMM over the patches instead); the backward's
-    weight gradient is cuDNN's as traced. Outputs and every gradient, the input's too, as eager's."""
+    """The forward runs no convolution (a GEMM over the patches instead), nor does the backward
+    (the input's and the weight's gradients are GEMMs over the same patches). Outputs and every
+    gradient, the input's too, as eager's."""
     model = PatchEmbed(bias=bias)
     x = torch.randn(2, 3, 16, 20)
     comp = Compiler(config(gemm_decisions="rewrite"))
@@ -55,8 +60,10 @@ def test_a_patch_embedding_trains_as_eager_with_its_convolution_a_gemm(bias):
     xe = x.clone().requires_grad_()
     ref = model(xe)
     (ref * ref).sum().backward()
-    forward = comp.modules[0]
+    forward, backward = comp.modules
     assert _convolutions(forward) == 0, aten_call_targets(forward)
+    assert _convolutions(backward) == 0 and aten_call_targets(backward).count("aten.mm.default") == 2, \
+        aten_call_targets(backward)
     assert {"aten.addmm.default", "aten.mm.default"} & set(aten_call_targets(forward))  # float32: the bias may
     # be added by the kernel that reads the product (``lower_addmm``)
     _close(out, ref, 48)
@@ -132,3 +139,66 @@ def test_bfloat16_inference_matches_eager():
     comp.check()
     assert _convolutions(comp.modules[0]) == 0
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_the_weight_gradient_under_autocast_is_a_gemm_as_close_as_eagers():
+    """A ViT's case: the image needs no gradient, so the backward computes the weight's only, from
+    bf16 patches. Against float64, as close as eager's bf16 is."""
+    model = PatchEmbed(patch=4, dim=32)
+    x = torch.randn(3, 3, 16, 24)
+    r = torch.randn(3, 24, 32)  # a loss whose gradient is not ~0 (a layer norm's squares sum to a constant)
+    comp = Compiler(config(gemm_decisions="rewrite"))
+    compiled = torch.compile(model, backend=comp.backend)
+    grads = []
+    for m in (compiled, model):
+        model.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            out = m(x)
+        (out.float() * r).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    model.zero_grad()
+    (model.double()(x.double()) * r.double()).sum().backward()
+    exact = [p.grad for p in model.parameters()]
+    backward = comp.modules[1]
+    assert _convolutions(backward) == 0 and aten_call_targets(backward).count("aten.mm.default") == 1, \
+        aten_call_targets(backward)
+    for ours, eager, want in zip(*grads, exact):  # bf16 values rounded in other places than eager's: one
+        err, eager_err = ((g.double() - want).abs().max().item() for g in (ours, eager))  # rounding more
+        assert err <= eager_err + 2 ** -8 * want.abs().max().item(), (err, eager_err)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_backward_reads_a_channels_last_gradient_as_rows_in_place(channels_last):
+    """Both gradients as aten's; the output gradient is copied to rows only where it is not
+    channels-last (the clones: the patches, the input gradient put back, and those rows)."""
+    g, x, w = torch.randn(2, 8, 4, 5), torch.randn(2, 3, 16, 20), torch.randn(8, 3, 4, 4)
+    if channels_last:
+        g = g.to(memory_format=torch.channels_last)
+
+    def grads(g, x, w):
+        return aten.convolution_backward(g, x, w, None, [4, 4], [0, 0], [1, 1], False, [0, 0], 1,
+                                         [True, True, False])[:2]
+
+    gm = trace(grads, g, x, w)
+    out = patch_convs.rewritten(gm, TimedPlan({"as traced": 2.0, "patches": 1.0}))
+    assert aten.convolution_backward.default not in [n.target for n in out.graph.nodes]
+    clones = [n for n in out.graph.nodes if n.target is aten.clone.default]
+    assert len(clones) == (2 if channels_last else 3), out.graph
+    for got, want in zip(out(g, x, w), grads(g, x, w)):
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _backward(g, x, w, mask):
+    out = aten.convolution_backward(g, x, w, [8], [4, 4], [0, 0], [1, 1], False, [0, 0], 1, mask)
+    return [t for t in out if t is not None]
+
+
+def test_a_backward_that_computes_the_bias_gradient_stays():
+    """``aot.decompositions`` takes a bias gradient out of ``convolution_backward`` as a sum; where one
+    is left in (``output_mask[2]``), the node is not rewritten."""
+    g, x, w = torch.randn(2, 8, 4, 5), torch.randn(2, 3, 16, 20), torch.randn(8, 3, 4, 4)
+    for mask, tiles in (([False, True, True], False), ([True, True, False], True), ([False, False, False], False)):
+        gm = make_fx(functools.partial(_backward, mask=mask), tracing_mode="fake")(g, x, w)  # no decompositions
+        (node,) = gm.graph.find_nodes(op="call_function", target=aten.convolution_backward.default)
+        assert patch_convs.tiles_its_input(node) == tiles, mask

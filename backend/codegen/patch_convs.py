@@ -16,6 +16,16 @@ and converts NCHW to NHWC around it: ViT-B/16 at 64 images, an H200, bf16, 0.43 
 cuBLAS runs in tens of microseconds. The copy that lays the patches out as rows is one of our
 pointwise kernels.
 
+Its backward (``convolution_backward`` without the bias gradient, which ``aot.decompositions`` takes
+out as a sum) is GEMMs over the same patches, with the output gradient as rows [N*Hp*Wp, O] (a view
+where the gradient is channels-last, else one copy)::
+
+    grad_w = view(mm(t(rows), a), [O, C, kh, kw])                 the patches laid out again
+    grad_x = view(clone(permute(view(mm(rows, w2), [N, Hp, Wp, C, kh, kw]), [0, 3, 1, 4, 2, 5])), [N, C, H, W])
+
+cuDNN converts the gradient from NCHW to NHWC and back around its weight-gradient kernel (ViT-B/16
+training at 32 images, an H200: about 0.17 ms a step, a247473).
+
 ``rewritten(gm, plan)`` times both forms on the device at compile time, as ``gemm_choice`` times a
 GEMM's: the convolution as traced, against the copy and the GEMM (in eager ops), and takes the GEMM
 where it is faster by more than ``gemm_choice.MARGIN``; ``gemm_decisions=rewrite`` always takes it,
@@ -28,6 +38,7 @@ is left as it is: the rewrite works on a copy.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -44,13 +55,14 @@ if TYPE_CHECKING:
 aten = torch.ops.aten
 
 TRACED, PATCHES = "as traced", "patches as one GEMM"
+BACKWARD = aten.convolution_backward.default
 
 
 def rewritten(gm: torch.fx.GraphModule, plan: "GemmPlan") -> torch.fx.GraphModule:
     """``gm``, or a copy of it where some patch convolution runs as a GEMM; each choice one note."""
-    choices = [_choose(node, plan) for node in gm.graph.find_nodes(op="call_function",
-                                                                   target=aten.convolution.default)
-               if tiles_its_input(node)]
+    nodes = [*gm.graph.find_nodes(op="call_function", target=aten.convolution.default),
+             *gm.graph.find_nodes(op="call_function", target=BACKWARD)]
+    choices = [_choose(node, plan) for node in nodes if tiles_its_input(node)]
     chosen = [c for c in choices if c.taken == PATCHES]
     out, why = _rewritten(gm, [c.node for c in chosen]) if chosen else (gm, "")
     for c in choices:
@@ -79,7 +91,8 @@ def _rewritten(gm: torch.fx.GraphModule, names: list[str]) -> tuple[torch.fx.Gra
         graph, copied = fx_copy.copied(gm)
         traced = traced_outputs(graph)
         for name in names:
-            _rewrite(graph, copied[name], contiguous)
+            node = copied[name]
+            _rewrite_backward(graph, node) if node.target is BACKWARD else _rewrite(graph, node, contiguous)
         out = torch.fx.GraphModule(gm, graph)
         try:
             settle(out, traced)
@@ -90,11 +103,19 @@ def _rewritten(gm: torch.fx.GraphModule, names: list[str]) -> tuple[torch.fx.Gra
 
 
 def tiles_its_input(node: torch.fx.Node) -> bool:
-    """Whether ``convolution`` ``node`` is 2-d, its stride its kernel's size, without padding,
-    dilation, transposition or groups, over static sizes that its kernel divides."""
-    if len(node.args) != 9 or node.kwargs:
+    """Whether ``convolution`` (or ``convolution_backward``) ``node`` is 2-d, its stride its kernel's
+    size, without padding, dilation, transposition or groups, over static sizes that its kernel
+    divides; a backward without its bias gradient (``decompositions`` takes that out as a sum)."""
+    if node.kwargs:
+        return False
+    if node.target is aten.convolution.default and len(node.args) == 9:
+        x, w, _bias, stride, padding, dilation, transposed, _out_pad, groups = node.args
+    elif node.target is BACKWARD and len(node.args) == 11 and _backward_outputs(node):
+        grad, x, w, _sizes, stride, padding, dilation, transposed, _out_pad, groups, _mask = node.args
+        if not isinstance(grad.meta.get("val"), torch.Tensor):
+            return False
+    else:
         return False  # not the positional form the aten graph gives
-    x, w, _bias, stride, padding, dilation, transposed, _out_pad, groups = node.args
     xv, wv = x.meta.get("val"), w.meta.get("val")
     if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or xv.dim() != 4 or transposed:
         return False
@@ -107,14 +128,27 @@ def tiles_its_input(node: torch.fx.Node) -> bool:
         xv.shape[3] % kernel[1] == 0 and wv.is_contiguous()
 
 
+def _backward_outputs(node: torch.fx.Node) -> bool:
+    """Whether ``convolution_backward`` ``node`` computes no bias gradient, and each of its readers
+    takes one of the gradients it computes (or is dead)."""
+    mask = node.args[10]
+    if not isinstance(mask, (list, tuple)) or len(mask) != 3 or mask[2] or not (mask[0] or mask[1]):
+        return False
+    return all(u.target is operator.getitem and (not u.users or u.args[1] in (0, 1) and mask[u.args[1]])
+               for u in node.users)
+
+
 # -------------------------------------------------------------------------------------------- choice
 def _choose(node: torch.fx.Node, plan: "GemmPlan") -> Choice:
     how, why = plan.other_choice()
     what = _describe(node)
     if how != "time":
         return Choice(node.name, what, PATCHES if how == "rewrite" else TRACED, (), why)
-    x, w, bias = (a.meta["val"] if isinstance(a, torch.fx.Node) else None for a in node.args[:3])
-    forms = {TRACED: _traced_form(node, x, w, bias, plan.device), PATCHES: _patch_form(x, w, bias, plan.device)}
+    if node.target is BACKWARD:
+        forms = {TRACED: _traced_backward(node, plan.device), PATCHES: _patch_backward(node, plan.device)}
+    else:
+        x, w, bias = (a.meta["val"] if isinstance(a, torch.fx.Node) else None for a in node.args[:3])
+        forms = {TRACED: _traced_form(node, x, w, bias, plan.device), PATCHES: _patch_form(x, w, bias, plan.device)}
     timings = plan.time_forms(forms)
     if timings is None:
         return Choice(node.name, what, TRACED, (), "too large to time")
@@ -123,6 +157,10 @@ def _choose(node: torch.fx.Node, plan: "GemmPlan") -> Choice:
 
 
 def _describe(node: torch.fx.Node) -> str:
+    if node.target is BACKWARD:
+        x, w = node.args[1].meta["val"], node.args[2].meta["val"]
+        grads = " and ".join(g for g, m in zip(("input", "weight"), node.args[10]) if m)
+        return f"convolution_backward ({grads}) {list(x.shape)} * {list(w.shape)} stride {list(node.args[4])} {x.dtype}"
     x, w = node.args[0].meta["val"], node.args[1].meta["val"]
     return f"convolution {list(x.shape)} * {list(w.shape)} stride {list(node.args[3])} {x.dtype}"
 
@@ -166,6 +204,55 @@ def _patch_form(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     return key, build, span_bytes(x, w, bias) * 2 + rows * (cols + o) * x.element_size()
 
 
+def _traced_backward(node: torch.fx.Node, device: torch.device
+                     ) -> tuple[str, Callable[[], Callable[[], None]], int]:
+    g, x, w = (a.meta["val"] for a in node.args[:3])
+    sizes, stride, mask = node.args[3], list(node.args[4]), list(node.args[10])
+    key = f"convolution_backward {_strides(g)} {_strides(x)} * {_strides(w)} {mask} {x.dtype} {device}"
+
+    def build() -> Callable[[], None]:
+        tg, tx, tw = (random_like(t, device) for t in (g, x, w))
+        return lambda: aten.convolution_backward(tg, tx, tw, sizes, stride, [0, 0], [1, 1], False, [0, 0], 1, mask)
+
+    return key, build, span_bytes(g, x, w) * 2
+
+
+def _patch_backward(node: torch.fx.Node, device: torch.device
+                    ) -> tuple[str, Callable[[], Callable[[], None]], int]:
+    """The gradients as GEMMs over the patches: ``grad_w = rows^T @ patches``, ``grad_x`` the patches of
+    ``rows @ w`` put back in place; ``rows`` the output gradient as [N*Hp*Wp, O] (a copy unless its
+    strides are channels-last)."""
+    g, x, w = (a.meta["val"] for a in node.args[:3])
+    mask = list(node.args[10])
+    n, c, h, wd = x.shape
+    o, _, kh, kw = w.shape
+    hp, wp = h // kh, wd // kw
+    rows_n, cols = n * hp * wp, c * kh * kw
+    key = f"patch gemm backward {_strides(g)} {_strides(x)} * {_strides(w)} {mask} {x.dtype} {device}"
+
+    def build() -> Callable[[], None]:
+        tg, tx, tw = (random_like(t, device) for t in (g, x, w))
+        laid = tg.permute(0, 2, 3, 1)
+        rows = laid.reshape(rows_n, o) if laid.is_contiguous() else torch.empty(rows_n, o, dtype=g.dtype, device=device)
+        patches = torch.empty(n, hp, wp, c, kh, kw, dtype=x.dtype, device=device)
+        gw = torch.empty(o, cols, dtype=x.dtype, device=device)
+        gx_rows = torch.empty(rows_n, cols, dtype=x.dtype, device=device)
+        gx = torch.empty(n, c, h, wd, dtype=x.dtype, device=device)
+
+        def run() -> None:
+            if not laid.is_contiguous():
+                rows.view(n, hp, wp, o).copy_(laid)
+            if mask[1]:
+                patches.copy_(tx.view(n, c, hp, kh, wp, kw).permute(0, 2, 4, 1, 3, 5))
+                torch.mm(rows.t(), patches.view(rows_n, cols), out=gw)
+            if mask[0]:
+                torch.mm(rows, tw.view(o, cols), out=gx_rows)
+                gx.view(n, c, hp, kh, wp, kw).copy_(gx_rows.view(n, hp, wp, c, kh, kw).permute(0, 3, 1, 4, 2, 5))
+        return run
+
+    return key, build, span_bytes(g, x, w) * 2 + rows_n * (cols * 2 + o) * x.element_size()
+
+
 def _strides(t: torch.Tensor) -> str:
     return f"{list(t.shape)}:{list(t.stride())}"
 
@@ -190,6 +277,42 @@ def _rewrite(graph: torch.fx.Graph, conv: torch.fx.Node, contiguous: bool) -> No
     y.meta.update({k: v for k, v in conv.meta.items() if k != "val"})  # the source line, for comments
     conv.replace_all_uses_with(result)
     graph.erase_node(conv)
+
+
+def _rewrite_backward(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    """``convolution_backward`` ``node`` as GEMMs over the patches (``_patch_backward``'s steps)."""
+    g, x, w = node.args[:3]
+    mask = node.args[10]
+    n, c, h, wd = (int(s) for s in x.meta["val"].shape)
+    o, _, kh, kw = (int(s) for s in w.meta["val"].shape)
+    hp, wp, cols = h // kh, wd // kw, c * kh * kw
+    grads: dict[int, torch.fx.Node] = {}
+    with graph.inserting_before(node):
+        laid = _call(graph, aten.permute.default, g, [0, 2, 3, 1])
+        if not g.meta["val"].permute(0, 2, 3, 1).is_contiguous():
+            laid = graph.call_function(aten.clone.default, (laid,), {"memory_format": torch.contiguous_format})
+        rows = _call(graph, aten.view.default, laid, [n * hp * wp, o])
+        if mask[1]:
+            split = _call(graph, aten.view.default, x, [n, c, hp, kh, wp, kw])
+            patches = graph.call_function(aten.clone.default, (_call(graph, aten.permute.default, split,
+                                                                     [0, 2, 4, 1, 3, 5]),),
+                                          {"memory_format": torch.contiguous_format})
+            a = _call(graph, aten.view.default, patches, [n * hp * wp, cols])
+            gw = _call(graph, aten.mm.default, _call(graph, aten.t.default, rows), a)
+            grads[1] = _call(graph, aten.view.default, gw, [o, c, kh, kw])
+        if mask[0]:
+            gx = _call(graph, aten.mm.default, rows, _call(graph, aten.view.default, w, [o, cols]))
+            back = _call(graph, aten.permute.default, _call(graph, aten.view.default, gx, [n, hp, wp, c, kh, kw]),
+                         [0, 3, 1, 4, 2, 5])
+            put = graph.call_function(aten.clone.default, (back,), {"memory_format": torch.contiguous_format})
+            grads[0] = _call(graph, aten.view.default, put, [n, c, h, wd])
+    for grad in grads.values():
+        grad.meta.update({k: v for k, v in node.meta.items() if k != "val"})  # the source line, for comments
+    for user in list(node.users):
+        if user.users:
+            user.replace_all_uses_with(grads[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(node)
 
 
 def _call(graph: torch.fx.Graph, target: object, *args: object) -> torch.fx.Node:

@@ -42,3 +42,38 @@ def test_vit_b16_patch_embedding_is_timed_and_close_to_float64(dtype):
     # float32: cuDNN may take TF32 (allow_tf32 defaults on for convolutions), cuBLAS does not
     assert ours <= 2 * theirs + 4 * eps * exact.abs().max().item(), (ours, theirs, line)
     assert got.stride() == eager.stride()
+
+
+def test_vit_b16_patch_embedding_trains_with_its_backward_timed_and_as_close_as_eagers(tmp_path):
+    """The weight gradient (the image needs none) under bf16 autocast, default options: the backward's
+    two forms are timed at compile time, and the float32 gradients are as close to float64's as
+    eager's are, whichever form was taken."""
+    import re
+
+    import cgtrees  # noqa: F401
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 768, 16, stride=16).cuda()
+    x = torch.randn(32, 3, 224, 224, device="cuda")
+    r = torch.randn(32, 196, 768, device="cuda")
+
+    def grads(fn, dtype=torch.float32):  # float32 weights under bf16 autocast; float64 without it
+        conv.zero_grad()
+        with torch.autocast("cuda", torch.bfloat16, enabled=dtype == torch.float32):
+            out = fn(x.to(dtype))
+        (out.flatten(2).transpose(1, 2).to(dtype) * r.to(dtype)).sum().backward()
+        return [p.grad.detach().clone() for p in conv.parameters()]
+
+    eager = grads(conv)
+    exact = grads(conv.double(), torch.float64)
+    conv.float()
+    torch._dynamo.reset()
+    ours = grads(torch.compile(conv, backend="cgtrees", options={"debug_dir": str(tmp_path)}))
+    (backward,) = [p for p in tmp_path.iterdir() if "_backward_" in p.name]
+    (line,) = re.findall(r"^#   \w+: convolution_backward .*$", backward.read_text(), re.M)
+    print(line)
+    assert " us" in line, line  # both forms were timed
+    for got, want, ref in zip(ours, eager, exact):
+        err, eager_err = ((t.double() - ref).abs().max().item() for t in (got, want))
+        assert err <= eager_err + 2 ** -8 * ref.abs().max().item(), (err, eager_err, line)
+        assert got.stride() == want.stride()
