@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from codegen_helpers import INTERPRET, Compiler, TimedPlan, aten_call_targets, compile_fn, config, run, trace
+from layout_helpers import train_against_eager
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from cgtrees.codegen import patch_convs
@@ -202,3 +203,30 @@ def test_a_backward_that_computes_the_bias_gradient_stays():
         gm = make_fx(functools.partial(_backward, mask=mask), tracing_mode="fake")(g, x, w)  # no decompositions
         (node,) = gm.graph.find_nodes(op="call_function", target=aten.convolution_backward.default)
         assert patch_convs.tiles_its_input(node) == tiles, mask
+
+
+def test_channels_last_weights_from_the_layout_pass_train_as_eager_with_no_convolution(tmp_path):
+    """The layout pass gives a convolution-heavy graph's weights channels-last strides; the patches'
+    columns then run (kh, kw, C), the weight's memory order, and neither module runs a convolution."""
+    options = {"interpret": True, "cache": False, "layout_opt": "force", "gemm_decisions": "rewrite",
+               "debug_dir": str(tmp_path)}
+    train_against_eager(PatchEmbed(), torch.randn(2, 3, 16, 20), options, steps=2, buffers_against_float64=False)
+    modules = [p.read_text() for p in tmp_path.glob("g*_*ward_*.py")]
+    assert len(modules) == 2 and all("aten.mm." in m or "aten.addmm." in m for m in modules), modules
+    assert not any("aten.convolution" in m for m in modules)
+
+
+@pytest.mark.parametrize("mask", [[True, True, False], [False, True, False]])
+def test_a_channels_last_weight_forward_and_backward_as_aten(mask):
+    """Values and strides as aten's convolution and convolution_backward, with a channels-last weight."""
+    x, w, b = torch.randn(2, 3, 16, 20), torch.randn(8, 3, 4, 4).to(memory_format=torch.channels_last), torch.randn(8)
+    g = torch.randn(2, 8, 4, 5)
+    plan = TimedPlan({"as traced": 2.0, "patches": 1.0})
+    conv = patch_convs.rewritten(trace(lambda x, w, b: F.conv2d(x, w, b, stride=4).sin(), x, w, b), plan)
+    assert aten.convolution.default not in [n.target for n in conv.graph.nodes]
+    torch.testing.assert_close(conv(x, w, b), F.conv2d(x, w, b, stride=4).sin(), rtol=1e-5, atol=1e-5)
+    backward = patch_convs.rewritten(trace(functools.partial(_backward, mask=mask), g, x, w), plan)
+    assert aten.convolution_backward.default not in [n.target for n in backward.graph.nodes]
+    for got, want in zip(backward(g, x, w), _backward(g, x, w, mask)):
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

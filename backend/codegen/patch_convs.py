@@ -38,6 +38,7 @@ is left as it is: the rewrite works on a copy.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -125,7 +126,7 @@ def tiles_its_input(node: torch.fx.Node) -> bool:
         return False
     kernel = tuple(wv.shape[2:])
     return tuple(stride) == kernel and kernel != (1, 1) and xv.shape[2] % kernel[0] == 0 and \
-        xv.shape[3] % kernel[1] == 0 and wv.is_contiguous()
+        xv.shape[3] % kernel[1] == 0 and (wv.is_contiguous() or wv.is_contiguous(memory_format=torch.channels_last))
 
 
 def _backward_outputs(node: torch.fx.Node) -> bool:
@@ -136,6 +137,26 @@ def _backward_outputs(node: torch.fx.Node) -> bool:
         return False
     return all(u.target is operator.getitem and (not u.users or u.args[1] in (0, 1) and mask[u.args[1]])
                for u in node.users)
+
+
+@dataclass(frozen=True)
+class Order:
+    """The patches' columns in the weight's memory order, so that the weight is an [O, C*kh*kw] matrix
+    without a copy: (C, kh, kw) for a contiguous weight, (kh, kw, C) for a channels-last one (the
+    layout pass gives a convolution-heavy graph's weights that layout)."""
+
+    patches: tuple[int, ...]  # x viewed as [N, C, Hp, kh, Wp, kw] -> [N, Hp, Wp, <the columns>]
+    weight: tuple[int, ...]  # w [O, C, kh, kw] -> [O, <the columns>], contiguous
+
+    @staticmethod
+    def of(w: torch.Tensor) -> "Order":
+        if w.is_contiguous():
+            return Order((0, 2, 4, 1, 3, 5), (0, 1, 2, 3))
+        return Order((0, 2, 4, 3, 5, 1), (0, 2, 3, 1))
+
+
+def _inverse(perm: tuple[int, ...]) -> list[int]:
+    return sorted(range(len(perm)), key=lambda i: perm[i])
 
 
 # -------------------------------------------------------------------------------------------- choice
@@ -182,16 +203,16 @@ def _patch_form(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                 device: torch.device) -> tuple[str, Callable[[], Callable[[], None]], int]:
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
-    rows, cols = n * (h // kh) * (wd // kw), c * kh * kw
+    rows, cols, order = n * (h // kh) * (wd // kw), c * kh * kw, Order.of(w)
     key = f"patch gemm {_strides(x)} * {_strides(w)} {x.dtype} {device}"
 
     def build() -> Callable[[], None]:
         tx, tw = random_like(x, device), random_like(w, device)
         tb = random_like(bias, device) if bias is not None else None
-        a = torch.empty(n, h // kh, wd // kw, c, kh, kw, dtype=x.dtype, device=device)
+        patches = tx.view(n, c, h // kh, kh, wd // kw, kw).permute(order.patches)
+        a = torch.empty(patches.shape, dtype=x.dtype, device=device)
         out = torch.empty(rows, o, dtype=x.dtype, device=device)
-        patches = tx.view(n, c, h // kh, kh, wd // kw, kw).permute(0, 2, 4, 1, 3, 5)
-        wt = tw.view(o, cols).t()
+        wt = tw.permute(order.weight).reshape(o, cols).t()
 
         def run() -> None:
             a.copy_(patches)
@@ -227,14 +248,16 @@ def _patch_backward(node: torch.fx.Node, device: torch.device
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     hp, wp = h // kh, wd // kw
-    rows_n, cols = n * hp * wp, c * kh * kw
+    rows_n, cols, order = n * hp * wp, c * kh * kw, Order.of(w)
     key = f"patch gemm backward {_strides(g)} {_strides(x)} * {_strides(w)} {mask} {x.dtype} {device}"
 
     def build() -> Callable[[], None]:
         tg, tx, tw = (random_like(t, device) for t in (g, x, w))
         laid = tg.permute(0, 2, 3, 1)
         rows = laid.reshape(rows_n, o) if laid.is_contiguous() else torch.empty(rows_n, o, dtype=g.dtype, device=device)
-        patches = torch.empty(n, hp, wp, c, kh, kw, dtype=x.dtype, device=device)
+        split = tx.view(n, c, hp, kh, wp, kw)
+        patches = torch.empty(split.permute(order.patches).shape, dtype=x.dtype, device=device)
+        wmat = tw.permute(order.weight).reshape(o, cols)
         gw = torch.empty(o, cols, dtype=x.dtype, device=device)
         gx_rows = torch.empty(rows_n, cols, dtype=x.dtype, device=device)
         gx = torch.empty(n, c, h, wd, dtype=x.dtype, device=device)
@@ -243,11 +266,11 @@ def _patch_backward(node: torch.fx.Node, device: torch.device
             if not laid.is_contiguous():
                 rows.view(n, hp, wp, o).copy_(laid)
             if mask[1]:
-                patches.copy_(tx.view(n, c, hp, kh, wp, kw).permute(0, 2, 4, 1, 3, 5))
+                patches.copy_(split.permute(order.patches))
                 torch.mm(rows.t(), patches.view(rows_n, cols), out=gw)
             if mask[0]:
-                torch.mm(rows, tw.view(o, cols), out=gx_rows)
-                gx.view(n, c, hp, kh, wp, kw).copy_(gx_rows.view(n, hp, wp, c, kh, kw).permute(0, 3, 1, 4, 2, 5))
+                torch.mm(rows, wmat, out=gx_rows)
+                gx.view(split.shape).copy_(gx_rows.view(patches.shape).permute(_inverse(order.patches)))
         return run
 
     return key, build, span_bytes(g, x, w) * 2 + rows_n * (cols * 2 + o) * x.element_size()
@@ -260,15 +283,12 @@ def _strides(t: torch.Tensor) -> str:
 # ------------------------------------------------------------------------------------------- rewrite
 def _rewrite(graph: torch.fx.Graph, conv: torch.fx.Node, contiguous: bool) -> None:
     x, w, bias = conv.args[:3]
-    n, c, h, wd = (int(s) for s in x.meta["val"].shape)
+    n, _, h, wd = (int(s) for s in x.meta["val"].shape)
     o, _, kh, kw = (int(s) for s in w.meta["val"].shape)
     hp, wp = h // kh, wd // kw
     with graph.inserting_before(conv):
-        split = _call(graph, aten.view.default, x, [n, c, hp, kh, wp, kw])
-        rows = _call(graph, aten.permute.default, split, [0, 2, 4, 1, 3, 5])
-        laid = graph.call_function(aten.clone.default, (rows,), {"memory_format": torch.contiguous_format})
-        a = _call(graph, aten.view.default, laid, [n * hp * wp, c * kh * kw])
-        wt = _call(graph, aten.t.default, _call(graph, aten.view.default, w, [o, c * kh * kw]))
+        a = _patch_rows(graph, x, w)
+        wt = _call(graph, aten.t.default, _weight_matrix(graph, w))
         y = graph.call_function(aten.addmm.default, (bias, a, wt)) if bias is not None else \
             _call(graph, aten.mm.default, a, wt)
         result = _call(graph, aten.permute.default, _call(graph, aten.view.default, y, [n, hp, wp, o]), [0, 3, 1, 2])
@@ -283,9 +303,10 @@ def _rewrite_backward(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     """``convolution_backward`` ``node`` as GEMMs over the patches (``_patch_backward``'s steps)."""
     g, x, w = node.args[:3]
     mask = node.args[10]
-    n, c, h, wd = (int(s) for s in x.meta["val"].shape)
-    o, _, kh, kw = (int(s) for s in w.meta["val"].shape)
-    hp, wp, cols = h // kh, wd // kw, c * kh * kw
+    xv, wv = x.meta["val"], w.meta["val"]
+    n, c, h, wd = (int(s) for s in xv.shape)
+    o, _, kh, kw = (int(s) for s in wv.shape)
+    hp, wp, order = h // kh, wd // kw, Order.of(wv)
     grads: dict[int, torch.fx.Node] = {}
     with graph.inserting_before(node):
         laid = _call(graph, aten.permute.default, g, [0, 2, 3, 1])
@@ -293,19 +314,20 @@ def _rewrite_backward(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
             laid = graph.call_function(aten.clone.default, (laid,), {"memory_format": torch.contiguous_format})
         rows = _call(graph, aten.view.default, laid, [n * hp * wp, o])
         if mask[1]:
-            split = _call(graph, aten.view.default, x, [n, c, hp, kh, wp, kw])
-            patches = graph.call_function(aten.clone.default, (_call(graph, aten.permute.default, split,
-                                                                     [0, 2, 4, 1, 3, 5]),),
-                                          {"memory_format": torch.contiguous_format})
-            a = _call(graph, aten.view.default, patches, [n * hp * wp, cols])
-            gw = _call(graph, aten.mm.default, _call(graph, aten.t.default, rows), a)
-            grads[1] = _call(graph, aten.view.default, gw, [o, c, kh, kw])
-        if mask[0]:
-            gx = _call(graph, aten.mm.default, rows, _call(graph, aten.view.default, w, [o, cols]))
-            back = _call(graph, aten.permute.default, _call(graph, aten.view.default, gx, [n, hp, wp, c, kh, kw]),
-                         [0, 3, 1, 4, 2, 5])
+            gw = _call(graph, aten.mm.default, _call(graph, aten.t.default, rows), _patch_rows(graph, x, w))
+            gw = _call(graph, aten.view.default, gw, [int(wv.shape[i]) for i in order.weight])
+            grads[1] = gw if order.weight == (0, 1, 2, 3) else \
+                _call(graph, aten.permute.default, gw, _inverse(order.weight))
+        if mask[0]:  # laid out as aten lays the input's gradient out: channels-last where the weight is
+            gx = _call(graph, aten.mm.default, rows, _weight_matrix(graph, w))
+            split = [n, c, hp, kh, wp, kw]
+            rows_back = _call(graph, aten.view.default, gx, [split[i] for i in order.patches])
+            last = _channels_last(node.meta["val"][0])
+            to = (0, 2, 3, 4, 5, 1) if last else (0, 1, 2, 3, 4, 5)  # of the split dims, in memory order
+            back = _call(graph, aten.permute.default, rows_back, [order.patches.index(d) for d in to])
             put = graph.call_function(aten.clone.default, (back,), {"memory_format": torch.contiguous_format})
-            grads[0] = _call(graph, aten.view.default, put, [n, c, h, wd])
+            grads[0] = _call(graph, aten.permute.default, _call(graph, aten.view.default, put, [n, h, wd, c]),
+                             [0, 3, 1, 2]) if last else _call(graph, aten.view.default, put, [n, c, h, wd])
     for grad in grads.values():
         grad.meta.update({k: v for k, v in node.meta.items() if k != "val"})  # the source line, for comments
     for user in list(node.users):
@@ -313,6 +335,29 @@ def _rewrite_backward(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
             user.replace_all_uses_with(grads[user.args[1]])
         graph.erase_node(user)
     graph.erase_node(node)
+
+
+def _channels_last(t: torch.Tensor) -> bool:
+    return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _patch_rows(graph: torch.fx.Graph, x: torch.fx.Node, w: torch.fx.Node) -> torch.fx.Node:
+    """The patches of ``x`` as rows [N*Hp*Wp, C*kh*kw], their columns in ``w``'s order: one copy."""
+    n, c, h, wd = (int(s) for s in x.meta["val"].shape)
+    _, _, kh, kw = (int(s) for s in w.meta["val"].shape)
+    split = _call(graph, aten.view.default, x, [n, c, h // kh, kh, wd // kw, kw])
+    rows = _call(graph, aten.permute.default, split, list(Order.of(w.meta["val"]).patches))
+    laid = graph.call_function(aten.clone.default, (rows,), {"memory_format": torch.contiguous_format})
+    return _call(graph, aten.view.default, laid, [n * (h // kh) * (wd // kw), c * kh * kw])
+
+
+def _weight_matrix(graph: torch.fx.Graph, w: torch.fx.Node) -> torch.fx.Node:
+    """``w`` as the [O, C*kh*kw] matrix of its memory order (a view)."""
+    wv = w.meta["val"]
+    order = Order.of(wv)
+    if order.weight != (0, 1, 2, 3):
+        w = _call(graph, aten.permute.default, w, list(order.weight))
+    return _call(graph, aten.view.default, w, [int(wv.shape[0]), math.prod(int(s) for s in wv.shape[1:])])
 
 
 def _call(graph: torch.fx.Graph, target: object, *args: object) -> torch.fx.Node:
