@@ -27,8 +27,11 @@ backward whose column sums (weight gradients) sit between the steps of a row com
 row kernel and one kernel per group of column sums, not a row kernel cut in two around them. Aten
 calls that do not read the open kernel's buffers run before it, so an aten call between two
 fusable steps does not split them; a matrix product that reads the kernel's result is passed over
-like a step that does not fit (it runs after the kernel, and later steps still join); once a step
-was passed over, aten calls keep their order.
+like a step that does not fit (it runs after the kernel), and so is every product after it, in
+order; later steps that read the kernel still join it (Llama's SiLU gradient past the up
+projection's two GEMMs), and a step that reads nothing of it joins only where no step reads its
+value (else its value would be stored for a reader that could have computed it in registers);
+once a step was passed over, other aten calls keep their order.
 Softmax, log_softmax, layer norm forward and backward each end up as one kernel.
 
 A pointwise step over the kernel's dimensions with adjacent ones merged (a view for a matrix
