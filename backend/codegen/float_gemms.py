@@ -10,7 +10,8 @@ through views::
 
 cuBLAS can write the product in float32 from its float32 accumulator (``aten.mm.dtype``): the cast
 is then not a kernel of its own that reads the bf16 result back and writes it again (Llama 1B's
-training step at 4 x 1024 tokens, an H200: 113 such casts, about 1.5 ms of its 60). The rewrite::
+training step at 4 x 1024 tokens, an H200: 113 weight gradients, their casts 81 kernels and 1.55 ms of
+a 60 ms step; the float32 products cost cuBLAS about 0.8 ms more). The rewrite::
 
     mm_8 = mm.dtype(permute_12, view_19, float32)
     permute_15 = permute(mm_8, [1, 0])                 the cast's readers read this
