@@ -30,7 +30,8 @@ fusable steps does not split them; a matrix product that reads the kernel's resu
 like a step that does not fit (it runs after the kernel), and so is every product after it, in
 order; later steps that read the kernel still join it (Llama's SiLU gradient past the up
 projection's two GEMMs), and a step that reads nothing of it joins only where no step reads its
-value (else its value would be stored for a reader that could have computed it in registers);
+value (else its value would be stored for a reader that could have computed it in registers) or
+where it is a value a row;
 once a step was passed over, other aten calls keep their order.
 Softmax, log_softmax, layer norm forward and backward each end up as one kernel.
 
@@ -377,13 +378,14 @@ def _fill(kernel: _Open, pending: list[ir.Step], items: list[Item], fusable: set
     ``fusable``: the values some step reads (which a later kernel could compute in registers)."""
     left: list[ir.Step] = []
     passed: set[str] = set()  # steps passed over: whatever reads them must wait too
-    after_product = False  # past a matrix product, a step that neither reads the kernel nor is stored anyway waits
+    after_product = False  # past a matrix product, a step that reads nothing of the kernel, is not a row's value
+    # and is read by a step (that might compute it in registers) waits
     for i, step in enumerate(pending):
         if isinstance(step, ir.Compute):
             if step.writes_input and passed:
                 return left + pending[i:]  # a passed-over step may read the input before this write
             reads = _reads_step(step)
-            joins = not after_product or reads & kernel.names() or step.name not in fusable
+            joins = not after_product or reads & kernel.names() or step.name not in fusable or _a_row(kernel, step)
             if not reads & passed and joins and kernel.try_add(step):
                 continue
             if step.writes_input:
@@ -410,6 +412,13 @@ def _fill(kernel: _Open, pending: list[ir.Step], items: list[Item], fusable: set
                 return left + pending[i:]  # aten calls keep their order among the passed-over steps
             items.append(step)
     return left
+
+
+def _a_row(kernel: _Open, step: ir.Compute) -> bool:
+    """Whether ``step`` is a pointwise step over the kernel's rows: one value a row to store, nothing
+    full-size to read for it (a padding mask's cast beside an embedding's layer norm)."""
+    role = kernel.role_of(step)
+    return role is not None and role[0] == "row"
 
 
 def _read_by_steps(steps: list[ir.Step]) -> set[str]:
