@@ -96,3 +96,16 @@ def test_nothing_is_rewritten_off_cuda():
     assert float_gemms.rewritten(gm, plan) is gm
     (line,) = [c for c in plan.lines() if "cast to float32" in c]
     assert "as traced" in line and "CUDA only" in line, line
+
+
+def test_a_float32_product_that_fails_to_run_keeps_the_cast():
+    """Where cuBLAS cannot run the float32 product for the operands (its timing raises), the graph
+    stays as traced and the note says why."""
+    class Failing(Plan):
+        def time_forms(self, forms, alone=False):
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED\nmore")
+
+    gm = trace(_weight_grad, torch.randn(37, 24, dtype=bf16), torch.randn(37, 40, dtype=bf16))
+    plan = Failing("time")
+    assert float_gemms.rewritten(gm, plan) is gm
+    assert plan.notes[0][2] == float_gemms.TRACED and "CUBLAS_STATUS_NOT_SUPPORTED" in plan.notes[0][4], plan.notes

@@ -124,7 +124,10 @@ def _choose(mm: torch.fx.Node, plan: "GemmPlan") -> tuple[str, tuple[tuple[str, 
     if how != "time":
         return (WIDE if how == "rewrite" else TRACED), (), why
     a, b = (x.meta["val"] for x in mm.args[:2])
-    timings = plan.time_forms({TRACED: _traced_form(a, b, plan.device), WIDE: _wide_form(a, b, plan.device)})
+    try:
+        timings = plan.time_forms({TRACED: _traced_form(a, b, plan.device), WIDE: _wide_form(a, b, plan.device)})
+    except RuntimeError as exc:  # a float32 product cuBLAS does not run for these operands: keep the cast
+        return TRACED, (), f"float32 product failed: {str(exc).splitlines()[0][:100]}"
     if timings is None:
         return TRACED, (), "too large to time"
     taken = WIDE if timings[WIDE] < timings[TRACED] * (1 - MARGIN) else TRACED
