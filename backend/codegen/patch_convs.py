@@ -26,6 +26,10 @@ where the gradient is channels-last, else one copy)::
 cuDNN converts the gradient from NCHW to NHWC and back around its weight-gradient kernel (ViT-B/16
 training at 32 images, an H200: about 0.17 ms a step, a247473).
 
+The patches' columns follow the weight's memory order (``Order``), so the weight is a matrix as it
+lies: (C, kh, kw) for a contiguous weight, (kh, kw, C) for a channels-last one (the layout pass gives
+a convolution-heavy graph's weights that layout; the input's gradient is then channels-last too).
+
 ``rewritten(gm, plan)`` times both forms on the device at compile time, as ``gemm_choice`` times a
 GEMM's: the convolution as traced, against the copy and the GEMM (in eager ops), and takes the GEMM
 where it is faster by more than ``gemm_choice.MARGIN``; ``gemm_decisions=rewrite`` always takes it,
