@@ -36,7 +36,7 @@ import torch
 import torch.fx
 
 from cgtrees.codegen import fx_copy
-from cgtrees.codegen.gemm_choice import MARGIN, random_like, span_bytes
+from cgtrees.codegen.gemm_choice import MARGIN, layout_text, random_like, span_bytes
 from cgtrees.codegen.gemm_padding import NotPadded, settle, traced_outputs
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ def _traced_form(a: torch.Tensor, b: torch.Tensor, device: torch.device
     """The product in ``a``'s dtype, then a copy of it to float32 (the cast keeps the layout: a
     copy in memory order)."""
     m, n = int(a.shape[0]), int(b.shape[1])
-    key = f"mm then cast {_strides(a)} x {_strides(b)} {a.dtype} {device}"
+    key = f"mm then cast {layout_text(a)} x {layout_text(b)} {a.dtype} {device}"
 
     def build() -> Callable[[], None]:
         ta, tb = random_like(a, device), random_like(b, device)
@@ -162,7 +162,7 @@ def _traced_form(a: torch.Tensor, b: torch.Tensor, device: torch.device
 def _wide_form(a: torch.Tensor, b: torch.Tensor, device: torch.device
                ) -> tuple[str, Callable[[], Callable[[], None]], int]:
     m, n = int(a.shape[0]), int(b.shape[1])
-    key = f"mm to float32 {_strides(a)} x {_strides(b)} {a.dtype} {device}"
+    key = f"mm to float32 {layout_text(a)} x {layout_text(b)} {a.dtype} {device}"
 
     def build() -> Callable[[], None]:
         ta, tb = random_like(a, device), random_like(b, device)
@@ -170,10 +170,6 @@ def _wide_form(a: torch.Tensor, b: torch.Tensor, device: torch.device
         return lambda: aten.mm.dtype_out(ta, tb, torch.float32, out=wide)
 
     return key, build, span_bytes(a, b) + m * n * 4
-
-
-def _strides(t: torch.Tensor) -> str:
-    return f"{list(t.shape)}:{list(t.stride())}"
 
 
 # ------------------------------------------------------------------------------------------- rewrite

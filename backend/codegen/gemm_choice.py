@@ -274,7 +274,8 @@ def _gemm_text(node: torch.fx.Node, a: torch.Tensor, b: torch.Tensor) -> str:
 
 
 # -------------------------------------------------------------------------------------------- forms
-def _describe(meta: torch.Tensor) -> str:
+def layout_text(meta: torch.Tensor) -> str:
+    """``[8192, 768]/[768, 1]``: a tensor's sizes and strides, for a timing key."""
     return f"{list(meta.shape)}/{list(meta.stride())}"
 
 
@@ -300,7 +301,7 @@ def span_bytes(*metas: torch.Tensor | None) -> int:
 def _gemm_form(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
                device: torch.device) -> tuple[str, Callable[[], Callable[[], None]], int]:
     """The traced form: ``out = bias + a @ b`` on the traced layouts."""
-    key = f"{'addmm' if bias is not None else 'mm'} {_describe(a)} x {_describe(b)} {a.dtype} {device}"
+    key = f"{'addmm' if bias is not None else 'mm'} {layout_text(a)} x {layout_text(b)} {a.dtype} {device}"
 
     def build() -> Callable[[], None]:
         ta, tb = random_like(a, device), random_like(b, device)
@@ -319,7 +320,7 @@ def _padded_form(bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, to
     their producer, for free), the product at the padded sizes, its slice copied out if ``leaves``."""
     m, k, n = to
     a_to, b_to = _padded_like(a, (m, k)), _padded_like(b, (k, n))
-    key = f"padded {'addmm' if bias is not None else 'mm'} {_describe(a)} x {_describe(b)} to {to} copies " \
+    key = f"padded {'addmm' if bias is not None else 'mm'} {layout_text(a)} x {layout_text(b)} to {to} copies " \
           f"{copies} out {leaves} {a.dtype} {device}"
 
     def build() -> Callable[[], None]:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.fx.operator_schemas import normalize_function
 
 from cgtrees.codegen import decode_attention, rope
-from cgtrees.codegen.gemm_choice import MARGIN, random_like, span_bytes
+from cgtrees.codegen.gemm_choice import MARGIN, layout_text, random_like, span_bytes
 
 if TYPE_CHECKING:
     from cgtrees.codegen.gemm_choice import GemmPlan
@@ -201,8 +201,9 @@ def _form(g: Grouped, device: torch.device, grouped: bool) -> tuple[str, Callabl
     """The traced form (K and V expanded into copies, then SDPA) or the grouped one, on the traced
     layouts; SDPA picks its backend at run time the way the traced call's backend was picked."""
     q, k, v, mask = _operands(g, boolean=grouped)
-    key = (f"sdpa {'gqa' if grouped else 'expanded'} q {_layout(q)} k {_layout(k)} v {_layout(v)} "
-           f"mask {_layout(mask) if mask is not None else None} x{g.groups} causal {g.is_causal} {q.dtype} {device}")
+    key = (f"sdpa {'gqa' if grouped else 'expanded'} q {layout_text(q)} k {layout_text(k)} v {layout_text(v)} "
+           f"mask {layout_text(mask) if mask is not None else None} x{g.groups} causal {g.is_causal} {q.dtype} "
+           f"{device}")
 
     def build() -> Callable[[], None]:
         tq, tk, tv, tmask = _random(device, q, k, v, mask)
@@ -240,9 +241,9 @@ def _decode_form(g: Grouped, device: torch.device, config: tuple[int, int, int])
     """Our kernel on the traced layouts, the boolean mask where the float one was made of it."""
     q, k, v, mask = _operands(g, boolean=True)
     cos, sin = (g.rope.cos.meta["val"], g.rope.sin.meta["val"]) if g.rope is not None else (None, None)
-    key = (f"decode_attention q {_layout(q)} k {_layout(k)} v {_layout(v)} "
-           f"mask {_layout(mask) if mask is not None else None} {mask.dtype if mask is not None else None} "
-           f"rope {_layout(cos) if cos is not None else None} {config} {q.dtype} {device}")
+    key = (f"decode_attention q {layout_text(q)} k {layout_text(k)} v {layout_text(v)} "
+           f"mask {layout_text(mask) if mask is not None else None} {mask.dtype if mask is not None else None} "
+           f"rope {layout_text(cos) if cos is not None else None} {config} {q.dtype} {device}")
 
     def build() -> Callable[[], None]:
         tq, tk, tv, tmask = _random(device, q, k, v, mask)
@@ -271,10 +272,6 @@ def _random(device: torch.device, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     if tmask is not None and tmask.dtype == torch.bool:
         tmask.fill_(True)
     return (*(random_like(x, device) for x in (q, k, v)), tmask)
-
-
-def _layout(t: torch.Tensor) -> str:
-    return f"{list(t.shape)}/{list(t.stride())}"
 
 
 # ------------------------------------------------------------------------------------------ rewriting

@@ -51,7 +51,7 @@ import torch
 import torch.fx
 
 from cgtrees.codegen import fx_copy
-from cgtrees.codegen.gemm_choice import MARGIN, random_like, span_bytes
+from cgtrees.codegen.gemm_choice import MARGIN, layout_text, random_like, span_bytes
 from cgtrees.codegen.gemm_padding import NotPadded, settle, traced_outputs
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ def _describe(node: torch.fx.Node) -> str:
 def _traced_form(node: torch.fx.Node, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                  device: torch.device) -> tuple[str, Callable[[], Callable[[], None]], int]:
     stride = list(node.args[3])
-    key = f"convolution {_strides(x)} * {_strides(w)} stride {stride} {x.dtype} {device}"
+    key = f"convolution {layout_text(x)} * {layout_text(w)} stride {stride} {x.dtype} {device}"
 
     def build() -> Callable[[], None]:
         tx, tw = random_like(x, device), random_like(w, device)
@@ -208,7 +208,7 @@ def _patch_form(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     n, c, h, wd = x.shape
     o, _, kh, kw = w.shape
     rows, cols, order = n * (h // kh) * (wd // kw), c * kh * kw, Order.of(w)
-    key = f"patch gemm {_strides(x)} * {_strides(w)} {x.dtype} {device}"
+    key = f"patch gemm {layout_text(x)} * {layout_text(w)} {x.dtype} {device}"
 
     def build() -> Callable[[], None]:
         tx, tw = random_like(x, device), random_like(w, device)
@@ -233,7 +233,7 @@ def _traced_backward(node: torch.fx.Node, device: torch.device
                      ) -> tuple[str, Callable[[], Callable[[], None]], int]:
     g, x, w = (a.meta["val"] for a in node.args[:3])
     sizes, stride, mask = node.args[3], list(node.args[4]), list(node.args[10])
-    key = f"convolution_backward {_strides(g)} {_strides(x)} * {_strides(w)} {mask} {x.dtype} {device}"
+    key = f"convolution_backward {layout_text(g)} {layout_text(x)} * {layout_text(w)} {mask} {x.dtype} {device}"
 
     def build() -> Callable[[], None]:
         tg, tx, tw = (random_like(t, device) for t in (g, x, w))
@@ -253,7 +253,7 @@ def _patch_backward(node: torch.fx.Node, device: torch.device
     o, _, kh, kw = w.shape
     hp, wp = h // kh, wd // kw
     rows_n, cols, order = n * hp * wp, c * kh * kw, Order.of(w)
-    key = f"patch gemm backward {_strides(g)} {_strides(x)} * {_strides(w)} {mask} {x.dtype} {device}"
+    key = f"patch gemm backward {layout_text(g)} {layout_text(x)} * {layout_text(w)} {mask} {x.dtype} {device}"
 
     def build() -> Callable[[], None]:
         tg, tx, tw = (random_like(t, device) for t in (g, x, w))
@@ -278,10 +278,6 @@ def _patch_backward(node: torch.fx.Node, device: torch.device
         return run
 
     return key, build, span_bytes(g, x, w) * 2 + rows_n * (cols * 2 + o) * x.element_size()
-
-
-def _strides(t: torch.Tensor) -> str:
-    return f"{list(t.shape)}:{list(t.stride())}"
 
 
 # ------------------------------------------------------------------------------------------- rewrite
