@@ -2,12 +2,15 @@
 
     python benchmarks/host_profile.py MODEL BACKEND [--steps 20] [--rows 22]
 
-Builds the workload as a benchmark worker does (own or real suite names), runs a few steps, then
+Builds the workload as a benchmark worker does (own, real or real-size suite names: a real-size
+model's step is ``size_worker``'s, autocast and its optimizer included), runs a few steps, then
 times ``--steps`` steps five times each way (the least counts): without synchronizing (the host's
 time to enqueue a step, as long as the GPU queue does not fill) and with a synchronize at the end
 (the wall time per step), and the time the garbage collector took in those steps. A step whose
 host time is above its device time is host-bound: the figure to cut is then ours in Python. Last, a
-cProfile of the same steps, by own time.
+cProfile of the same steps, by own time. A real-size step also prints its host time by phase
+(forward, backward, optimizer), each timed without synchronizing: where a phase's host time passes
+the GPU's work queued before it, the GPU waits.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import real_sizes  # noqa: E402
+import size_worker  # noqa: E402
 from measure import python_speed  # noqa: E402
 from worker import Kept, make_step  # noqa: E402
 
@@ -64,6 +69,47 @@ class GcTimer:
                          for g, (n, s) in enumerate(zip(self.count, self.seconds)))
 
 
+class Phases:
+    """A real-size training step split in its phases, each phase's host time summed (no synchronize)."""
+
+    def __init__(self, case: real_sizes.Case, fn, opt: torch.optim.Optimizer, mark: bool) -> None:
+        self.case, self.fn, self.opt, self.mark = case, fn, opt, mark
+        self.seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        self.steps = 0
+
+    def __call__(self) -> None:
+        t0 = time.perf_counter()
+        if self.mark:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.case.autocast):
+            value = self.case.forward(self.fn)
+        t1 = time.perf_counter()
+        value.backward()
+        del value
+        t2 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        for name, dt in zip(self.seconds, (t1 - t0, t2 - t1, t3 - t2)):
+            self.seconds[name] += dt
+        self.steps += 1
+
+    def report(self) -> str:
+        return ", ".join(f"{k} {v / max(self.steps, 1) * 1e3:.3f} ms" for k, v in self.seconds.items())
+
+
+def real_size_step(name: str, backend: str) -> Phases:
+    """``size_worker``'s step for a real-size training model, split in phases."""
+    case = real_sizes.build(name, torch.device("cuda"))
+    if not case.train:
+        raise SystemExit(f"{name} is an inference row: this probe times training steps")
+    mark = backend in size_worker.GRAPH_BACKENDS
+    if mark:
+        torch.compiler.cudagraph_mark_step_begin()
+    fn, _ = size_worker.compile_model(case.model, backend)
+    return Phases(case, fn, case.optimizer(list(case.model.parameters())), mark)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
@@ -71,8 +117,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--rows", type=int, default=22)
     args = p.parse_args()
-    spec = {"workload": args.model, "backend": args.backend, "mode": "train", "device": "cuda", "smoke": False}
-    step = make_step(spec, torch.device("cuda"), Kept())
+    if args.model in real_sizes.BUILDERS:
+        step = real_size_step(args.model, args.backend)
+    else:
+        spec = {"workload": args.model, "backend": args.backend, "mode": "train", "device": "cuda", "smoke": False}
+        step = make_step(spec, torch.device("cuda"), Kept())
     for _ in range(8):  # compile, record, warm up
         step()
     # the least of five: a host-bound step moves with whatever else the machine's CPU does
@@ -87,6 +136,11 @@ def main() -> None:
     print(f"python speed {python_speed():.0f} us per 100k-step loop; "
           f"{len(os.sched_getaffinity(0))} cores allowed; threads {threads}")
     print(f"garbage collections in the 5 x {args.steps} synchronized steps: {timer.report(5 * args.steps)}")
+    if isinstance(step, Phases):
+        step.seconds = dict.fromkeys(step.seconds, 0.0)
+        step.steps = 0
+        per_step(step, args.steps, sync=True)
+        print(f"host time by phase, synchronized steps: {step.report()}")
     prof = cProfile.Profile()
     prof.runcall(per_step, step, args.steps, True)
     text = io.StringIO()
