@@ -120,7 +120,9 @@ class GraphFunction:
                 if node.fits(args, live) is FIT_OK:
                     manager.after_replay(node)
                     counters.bump("cudagraph_replayed")
-                    return node.replay(args)
+                    outs = node.replay(args)
+                    manager.dropped = None  # what begin_call's sweep dropped, freed after the launch
+                    return outs
         return self._no_node_fits(args, manager, by_key, key, nodes)
 
     def _tree(self) -> tuple[TreeManager, dict[Any, list[GraphNode]]]:

@@ -54,6 +54,10 @@ class TreeManager(Pool):
         self.last_kind: GraphKind | None = None  # of the last call (a backward after a forward skips the sweep)
         self.closed = False
         self.invalidated = 0
+        # The entries the last sweep dropped, freed after the call's launch (``after_launch``), not
+        # before it: each entry's release is a microsecond or more of Python, and before the launch
+        # of a step's first graph the GPU waits for it
+        self.dropped: list[LiveOutput] | None = None
         self._warmup_pool: compat.WarmupPool | None = None
         self._warmup_pool_lock = threading.Lock()
 
@@ -89,12 +93,14 @@ class TreeManager(Pool):
         if live and not swept:
             alive = liveness.still_alive(live)
             if len(alive) != len(live):
+                self.dropped = live
                 live = self.live = alive
                 if not live:
                     self.generation += 1  # inference: every output of the last step died
         return live
 
     def end_generation(self, why: str) -> None:
+        self.dropped = self.live
         self.live, invalidated = liveness.end_generation(self.live, why)
         self.invalidated += invalidated
         self.generation += 1
@@ -163,6 +169,7 @@ class TreeManager(Pool):
     def close(self) -> None:
         """Invalidate what is live (copying out gradients), drop every graph (the pool goes with them)."""
         live, self.live = self.live, []
+        self.dropped = None
         liveness.release_all(live, "cgtrees reset()")
         self.release_warmup_pool()
         self.last_node = None

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cgtrees.aot import wrappers  # noqa: E402
 from cgtrees.runtime import function, manager, node  # noqa: E402
 from host_profile import real_size_step  # noqa: E402
 
@@ -62,17 +63,39 @@ def wrap_launches() -> None:
             obj.graph_replay = stamped
 
 
+def stamp_wrappers() -> None:
+    """Stamp the entry of our autograd wrapper (``training_function``'s ``run``, before
+    ``Function.apply``) and of the Function's forward (after it): built at the first compile."""
+    original = wrappers.training_function
+
+    def patched(forward, backward, plan, detach, aot_attributes=None):
+        def boxed_forward(args):
+            stamp("Function.forward >")
+            return forward(args)
+
+        run = original(boxed_forward, backward, plan, detach, aot_attributes)
+
+        def stamped_run(*args):
+            stamp("wrapper run >")
+            return run(*args)
+
+        return stamped_run
+
+    wrappers.training_function = patched
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out")
     a = p.parse_args()
+    stamp_wrappers()
     step = real_size_step(a.model, "cgtrees")
     for _ in range(8):
         step()
     wrap(function.GraphFunction, "__call__", lambda s: s.kind)
-    wrap(manager.TreeManager, "begin_call", lambda s: "manager")
+    wrap(manager.TreeManager, "begin_call", lambda s: f"manager (live {len(s.live)})")
     wrap(node.GraphNode, "fits", lambda s: s.kind)
     wrap(node.GraphNode, "replay", lambda s: s.kind)
     wrap_launches()
