@@ -448,3 +448,50 @@ def test_a_shape_whose_nodes_all_went_records_again_instead_of_failing(monkeypat
     assert fn._no_node_fits([], manager, by_key, None, by_key[None]) == "outs"
     assert recorded == [(None, [])] and recorded[0][1] is by_key[None]
     assert fn.record_reasons["a new shape"] == 1
+
+
+def test_the_entries_a_step_start_sweeps_are_released_after_the_launch(monkeypatch):
+    """At a step's first call the sweep drops every dead entry (a step's gradients, once the
+    optimizer cleared them): their release waits until the graph is launched, since before it the
+    GPU waits for the host. What stays live is what a backward produced and someone holds."""
+    import threading
+    import weakref
+
+    from cgtrees.runtime.function import GraphFunction
+    from cgtrees.runtime.liveness import LiveOutput, Origin
+    from cgtrees.runtime.node import FIT_OK
+
+    manager, counter = _manager_without_cuda(monkeypatch)
+    origin = Origin("g0_backward", "backward", None)
+    held = torch.empty(3)  # a gradient the user still holds
+    freed, free_weak_ref = [], torch.UntypedStorage._free_weak_ref
+    dead = []
+    for i in range(5):  # gradients set to None: their storages are gone
+        t = torch.empty(3)
+        entry = LiveOutput(t.untyped_storage(), (i, 12), origin, i, [weakref.ref(t)])
+        entry._free = lambda cdata, i=i: (freed.append(i), free_weak_ref(cdata))  # an entry's release
+        dead.append(entry)
+        del t, entry
+    kept = LiveOutput(held.untyped_storage(), (99, 12), origin, 5, [weakref.ref(held)])
+    manager.live = [*dead, kept]
+    del dead
+
+    at_launch = []
+
+    class Node:
+        def fits(self, args, live):
+            return FIT_OK
+
+        def replay(self, args):
+            at_launch.append(list(freed))
+            return "outs"
+
+    fn = GraphFunction.__new__(GraphFunction)
+    fn.disabled, fn.kind, fn.dynamic = None, "forward", False
+    fn._last = (threading.get_ident(), manager, {None: [Node()]})
+    monkeypatch.setattr(manager, "after_replay", lambda node: None)
+    counter[0] += 1  # the step's mark: its first call ends the generation
+    assert fn([]) == "outs"
+    assert manager.live == [kept]
+    assert at_launch == [[]]  # no dropped entry was released before the graph launched
+    assert manager.dropped is None and sorted(freed) == [0, 1, 2, 3, 4]  # each was, after it
