@@ -54,9 +54,9 @@ class TreeManager(Pool):
         self.last_kind: GraphKind | None = None  # of the last call (a backward after a forward skips the sweep)
         self.closed = False
         self.invalidated = 0
-        # The entries the last sweep dropped, freed after the call's launch (``after_launch``), not
-        # before it: each entry's release is a microsecond or more of Python, and before the launch
-        # of a step's first graph the GPU waits for it
+        # The entries the last sweep dropped, released once the call's graph is launched
+        # (``GraphFunction.__call__``), not before: each release is a microsecond or more of Python,
+        # and until a step's first launch the GPU waits for the host
         self.dropped: list[LiveOutput] | None = None
         self._warmup_pool: compat.WarmupPool | None = None
         self._warmup_pool_lock = threading.Lock()
