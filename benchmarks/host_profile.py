@@ -69,45 +69,27 @@ class GcTimer:
                          for g, (n, s) in enumerate(zip(self.count, self.seconds)))
 
 
-class Phases:
-    """A real-size training step split in its phases, each phase's host time summed (no synchronize)."""
+class StepPhases:
+    """A real-size row's step (``size_worker.row_step``), each phase's host time summed (no synchronize)."""
 
-    def __init__(self, case: real_sizes.Case, fn, opt: torch.optim.Optimizer, mark: bool) -> None:
-        self.case, self.fn, self.opt, self.mark = case, fn, opt, mark
+    def __init__(self, name: str, backend: str) -> None:
         self.seconds = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         self.steps = 0
+        self._last = 0.0
+        self._step = size_worker.row_step(name, backend, lap=self._lap)
+
+    def _lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] += now - self._last
+        self._last = now
 
     def __call__(self) -> None:
-        t0 = time.perf_counter()
-        if self.mark:
-            torch.compiler.cudagraph_mark_step_begin()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.case.autocast):
-            value = self.case.forward(self.fn)
-        t1 = time.perf_counter()
-        value.backward()
-        del value
-        t2 = time.perf_counter()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        for name, dt in zip(self.seconds, (t1 - t0, t2 - t1, t3 - t2)):
-            self.seconds[name] += dt
+        self._last = time.perf_counter()
+        self._step()
         self.steps += 1
 
     def report(self) -> str:
         return ", ".join(f"{k} {v / max(self.steps, 1) * 1e3:.3f} ms" for k, v in self.seconds.items())
-
-
-def real_size_step(name: str, backend: str) -> Phases:
-    """``size_worker``'s step for a real-size training model, split in phases."""
-    case = real_sizes.build(name, torch.device("cuda"))
-    if not case.train:
-        raise SystemExit(f"{name} is an inference row: this probe times training steps")
-    mark = backend in size_worker.GRAPH_BACKENDS
-    if mark:
-        torch.compiler.cudagraph_mark_step_begin()
-    fn, _ = size_worker.compile_model(case.model, backend)
-    return Phases(case, fn, case.optimizer(list(case.model.parameters())), mark)
 
 
 def main() -> None:
@@ -118,7 +100,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=22)
     args = p.parse_args()
     if args.model in real_sizes.BUILDERS:
-        step = real_size_step(args.model, args.backend)
+        step = StepPhases(args.model, args.backend)
     else:
         spec = {"workload": args.model, "backend": args.backend, "mode": "train", "device": "cuda", "smoke": False}
         step = make_step(spec, torch.device("cuda"), Kept())
@@ -136,7 +118,7 @@ def main() -> None:
     print(f"python speed {python_speed():.0f} us per 100k-step loop; "
           f"{len(os.sched_getaffinity(0))} cores allowed; threads {threads}")
     print(f"garbage collections in the 5 x {args.steps} synchronized steps: {timer.report(5 * args.steps)}")
-    if isinstance(step, Phases):
+    if isinstance(step, StepPhases):
         step.seconds = dict.fromkeys(step.seconds, 0.0)
         step.steps = 0
         per_step(step, args.steps, sync=True)

@@ -11,7 +11,6 @@ backends' kernels can be compared by what they compute.
 from __future__ import annotations
 
 import argparse
-from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -22,21 +21,12 @@ from measure import GENERATED_PREFIXES
 from worker import Kept, make_step
 
 
-def _size_step(model: str, backend: str) -> Callable[[], None]:
-    """A real-size row's step (``size_worker.measure_row``'s, without its reference)."""
-    case = real_sizes.build(model, torch.device("cuda"))
-    mark = backend in size_worker.GRAPH_BACKENDS
-    fn, _ = size_worker.compile_model(case.model, backend)
-    opt = case.optimizer(list(case.model.parameters())) if case.train else None
-    return size_worker.make_step(case, fn, opt, mark, size_worker.Values(), [])
-
-
 def kernels(model: str, backend: str, mode: str = "train", every: bool = False,
             steps: int = 10) -> list[tuple[float, int, str]]:
     """(us per step, launches per step, name) of each generated kernel (``every``: each kernel),
     the costliest first."""
     if model in real_sizes.MODELS:
-        step = _size_step(model, backend)
+        step = size_worker.row_step(model, backend)
     else:
         spec = {"workload": model, "backend": backend, "mode": mode, "device": "cuda", "smoke": False}
         step = make_step(spec, torch.device("cuda"), Kept())

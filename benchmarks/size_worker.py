@@ -105,9 +105,11 @@ def chosen_params(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]
 
 
 def make_step(case: real_sizes.Case, fn: Callable, opt: torch.optim.Optimizer | None, mark: bool,
-              keep: Values, chosen: list[tuple[str, torch.nn.Parameter]]) -> Callable[[], None]:
+              keep: Values, chosen: list[tuple[str, torch.nn.Parameter]],
+              lap: Callable[[str], None] = lambda phase: None) -> Callable[[], None]:
     """One step: forward (and loss) under autocast, backward, optimizer step, zero_grad; the first
-    step's value and gradients go to ``keep`` before its optimizer step. ``opt`` None: no update."""
+    step's value and gradients go to ``keep`` before its optimizer step. ``opt`` None: no update.
+    ``lap(phase)`` is called as each phase ends (``host_profile.Phases`` times them)."""
     device_type = next(case.model.parameters()).device.type
 
     def step() -> None:
@@ -116,15 +118,29 @@ def make_step(case: real_sizes.Case, fn: Callable, opt: torch.optim.Optimizer | 
         with torch.autocast(device_type, dtype=torch.bfloat16, enabled=case.autocast), \
                 torch.set_grad_enabled(case.train):
             value = case.forward(fn)
+        lap("forward")
         if case.train:
             value.backward()
         if keep.value is None:
             keep.take(value, chosen)
         del value
+        lap("backward")
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        lap("optimizer")
     return step
+
+
+def row_step(model: str, backend: str, lap: Callable[[str], None] = lambda phase: None) -> Callable[[], None]:
+    """A real-size row's step as ``measure_row`` runs it, without its reference (for the probes)."""
+    case = real_sizes.build(model, torch.device("cuda"))
+    mark = backend in GRAPH_BACKENDS
+    if mark:  # imports torch._inductor.cudagraph_trees (about a second) before the first step
+        torch.compiler.cudagraph_mark_step_begin()
+    fn, _ = compile_model(case.model, backend)
+    opt = case.optimizer(list(case.model.parameters())) if case.train else None
+    return make_step(case, fn, opt, mark, Values(), [], lap)
 
 
 def reference(case: real_sizes.Case, model: torch.nn.Module, chosen: list[tuple[str, torch.nn.Parameter]]) -> Values:

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from host_profile import real_size_step  # noqa: E402
+from host_profile import StepPhases  # noqa: E402
 
 MIN_GAP_US = 5.0
 
@@ -77,7 +77,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out", default=".")
     a = p.parse_args()
-    step = real_size_step(a.model, a.backend)
+    step = StepPhases(a.model, a.backend)
     for _ in range(8):
         step()
     torch.cuda.synchronize()

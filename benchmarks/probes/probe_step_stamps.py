@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cgtrees.aot import wrappers  # noqa: E402
 from cgtrees.runtime import function, manager, node  # noqa: E402
-from host_profile import real_size_step  # noqa: E402
+from host_profile import StepPhases  # noqa: E402
 
 STAMPS: list[tuple[str, float]] = []
 
@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--out")
     a = p.parse_args()
     stamp_wrappers()
-    step = real_size_step(a.model, "cgtrees")
+    step = StepPhases(a.model, "cgtrees")
     for _ in range(8):
         step()
     wrap(function.GraphFunction, "__call__", lambda s: s.kind)
